@@ -1,0 +1,19 @@
+# Two entry points on a fresh machine: `make run` and `make test` (both set up .venv first).
+PY := .venv/bin/python
+
+.PHONY: setup run test lint bench
+
+setup:
+	bash .ci/setup
+
+run: setup
+	.venv/bin/tandem generate --chat "What is paged attention in one paragraph?"
+
+lint:
+	.venv/bin/ruff check .
+
+test: setup lint
+	.venv/bin/pytest -q
+
+bench: setup
+	$(PY) -m loadtest.engine_bench

@@ -1,0 +1,169 @@
+"""Paged KV block allocation with hash-chained prefix caching.
+
+Blocks have reference counts. A full block gets a chained hash and enters the prefix cache; when
+its last reference goes it joins the free queue but stays hittable until the queue hands it out
+again (LRU eviction). Stored and evicted blocks are announced as KV events for the router.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from services.engine.block_hash import BlockHash, hash_block
+from services.engine.kv_events import BlockRemoved, BlockStored, KVEventPublisher
+from services.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventPublisher | None = None) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.events = events or KVEventPublisher()
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Unreferenced blocks, least recently freed first; cached ones stay in cached_blocks.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[BlockHash, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- admission ------------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq``, leaving >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            if i < len(seq.block_hashes):
+                parent = seq.block_hashes[i]
+            else:
+                tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+                parent = hash_block(parent, tokens, seq.extra_keys)
+                seq.block_hashes.append(parent)
+            block_id = self.cached_blocks.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        needed = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
+        return needed <= self.num_free_blocks - revived
+
+    def admit(self, seq: Sequence, cached: list[int]) -> None:
+        """Give ``seq`` the cached prefix blocks; the caller allocates the rest."""
+        for block_id in cached:
+            self._ref(block_id)
+        seq.block_ids = list(cached)
+        seq.num_registered_blocks = len(cached)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
+        self.stats.queries += seq.num_tokens
+        self.stats.hits += seq.num_cached_tokens
+
+    # -- growth and release ---------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Ensure blocks for ``num_computed_tokens + num_new_tokens``; False if out of blocks."""
+        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_ids.append(self._pop_free())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks go to the free queue first so a chain's prefix outlives its suffix.
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash and publish the blocks of ``seq`` that became full with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        start = len(seq.block_hashes)
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(start, num_full):
+            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            parent = hash_block(parent, tokens, seq.extra_keys)
+            seq.block_hashes.append(parent)
+        stored: list[BlockHash] = []
+        first_parent: BlockHash | None = None
+        for i in range(seq.num_registered_blocks, num_full):
+            block = self.blocks[seq.block_ids[i]]
+            block_hash = seq.block_hashes[i]
+            if block_hash in self.cached_blocks:
+                continue  # another block holds the same content; keep that one
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block.block_id
+            if not stored:
+                first_parent = seq.block_hashes[i - 1] if i else None
+            stored.append(block_hash)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+        if stored:
+            self.events.publish(BlockStored(tuple(stored), first_parent, self.block_size))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached block (used blocks keep their hash)."""
+        removed = []
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                removed.append(block.block_hash)
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+        if removed:
+            self.events.publish(BlockRemoved(tuple(removed)))
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict
+            del self.cached_blocks[block.block_hash]
+            self.events.publish(BlockRemoved((block.block_hash,)))
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id

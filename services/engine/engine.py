@@ -1,0 +1,199 @@
+"""The engine: requests in, tokens out, one scheduler step at a time. No Ray, no HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention import get_attention_backend
+from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from services.engine.kv_events import KVEventPublisher
+from services.engine.model import LlamaModel
+from services.engine.model_loader import LoadedModel, load_model
+from services.engine.model_runner import ModelRunner
+from services.engine.sampler import Sampler, token_logprobs
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
+
+
+class RequestError(ValueError):
+    """The request is invalid; nothing about the engine changed."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry later."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        loaded = loaded or load_model(config.model, config.dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.kv_spec = KVCacheSpec.for_model(loaded.config, config.block_size, config.dtype,
+                                             config.num_kv_blocks, config.kv_cache_memory_gb)
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings,
+                                 self.kv_spec.num_blocks * config.block_size)
+        self.kv_cache = allocate_kv_cache(self.kv_spec, config.device)
+        self.kv_events = KVEventPublisher()
+        self.block_manager = BlockManager(self.kv_spec.num_blocks, config.block_size,
+                                          config.enable_prefix_caching, self.kv_events)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        model = LlamaModel(loaded.config, loaded.weights,
+                           get_attention_backend(config.attention_backend),
+                           max_positions=self.max_model_len, device=config.device)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device)
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int],
+                    params: SamplingParams | None = None, cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise RequestError("prompt is empty: send at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt)} tokens, but the context length is "
+                f"{self.max_model_len} (prompt + at least 1 generated token)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloadedError(
+                f"{len(self.scheduler.waiting)} requests are already waiting; retry later"
+            )
+        extra_keys = (self.model_config.model_id, cache_salt) if cache_salt else (
+            self.model_config.model_id,)
+        seq = Sequence(request_id, prompt, len(prompt), params, extra_keys)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.ABORT
+        self.sampler.forget(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
+        if not plan.scheduled:
+            return []
+        result = self.runner.execute(plan.scheduled)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+        if not result.sampled:
+            return []
+        ids = [s.request_id for s in result.sampled]
+        tokens = self.sampler.sample(result.logits, ids, [s.sampling for s in result.sampled])
+        outputs = []
+        for row, (seq, token) in enumerate(zip(result.sampled, tokens, strict=True)):
+            new_logprobs = []
+            if seq.sampling.logprobs is not None:
+                new_logprobs.append(token_logprobs(result.logits[row], token,
+                                                   seq.sampling.logprobs))
+                seq.logprobs.extend(new_logprobs)
+            seq.token_ids.append(token)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                self._finish(seq)
+            outputs.append(RequestOutput(
+                request_id=seq.request_id, new_token_ids=[token], new_logprobs=new_logprobs,
+                finished=seq.is_finished, finish_reason=seq.finish_reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
+                num_cached_tokens=seq.num_cached_tokens,
+            ))
+        return outputs
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[list[int]]:
+        """Run prompts to completion (offline use and tests); returns generated token ids."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{id(prompts)}-{i}" for i in range(len(prompts))]
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+            self.add_request(request_id, prompt, p)
+        while any(r in self.requests for r in ids):
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]
+
+    @property
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
+            kv_cache_usage=bm.usage, prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits, num_preemptions=self.num_preemptions,
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.sampling
+        if not p.ignore_eos and token in self.model_config.eos_token_ids or token in (
+                p.stop_token_ids):
+            seq.finish_reason = FinishReason.STOP
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        self.sampler.forget(seq.request_id)
+        assert seq.status is SequenceStatus.FINISHED

@@ -1,0 +1,120 @@
+"""Llama-family decoder in plain PyTorch over a paged KV cache.
+
+Covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
+(q/k norm). Numerics follow Hugging Face's implementation (RMSNorm in float32, rotate-half RoPE)
+so greedy output matches transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention import AttentionBackend, AttentionMetadata
+from services.engine.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float()
+                                            / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind == "llama3":
+        inv_freq = _llama3_scale(inv_freq, scaling)
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind is not None:
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, object]) -> torch.Tensor:
+    factor = float(scaling["factor"])  # type: ignore[arg-type]
+    low = float(scaling.get("low_freq_factor", 1.0))  # type: ignore[arg-type]
+    high = float(scaling.get("high_freq_factor", 4.0))  # type: ignore[arg-type]
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))  # type: ignore[arg-type]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 attention: AttentionBackend, max_positions: int, device: str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.attention = attention
+        w = {name: t.to(device) for name, t in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            attn_bias = None
+            if config.attention_bias:
+                attn_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            self.layers.append({
+                "input_norm": w[p + "input_layernorm.weight"],
+                "post_norm": w[p + "post_attention_layernorm.weight"],
+                "qkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                "qkv_bias": attn_bias,
+                "o": w[p + "self_attn.o_proj.weight"],
+                "q_norm": w.get(p + "self_attn.q_norm.weight"),
+                "k_norm": w.get(p + "self_attn.k_norm.weight"),
+                "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+                "down": w[p + "mlp.down_proj.weight"],
+            })
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                            rope_inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.embed.dtype
+        self.cos = emb.cos().to(dtype).to(device)
+        self.sin = emb.sin().to(dtype).to(device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run the step's flat token batch; return float32 logits for ``logits_indices`` rows."""
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer["input_norm"], c.rms_norm_eps)  # type: ignore[arg-type]
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # type: ignore[arg-type]
+            q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
+            if layer["q_norm"] is not None:
+                q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
+                k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)  # type: ignore[arg-type]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            attn = self.attention.forward(index, q, k, v, kv_cache, meta)
+            x = x + F.linear(attn, layer["o"])  # type: ignore[arg-type]
+            h = rms_norm(x, layer["post_norm"], c.rms_norm_eps)  # type: ignore[arg-type]
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)  # type: ignore[arg-type]
+            x = x + F.linear(F.silu(gate) * up, layer["down"])  # type: ignore[arg-type]
+        h = rms_norm(x[logits_indices], self.norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

