@@ -46,7 +46,7 @@ class Comparison:
 
 
 def compare(got: list[int], ref: Reference, label: str = "") -> Comparison:
-    """Tokens must equal the reference, except that a flip at a reference near-tie ends the check."""
+    """Tokens must equal the reference; a flip at a reference near-tie ends the check."""
     assert len(got) == len(ref.tokens), f"{label}: {len(got)} tokens, expected {len(ref.tokens)}"
     for i, (a, b) in enumerate(zip(got, ref.tokens, strict=True)):
         if a != b:

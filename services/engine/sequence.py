@@ -16,7 +16,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # an EOS or stop token
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
