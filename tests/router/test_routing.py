@@ -280,13 +280,16 @@ def test_router_with_other_settings_refuses_to_start(cluster: Cluster) -> None:
 def test_lapsed_heartbeat_gets_no_new_requests(cluster: Cluster) -> None:
     router = cluster.router()
     live = cluster.worker("p-live")
-    short_lived = RedisRegistry(cluster.client, ttl_s=0.3, clock=cluster.clock)
+    short_lived = RedisRegistry(cluster.client, ttl_s=1.0, clock=cluster.clock)
     lapsing = start_worker(short_lived, cluster.bus, "p-lapsing")
     prompt = blocks(32, seed=11)
     lapsing.cache(prompt)
     live.cache(blocks(4, seed=12))
+    assert lapsing.heartbeat()  # fresh 1 s TTL, started just before the router looks
     router.sync()
-    assert router.route(prompt).prefill_worker == "p-lapsing"
+    first = router.route(prompt)
+    assert first.prefill_worker == "p-lapsing"
+    router.release(first.request_id)
 
     def lapsed() -> bool:  # Redis expires the record; the router notices on its next sync
         router.sync()
@@ -299,7 +302,8 @@ def test_lapsed_heartbeat_gets_no_new_requests(cluster: Cluster) -> None:
 
     assert lapsing.heartbeat()  # it comes back, its cache still indexed
     router.sync()
-    assert router.route(prompt).prefill_worker == "p-lapsing"
+    assert "p-lapsing" in router.workers()
+    assert router.cached_prefix(prompt)["p-lapsing"] == 32
 
 
 def test_in_process_cluster_with_driven_clock() -> None:

@@ -1,0 +1,38 @@
+"""Router settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.block_hash import HashSettings
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    settings: HashSettings
+    # Prefill cost = miss_weight * uncached prompt blocks + load_weight * pending prefill blocks.
+    # With both at 1 the cost is the blocks a worker must compute before this prompt is done.
+    miss_weight: float = 1.0
+    load_weight: float = 1.0
+    # Prompts shorter than this many tokens skip prefill (decode computes them); 0 disables.
+    short_prompt_tokens: int = 0
+    # A prompt whose full blocks are all cached on a decode worker goes straight to it.
+    skip_prefill_when_cached_on_decode: bool = True
+    # Decode score = kv_weight * KV usage (0..1) + running_weight * running sequences.
+    decode_kv_weight: float = 1.0
+    decode_running_weight: float = 0.01
+    provisional_ttl_s: float = 2.0
+    # Leading blocks that key the rendezvous fallback (and break cost ties).
+    fallback_prefix_blocks: int = 4
+    inflight_max_age_s: float = 30.0
+    # A lapsed worker's index entries are dropped after this long without a heartbeat.
+    forget_lapsed_after_s: float = 60.0
+    # Seeds the decode power-of-two sampling.
+    seed: int = 0
+    memo_blocks: int = 1 << 17
+
+    def __post_init__(self) -> None:
+        if self.miss_weight < 0 or self.load_weight < 0:
+            raise ValueError("weights must be >= 0")
+        if self.fallback_prefix_blocks < 1:
+            raise ValueError("fallback_prefix_blocks must be >= 1")

@@ -1,0 +1,25 @@
+"""KV events from workers to routers: the bus interfaces, both buses and the worker forwarder.
+
+- ``InProcessEventBus``: single-process runs and simulations.
+- ``RedisStreamEventBus``: a cluster; one Redis Stream, one consumer group per router replica.
+- ``attach_worker(publisher, bus, worker_id)``: subscribes a ``WorkerEventForwarder`` to a
+  worker's ``KVEventPublisher``.
+"""
+
+from router.bus import EventBus, EventSubscription
+from router.forwarder import WorkerEventForwarder, attach_worker
+from router.inprocess_bus import InProcessEventBus
+from router.redis_bus import RedisStreamEventBus
+from router.wire import WorkerEvent, decode_event, encode_event
+
+__all__ = [
+    "EventBus",
+    "EventSubscription",
+    "InProcessEventBus",
+    "RedisStreamEventBus",
+    "WorkerEvent",
+    "WorkerEventForwarder",
+    "attach_worker",
+    "decode_event",
+    "encode_event",
+]

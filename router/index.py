@@ -1,0 +1,201 @@
+"""Prefix index: block hash -> workers holding it, from KV events plus provisional entries.
+
+Workers are bits of an int mask, so the per-block work of a lookup is one dict probe and one AND,
+and the big dicts hold no containers (they cost the garbage collector nothing). Not thread-safe
+on its own; the router serialises access.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from services.engine.block_hash import BlockHash
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+log = logging.getLogger(__name__)
+
+
+class PrefixIndex:
+    """Confirmed entries come from workers' events; provisional ones from the router's own
+    decisions and expire after ``provisional_ttl_s`` (so a burst sharing a prefix stays together
+    before the chosen worker's events arrive)."""
+
+    def __init__(self, block_size: int, provisional_ttl_s: float = 2.0) -> None:
+        self.block_size = block_size
+        self.provisional_ttl_s = provisional_ttl_s
+        self._bit_of: dict[str, int] = {}
+        self._worker_of: dict[int, str] = {}
+        self._free_bits: list[int] = []
+        self._confirmed: dict[BlockHash, int] = {}  # hash -> mask of workers
+        self._by_worker: dict[str, dict[BlockHash, None]] = {}
+        # hash -> (mask, expiry). One expiry per hash, the latest of its entries: a worker's
+        # entry may outlive its own TTL by at most one TTL when another worker refreshes it.
+        self._provisional: dict[BlockHash, tuple[int, float]] = {}
+        self._expiries: deque[tuple[float, tuple[BlockHash, ...]]] = deque()
+        self._warned_block_sizes: set[tuple[str, int]] = set()
+
+    # -- feeding ---------------------------------------------------------------------------
+
+    def apply(self, worker_id: str, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            if event.block_size != self.block_size:
+                if (worker_id, event.block_size) not in self._warned_block_sizes:
+                    self._warned_block_sizes.add((worker_id, event.block_size))
+                    log.warning("ignoring events of worker %s: block size %d, router uses %d",
+                                worker_id, event.block_size, self.block_size)
+                return
+            bit = self._bit(worker_id)
+            held = self._by_worker.setdefault(worker_id, {})
+            confirmed = self._confirmed
+            for block_hash in event.block_hashes:
+                confirmed[block_hash] = confirmed.get(block_hash, 0) | bit
+                held[block_hash] = None
+        elif isinstance(event, BlockRemoved):
+            bit = self._bit_of.get(worker_id)
+            if bit is None:
+                return
+            held = self._by_worker.get(worker_id, {})
+            for block_hash in event.block_hashes:
+                held.pop(block_hash, None)
+                self._unset(block_hash, bit)
+        elif isinstance(event, AllBlocksCleared):
+            # Provisional entries stay: they stand for requests just sent, not yet computed.
+            self._clear_confirmed(worker_id)
+
+    def add_provisional(self, worker_id: str, hashes: Sequence[BlockHash], now: float) -> None:
+        if not hashes or self.provisional_ttl_s <= 0:
+            return
+        bit = self._bit(worker_id)
+        expiry = now + self.provisional_ttl_s
+        provisional = self._provisional
+        for block_hash in hashes:
+            entry = provisional.get(block_hash)
+            provisional[block_hash] = (entry[0] | bit if entry else bit, expiry)
+        self._expiries.append((expiry, tuple(hashes)))
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget everything about a worker, provisional entries included."""
+        self._clear_confirmed(worker_id)
+        bit = self._bit_of.pop(worker_id, None)
+        if bit is None:
+            return
+        for block_hash in [h for h, (mask, _) in self._provisional.items() if mask & bit]:
+            self._unset_provisional(block_hash, bit)
+        del self._worker_of[bit]
+        self._free_bits.append(bit)
+        self._by_worker.pop(worker_id, None)
+
+    def clear(self) -> None:
+        self._bit_of.clear()
+        self._worker_of.clear()
+        self._free_bits.clear()
+        self._confirmed.clear()
+        self._by_worker.clear()
+        self._provisional.clear()
+        self._expiries.clear()
+
+    def expire(self, now: float) -> None:
+        """Drop provisional entries whose TTL has passed (lookups ignore them anyway)."""
+        provisional = self._provisional
+        while self._expiries and self._expiries[0][0] <= now:
+            _, hashes = self._expiries.popleft()
+            for block_hash in hashes:
+                entry = provisional.get(block_hash)
+                if entry is not None and entry[1] <= now:
+                    del provisional[block_hash]
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def confirmed_blocks(self) -> int:
+        """Distinct block hashes some worker has confirmed holding."""
+        return len(self._confirmed)
+
+    def workers(self) -> set[str]:
+        return {w for w, held in self._by_worker.items() if held}
+
+    def blocks_of(self, worker_id: str) -> int:
+        return len(self._by_worker.get(worker_id, ()))
+
+    def prefix_lengths(
+        self, hashes: Sequence[BlockHash], candidates: Iterable[str], now: float
+    ) -> dict[str, int]:
+        """For each candidate, how many leading blocks of ``hashes`` it holds (confirmed or
+        provisional). Engines reuse a prefix only up to the first missing block."""
+        lengths: dict[str, int] = {}
+        alive = 0
+        for worker_id in candidates:
+            lengths[worker_id] = 0
+            bit = self._bit_of.get(worker_id)
+            if bit is not None:
+                alive |= bit
+        if not alive:
+            return lengths
+        confirmed, provisional = self._confirmed, self._provisional
+        depth = 0
+        for depth, block_hash in enumerate(hashes):  # noqa: B007 - depth is read after the loop
+            held = confirmed.get(block_hash, 0)
+            entry = provisional.get(block_hash)
+            if entry is not None and entry[1] > now:
+                held |= entry[0]
+            survivors = alive & held
+            if survivors != alive:
+                self._assign(lengths, alive & ~survivors, depth)
+                alive = survivors
+                if not alive:
+                    return lengths
+        else:
+            depth = len(hashes)
+        self._assign(lengths, alive, depth)
+        return lengths
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _assign(self, lengths: dict[str, int], mask: int, depth: int) -> None:
+        while mask:
+            low = mask & -mask
+            lengths[self._worker_of[low]] = depth
+            mask ^= low
+
+    def _bit(self, worker_id: str) -> int:
+        bit = self._bit_of.get(worker_id)
+        if bit is None:
+            bit = self._free_bits.pop() if self._free_bits else 1 << len(self._bit_of)
+            self._bit_of[worker_id] = bit
+            self._worker_of[bit] = worker_id
+        return bit
+
+    def _clear_confirmed(self, worker_id: str) -> None:
+        bit = self._bit_of.get(worker_id)
+        held = self._by_worker.get(worker_id)
+        if bit is None or not held:
+            return
+        confirmed = self._confirmed
+        for block_hash in held:
+            mask = confirmed.get(block_hash, 0) & ~bit
+            if mask:
+                confirmed[block_hash] = mask
+            else:
+                confirmed.pop(block_hash, None)
+        held.clear()
+
+    def _unset(self, block_hash: BlockHash, bit: int) -> None:
+        mask = self._confirmed.get(block_hash)
+        if mask is not None:
+            mask &= ~bit
+            if mask:
+                self._confirmed[block_hash] = mask
+            else:
+                del self._confirmed[block_hash]
+        self._unset_provisional(block_hash, bit)
+
+    def _unset_provisional(self, block_hash: BlockHash, bit: int) -> None:
+        entry = self._provisional.get(block_hash)
+        if entry is not None:
+            mask = entry[0] & ~bit
+            if mask:
+                self._provisional[block_hash] = (mask, entry[1])
+            else:
+                del self._provisional[block_hash]

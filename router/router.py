@@ -1,0 +1,443 @@
+"""The router: picks a prefill and a decode worker for each prompt.
+
+``route`` only reads in-memory state, so it never waits on Redis and never fails because Redis
+is down. ``sync`` (called by a background thread, or explicitly) pulls KV events into the index
+and refreshes the worker snapshot; when Redis is unreachable it keeps the last snapshot, routes
+by rendezvous hashing, and on reconnect rebuilds the index from the stream plus fresh worker
+snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router import decision as d
+from router.bus import EventBus, EventSubscription
+from router.config import RouterConfig
+from router.decision import RoutingDecision
+from router.errors import (
+    BusReset,
+    BusUnavailable,
+    NoHealthyWorkers,
+    RegistryUnavailable,
+    SettingsMismatch,
+)
+from router.hashing import PromptHasher
+from router.index import PrefixIndex
+from router.inflight import InFlight
+from router.registry import Clock, WorkerRecord, WorkerRegistry, settings_mismatch
+from router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
+from router.scoring import decode_score, lowest, power_of_two, prefill_cost
+from services.engine.block_hash import BlockHash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    replica_id: str
+    bus_connected: bool
+    registry_connected: bool
+    rebuilding: bool
+    index_blocks: int
+    indexed_workers: frozenset[str]
+    workers: frozenset[str]
+    refused: dict[str, str] = field(default_factory=dict)
+    rebuilds: int = 0
+    events_applied: int = 0
+    decisions: int = 0
+    fallback_decisions: int = 0
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        bus: EventBus | None = None,
+        *,
+        replica_id: str | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.bus = bus
+        self.replica_id = replica_id or default_replica_id()
+        self._clock = clock
+        self.hasher = PromptHasher(config.settings, config.memo_blocks)
+        self._index = PrefixIndex(config.settings.block_size, config.provisional_ttl_s)
+        self._inflight = InFlight(config.inflight_max_age_s)
+        self._rng = random.Random(config.seed)
+        self._lock = threading.RLock()
+
+        self._subscription: EventSubscription | None = (
+            bus.subscribe(self.replica_id) if bus is not None else None
+        )
+        self._needs_open = True
+        self._bus_ok = False
+        self._rebuilding = bus is not None
+        self._registry_ok = False
+        self._settings_published = False
+        self._workers: dict[str, WorkerRecord] = {}
+        self._lapsed_since: dict[str, float] = {}
+        self._forgotten: set[str] = set()
+        self._refused: dict[str, str] = {}
+        self._rebuilds = 0
+        self._events_applied = 0
+        self._decisions = 0
+        self._fallbacks = 0
+
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._publish_settings(starting=True)
+
+    # -- syncing with the cluster ------------------------------------------------------------
+
+    def sync(self, block_s: float = 0.0, max_events: int = 100_000, registry: bool = True) -> None:
+        """Pull pending KV events into the index and (if ``registry``) refresh the worker list.
+
+        Never raises for an unreachable Redis: it records the outage, and the next call retries.
+        """
+        if self.bus is not None:
+            self._sync_events(block_s, max_events)
+        if registry:
+            self._sync_registry()
+        now = self._clock()
+        with self._lock:
+            self._index.expire(now)
+            self._inflight.expire(now)
+
+    def _sync_events(self, block_s: float, max_events: int) -> None:
+        assert self.bus is not None and self._subscription is not None
+        batch = min(max_events, 5000)
+        try:
+            if self._needs_open:
+                self._subscription.open()
+                with self._lock:
+                    self._index.clear()
+                    self._rebuilding = True
+                    self._rebuilds += 1
+                self._needs_open = False
+                # Events published while we were away may be gone (or Redis restarted empty):
+                # every worker republishes its whole cache.
+                self.bus.request_snapshots()
+            read = 0
+            while read < max_events:
+                events = self._subscription.read(batch, block_s if read == 0 else 0.0)
+                with self._lock:
+                    for item in events:
+                        self._index.apply(item.worker_id, item.event)
+                    self._events_applied += len(events)
+                read += len(events)
+                if len(events) < batch:
+                    with self._lock:
+                        self._rebuilding = False
+                    break
+            if not self._bus_ok:
+                log.info("router %s: event bus connected, index has %d blocks",
+                         self.replica_id, self._index.confirmed_blocks)
+            self._bus_ok = True
+        except (BusUnavailable, BusReset) as exc:
+            if self._bus_ok:
+                log.warning("router %s: event bus lost (%s); routing by rendezvous hashing",
+                            self.replica_id, exc)
+            self._bus_ok = False
+            self._needs_open = True
+
+    def _sync_registry(self) -> None:
+        try:
+            if not self._settings_published:
+                self._publish_settings()
+            records = self.registry.workers()
+        except RegistryUnavailable as exc:
+            if self._registry_ok:
+                log.warning("router %s: registry lost (%s); keeping the last %d workers",
+                            self.replica_id, exc, len(self._workers))
+            self._registry_ok = False
+            self._settings_published = False  # Redis may come back empty
+            return
+        self._registry_ok = True
+        now = self._clock()
+        with self._lock:
+            self._apply_records(records, now)
+
+    def _publish_settings(self, starting: bool = False) -> None:
+        """Record the cluster's hash settings. A router whose settings differ from those already
+        recorded refuses to start; a running one (Redis came back with other settings) logs."""
+        try:
+            self.registry.publish_settings(self.config.settings)
+        except RegistryUnavailable:
+            self._settings_published = False
+            return
+        except SettingsMismatch as exc:
+            if starting:
+                raise
+            log.error("router %s: %s; workers with those settings will be refused",
+                      self.replica_id, exc)
+        self._settings_published = True
+
+    def _apply_records(self, records: list[WorkerRecord], now: float) -> None:
+        live: dict[str, WorkerRecord] = {}
+        for record in records:
+            worker_id = record.worker_id
+            reason = settings_mismatch(record.info, self.config.settings)
+            if reason is None and record.info.role not in ("prefill", "decode"):
+                reason = f"unknown role {record.info.role!r}"
+            if reason is not None:
+                if self._refused.get(worker_id) != reason:
+                    log.error("router %s: refusing worker %s: %s", self.replica_id, worker_id,
+                              reason)
+                self._refused[worker_id] = reason
+                continue
+            self._refused.pop(worker_id, None)
+            previous = self._workers.get(worker_id)
+            if previous is None or previous.heartbeat_seq != record.heartbeat_seq:
+                self._inflight.reported(worker_id, record.updated_at)
+            live[worker_id] = record
+            self._lapsed_since.pop(worker_id, None)
+            if worker_id in self._forgotten:
+                self._forgotten.discard(worker_id)
+                self._request_snapshots()
+        for worker_id in self._workers.keys() - live.keys():
+            log.warning("router %s: worker %s lapsed; routing around it", self.replica_id,
+                        worker_id)
+            self._lapsed_since[worker_id] = now
+        for worker_id, since in list(self._lapsed_since.items()):
+            if now - since >= self.config.forget_lapsed_after_s:
+                del self._lapsed_since[worker_id]
+                self._index.remove_worker(worker_id)
+                self._inflight.forget_worker(worker_id)
+                self._forgotten.add(worker_id)
+        self._workers = live
+
+    def _request_snapshots(self) -> None:
+        if self.bus is None:
+            return
+        try:
+            self.bus.request_snapshots()
+        except BusUnavailable:
+            self._needs_open = True  # the reopen requests them anyway
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def route(
+        self,
+        token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> RoutingDecision:
+        """Choose workers for a tokenized prompt. Raises NoHealthyWorkers only when no worker
+        of either role is known."""
+        hashes = self.hasher.hashes(token_ids, cache_salt)
+        key = rendezvous_key(
+            hashes, self.config.fallback_prefix_blocks, token_ids,
+            self.config.settings.extra_keys(cache_salt),
+        )
+        return self.route_hashes(hashes, len(token_ids), fallback_key=key, request_id=request_id)
+
+    def route_hashes(
+        self,
+        hashes: Sequence[BlockHash],
+        num_tokens: int,
+        *,
+        fallback_key: bytes | None = None,
+        request_id: str | None = None,
+    ) -> RoutingDecision:
+        """``route`` for a caller that already has the prompt's block hashes."""
+        if fallback_key is None:
+            fallback_key = rendezvous_key(hashes, self.config.fallback_prefix_blocks,
+                                          (num_tokens,))
+        with self._lock:
+            return self._decide(hashes, num_tokens, fallback_key,
+                                request_id or uuid.uuid4().hex)
+
+    def release(self, request_id: str) -> None:
+        """The request's prefill is done (or it failed): stop counting it as pending load."""
+        with self._lock:
+            self._inflight.release(request_id)
+
+    def _decide(
+        self, hashes: Sequence[BlockHash], num_tokens: int, key: bytes, request_id: str
+    ) -> RoutingDecision:
+        now = self._clock()
+        cfg = self.config
+        prefill = sorted(w for w, r in self._workers.items() if r.info.role == "prefill")
+        decode = sorted(w for w, r in self._workers.items() if r.info.role == "decode")
+        if not prefill and not decode:
+            raise NoHealthyWorkers("no live prefill or decode worker is registered")
+        prompt_blocks = -(-num_tokens // cfg.settings.block_size)
+        unusable = self._index_problem()
+        lengths = (
+            {} if unusable else self._index.prefix_lengths(hashes, prefill + decode, now)
+        )
+        decode_scores = {w: self._decode_load(w) for w in decode}
+        self._decisions += 1
+
+        skip_detail = None
+        decode_choice: str | None = None
+        if decode and not prefill:
+            skip_detail = d.NO_PREFILL_WORKERS
+        elif decode and num_tokens < cfg.short_prompt_tokens:
+            skip_detail = d.SHORT_PROMPT
+        elif decode and lengths and hashes and cfg.skip_prefill_when_cached_on_decode:
+            holders = {w: decode_scores[w] for w in decode if lengths[w] == len(hashes)}
+            if holders:
+                skip_detail = d.CACHED_ON_DECODE
+                decode_choice = lowest(holders, key)
+        if skip_detail is not None:
+            if decode_choice is None:
+                decode_choice = power_of_two(decode_scores, self._rng)
+            cached = lengths.get(decode_choice, 0)
+            self._inflight.add(request_id, decode_choice, prompt_blocks, now)
+            return self._decision(request_id, None, decode_choice, d.SKIP_PREFILL, skip_detail,
+                                  num_tokens, prompt_blocks, cached, {}, decode_scores)
+
+        if unusable is not None:
+            self._fallbacks += 1
+            weights = {w: rendezvous_weight(key, w) for w in prefill}
+            chosen = rendezvous_choose(key, prefill)
+            reason, detail, cached = d.FALLBACK, unusable, 0
+            scores: dict[str, float] = weights
+        else:
+            scores = {
+                w: prefill_cost(prompt_blocks, lengths[w], self._pending(w), cfg.miss_weight,
+                                cfg.load_weight)
+                for w in prefill
+            }
+            chosen = lowest(scores, key)
+            cached = lengths[chosen]
+            longest = max(lengths[w] for w in prefill)
+            reason = d.PREFIX if cached > 0 and cached == longest else d.LOAD
+            detail = ""
+            # All of them, not only the uncached tail: a prefix that is only provisionally held
+            # (its worker still queueing the first request) stays put while traffic keeps coming.
+            self._index.add_provisional(chosen, hashes, now)
+        self._inflight.add(request_id, chosen, prompt_blocks - cached, now)
+        decode_choice = power_of_two(decode_scores, self._rng) if decode else None
+        if decode_choice is not None:
+            self._inflight.add(request_id, decode_choice, prompt_blocks, now)
+        return self._decision(request_id, chosen, decode_choice, reason, detail, num_tokens,
+                              prompt_blocks, cached, scores, decode_scores)
+
+    def _index_problem(self) -> str | None:
+        """Why the index cannot be trusted right now, or None if it can."""
+        if self.bus is None or not self._bus_ok:
+            return d.BUS_UNAVAILABLE
+        if self._rebuilding:
+            return d.INDEX_REBUILDING
+        if self._index.confirmed_blocks == 0:
+            return d.INDEX_EMPTY
+        return None
+
+    def _pending(self, worker_id: str) -> float:
+        reported = self._workers[worker_id].load.pending_prefill_blocks
+        return reported + self._inflight.blocks(worker_id)
+
+    def _decode_load(self, worker_id: str) -> float:
+        record = self._workers[worker_id]
+        capacity = max(record.info.capacity_blocks, 1)
+        kv = record.load.kv_usage + self._inflight.blocks(worker_id) / capacity
+        running = record.load.running_sequences + self._inflight.count(worker_id)
+        return decode_score(kv, running, self.config.decode_kv_weight,
+                            self.config.decode_running_weight)
+
+    def _decision(
+        self, request_id: str, prefill: str | None, decode: str | None, reason: str, detail: str,
+        num_tokens: int, prompt_blocks: int, cached: int, prefill_scores: dict[str, float],
+        decode_scores: dict[str, float],
+    ) -> RoutingDecision:
+        return RoutingDecision(
+            request_id=request_id,
+            prefill_worker=prefill,
+            decode_worker=decode,
+            reason=reason,
+            detail=detail,
+            prompt_tokens=num_tokens,
+            prompt_blocks=prompt_blocks,
+            cached_blocks=cached,
+            prefill_address=self._workers[prefill].info.address if prefill else None,
+            decode_address=self._workers[decode].info.address if decode else None,
+            prefill_scores=prefill_scores,
+            decode_scores=decode_scores,
+        )
+
+    # -- introspection and lifecycle ---------------------------------------------------------
+
+    def workers(self) -> dict[str, WorkerRecord]:
+        """The live, accepted workers of the last registry snapshot."""
+        with self._lock:
+            return dict(self._workers)
+
+    def cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None
+                      ) -> dict[str, int]:
+        """Leading blocks of the prompt that each live worker holds, per the index."""
+        hashes = self.hasher.hashes(token_ids, cache_salt)
+        with self._lock:
+            return self._index.prefix_lengths(hashes, self._workers, self._clock())
+
+    def status(self) -> RouterStatus:
+        with self._lock:
+            return RouterStatus(
+                replica_id=self.replica_id,
+                bus_connected=self._bus_ok,
+                registry_connected=self._registry_ok,
+                rebuilding=self._rebuilding,
+                index_blocks=self._index.confirmed_blocks,
+                indexed_workers=frozenset(self._index.workers()),
+                workers=frozenset(self._workers),
+                refused=dict(self._refused),
+                rebuilds=self._rebuilds,
+                events_applied=self._events_applied,
+                decisions=self._decisions,
+                fallback_decisions=self._fallbacks,
+            )
+
+    def start(self, poll_s: float = 0.05, registry_every_s: float = 0.25,
+              retry_s: float = 0.5) -> None:
+        """Sync in a background thread: events continuously, the registry every
+        ``registry_every_s``; after a failure, retry every ``retry_s``."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+
+        def loop() -> None:
+            last_registry = float("-inf")
+            while not self._stop.is_set():
+                now = time.monotonic()
+                due = now - last_registry >= registry_every_s
+                if due:
+                    last_registry = now
+                try:
+                    self.sync(block_s=poll_s if self._bus_ok else 0.0, registry=due)
+                except Exception:  # keep routing on a bug in one sync round
+                    log.exception("router %s: sync failed", self.replica_id)
+                if not (self._bus_ok or self.bus is None) or not self._registry_ok:
+                    self._stop.wait(retry_s)
+                elif self.bus is None:
+                    self._stop.wait(poll_s)
+
+        self._thread = threading.Thread(target=loop, name=f"router-sync-{self.replica_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background thread and drop this replica's consumer group."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._subscription is not None:
+            self._subscription.close()

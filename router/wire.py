@@ -1,0 +1,64 @@
+"""KV events on the wire: a worker id plus one engine event, encoded as JSON with hex hashes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+WIRE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    """One engine KV event, tagged with the worker that emitted it."""
+
+    worker_id: str
+    event: KVEvent
+
+
+def encode_event(worker_id: str, event: KVEvent) -> bytes:
+    body: dict[str, object] = {"v": WIRE_VERSION, "w": worker_id}
+    if isinstance(event, BlockStored):
+        body["k"] = "stored"
+        body["h"] = [h.hex() for h in event.block_hashes]
+        body["p"] = event.parent_hash.hex() if event.parent_hash is not None else None
+        body["bs"] = event.block_size
+    elif isinstance(event, BlockRemoved):
+        body["k"] = "removed"
+        body["h"] = [h.hex() for h in event.block_hashes]
+    elif isinstance(event, AllBlocksCleared):
+        body["k"] = "cleared"
+    else:
+        raise TypeError(f"not a KV event: {type(event).__name__}")
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_event(raw: bytes | str) -> WorkerEvent:
+    """Inverse of ``encode_event``; raises ValueError on anything malformed."""
+    try:
+        body = json.loads(raw)
+        if body.get("v") != WIRE_VERSION:
+            raise ValueError(f"unsupported wire version {body.get('v')!r}")
+        worker_id = body["w"]
+        kind = body["k"]
+        if not isinstance(worker_id, str):
+            raise ValueError("worker id must be a string")
+        event: KVEvent
+        if kind == "stored":
+            parent = body["p"]
+            event = BlockStored(
+                block_hashes=tuple(bytes.fromhex(h) for h in body["h"]),
+                parent_hash=bytes.fromhex(parent) if parent is not None else None,
+                block_size=int(body["bs"]),
+            )
+        elif kind == "removed":
+            event = BlockRemoved(block_hashes=tuple(bytes.fromhex(h) for h in body["h"]))
+        elif kind == "cleared":
+            event = AllBlocksCleared()
+        else:
+            raise ValueError(f"unknown event kind {kind!r}")
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"malformed KV event: {exc}") from exc
+    return WorkerEvent(worker_id, event)
