@@ -48,36 +48,41 @@ class TorchAttention:
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        layer_cache = kv_cache[:, layer]  # [blocks, 2, block_size, Hkv, D] (a view)
-        layer_cache[meta.slot_blocks, 0, meta.slot_offsets] = k
-        layer_cache[meta.slot_blocks, 1, meta.slot_offsets] = v
+        key_cache = kv_cache[:, layer, 0]  # [blocks, block_size, Hkv, D] (views)
+        value_cache = kv_cache[:, layer, 1]
+        key_cache[meta.slot_blocks, meta.slot_offsets] = k
+        value_cache[meta.slot_blocks, meta.slot_offsets] = v
 
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
             assert meta.decode_block_tables is not None and meta.decode_mask is not None
-            kv = layer_cache[meta.decode_block_tables]  # [n, max_blocks, 2, bs, Hkv, D]
-            keys = kv[:, :, 0].reshape(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-            values = kv[:, :, 1].reshape(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+            # Gathering k and v separately leaves each contiguous: the reshape and transpose
+            # below are views, and SDPA reads the strided layout without another copy.
+            table = meta.decode_block_tables.flatten()
+            # index_select, not advanced indexing: ~25x faster on this strided view on CPU.
+            keys = key_cache.index_select(0, table).view(n, -1, num_kv_heads, head_dim)
+            values = value_cache.index_select(0, table).view(n, -1, num_kv_heads, head_dim)
             # Fold each KV group's query heads into the query-length dim: one matmul per group.
             group_q = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            attn = F.scaled_dot_product_attention(group_q, keys, values,
+            attn = F.scaled_dot_product_attention(group_q, keys.transpose(1, 2),
+                                                  values.transpose(1, 2),
                                                   attn_mask=meta.decode_mask)
             out[:n] = attn.reshape(n, num_heads, head_dim)
 
         for span in meta.prefills:
             q_span = q[span.start:span.end].transpose(0, 1)  # [Hq, len, D]
             if span.mask is None:
-                keys = k[span.start:span.end].transpose(0, 1)
-                values = v[span.start:span.end].transpose(0, 1)
+                keys = k[span.start:span.end]
+                values = v[span.start:span.end]
             else:
-                kv = layer_cache[span.block_ids]  # [nb, 2, bs, Hkv, D]
-                keys = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:span.context_len]
-                values = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:span.context_len]
-                keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+                keys = key_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)
+                values = value_cache.index_select(0, span.block_ids).view(-1, num_kv_heads,
+                                                                          head_dim)
+                keys, values = keys[:span.context_len], values[:span.context_len]
             attn = F.scaled_dot_product_attention(
-                q_span, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
-                enable_gqa=num_heads != num_kv_heads,
+                q_span, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=span.mask,
+                is_causal=span.mask is None, enable_gqa=num_heads != num_kv_heads,
             )
             out[span.start:span.end] = attn.transpose(0, 1)
         return out.view(num_tokens, num_heads * head_dim)

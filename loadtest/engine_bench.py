@@ -1,0 +1,168 @@
+"""Offline engine benchmark: Tandem's engine against transformers' batched generate, same run.
+
+    python -m loadtest.engine_bench [--dtypes float32 bfloat16] [--num-requests 64] ...
+
+Reports output tokens/s for both and their ratio, decode step time at batch 1 and 32 against the
+model forward alone (engine overhead), and prefill tokens/s for a 1,000-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.model_loader import LoadedModel, load_model
+from services.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_len: int
+
+
+def make_workload(num_requests: int, input_len: int, output_len: int, vocab: int,
+                  seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(input_len * 9 // 10,
+                                                                       input_len * 11 // 10))]
+               for _ in range(num_requests)]
+    return Workload(prompts, output_len)
+
+
+def bench_engine(loaded: LoadedModel, dtype: str, work: Workload, max_batch: int) -> float:
+    engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_batch,
+                                    max_num_batched_tokens=512, num_kv_blocks=2048,
+                                    enable_prefix_caching=False), loaded)
+    params = SamplingParams(max_tokens=work.output_len, temperature=0.0, ignore_eos=True)
+    engine.generate(work.prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    start = time.perf_counter()
+    outputs = engine.generate(work.prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o) == work.output_len for o in outputs)
+    return sum(len(o) for o in outputs) / elapsed
+
+
+def bench_transformers(loaded: LoadedModel, dtype: str, work: Workload, max_batch: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(loaded.source.parent), gguf_file=loaded.source.name,
+        dtype=torch.float32).to(getattr(torch, dtype)).eval()
+    pad = loaded.config.eos_token_ids[0]
+
+    def run(prompts: list[list[int]], new_tokens: int) -> int:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - width) * len(prompts)
+
+    run(work.prompts[:2], 4)  # warm-up
+    start = time.perf_counter()
+    total = sum(run(work.prompts[i:i + max_batch], work.output_len)
+                for i in range(0, len(work.prompts), max_batch))
+    return total / (time.perf_counter() - start)
+
+
+@dataclass
+class StepTiming:
+    batch: int
+    step_ms: float
+    forward_ms: float
+
+    @property
+    def overhead_pct(self) -> float:
+        return 100.0 * (self.step_ms - self.forward_ms) / self.step_ms
+
+
+def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
+                      steps: int = 20) -> StepTiming:
+    """Time engine.step() in steady decode, and the model forward inside it alone."""
+    engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=batch, num_kv_blocks=4096,
+                                    max_num_batched_tokens=max(512, batch)), loaded)
+    work = make_workload(batch, context, 1, loaded.config.vocab_size, seed=batch)
+    params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(work.prompts):
+        engine.add_request(f"d{i}", prompt, params)
+    while any(s.num_output_tokens == 0 for s in engine.requests.values()):
+        engine.step()
+    model = engine.runner.model
+    forward_times: list[float] = []
+    original = model.forward
+
+    def timed_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        result = original(*args, **kwargs)
+        forward_times.append(time.perf_counter() - t)
+        return result
+
+    model.forward = timed_forward  # type: ignore[method-assign]
+    step_times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        outs = engine.step()
+        step_times.append(time.perf_counter() - t)
+        assert len(outs) == batch
+    return StepTiming(batch, 1000 * statistics.median(step_times),
+                      1000 * statistics.median(forward_times))
+
+
+def bench_prefill(loaded: LoadedModel, dtype: str, prompt_len: int = 1000) -> float:
+    engine = LLMEngine(EngineConfig(dtype=dtype, num_kv_blocks=512, max_num_batched_tokens=512,
+                                    enable_prefix_caching=False), loaded)
+    prompt = make_workload(1, prompt_len, 1, loaded.config.vocab_size).prompts[0][:prompt_len]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.generate([prompt[:64]], params)  # warm-up
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        engine.generate([prompt], params)
+        times.append(time.perf_counter() - t)
+    return len(prompt) / min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print(f"threads={args.threads} requests={args.num_requests} input~{args.input_len} "
+          f"output={args.output_len} max_batch={args.max_batch}\n")
+    print("| dtype | Tandem tok/s | transformers tok/s | ratio | step b=1 ms (fwd, overhead) "
+          "| step b=32 ms (fwd, overhead) | prefill 1k tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes:
+        loaded = load_model(None, dtype, progress=False)
+        work = make_workload(args.num_requests, args.input_len, args.output_len,
+                             loaded.config.vocab_size)
+        ours = bench_engine(loaded, dtype, work, args.max_batch)
+        theirs = (float("nan") if args.skip_transformers
+                  else bench_transformers(loaded, dtype, work, args.max_batch))
+        b1 = bench_decode_step(loaded, dtype, 1, args.input_len)
+        b32 = bench_decode_step(loaded, dtype, 32, args.input_len)
+        prefill = bench_prefill(loaded, dtype)
+        print(f"| {dtype} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x "
+              f"| {b1.step_ms:.1f} ({b1.forward_ms:.1f}, {b1.overhead_pct:.1f}%) "
+              f"| {b32.step_ms:.1f} ({b32.forward_ms:.1f}, {b32.overhead_pct:.1f}%) "
+              f"| {prefill:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
