@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 HASH_SCHEME = "sha256-v1"
 _DOMAIN = b"tandem-kv-block\x00" + HASH_SCHEME.encode()
 _ROOT_PARENT = b"\x00" * 32
+_BASE = hashlib.sha256(_DOMAIN)
+_TOKEN_TYPECODE = "I" if array("I").itemsize == 4 else "L"
+assert array(_TOKEN_TYPECODE).itemsize == 4
 
 BlockHash = bytes
 
@@ -43,19 +49,25 @@ def _encode_extra_key(key: str | int | bytes) -> bytes:
     return tag + struct.pack("<I", len(raw)) + raw
 
 
+@lru_cache(maxsize=4096)
+def _encode_extra_keys(keys: tuple[str | int | bytes, ...]) -> bytes:
+    return struct.pack("<I", len(keys)) + b"".join(_encode_extra_key(k) for k in keys)
+
+
 def hash_block(
     parent: BlockHash | None,
     token_ids: Sequence[int],
     extra_keys: Sequence[str | int | bytes] = (),
 ) -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block)."""
-    h = hashlib.sha256(_DOMAIN)
+    tokens = array(_TOKEN_TYPECODE, token_ids)  # u32; rejects negative or oversized ids
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    h = _BASE.copy()
     h.update(parent if parent is not None else _ROOT_PARENT)
-    h.update(struct.pack("<I", len(token_ids)))
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    h.update(struct.pack("<I", len(extra_keys)))
-    for key in extra_keys:
-        h.update(_encode_extra_key(key))
+    h.update(struct.pack("<I", len(tokens)))
+    h.update(tokens)
+    h.update(_encode_extra_keys(tuple(extra_keys)))
     return h.digest()
 
 
