@@ -30,7 +30,8 @@ class Sampler:
         tokens = logits.argmax(dim=-1).tolist()
         for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
             if not p.greedy:
-                probs = probabilities(logits[row], p)
+                # Seeded generators live on the CPU, so a row is sampled there.
+                probs = probabilities(logits[row].cpu(), p)
                 gen = self._generator(request_id, p)
                 tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
         return tokens
