@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self._generate_ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -162,7 +164,7 @@ class LLMEngine:
                  ) -> list[list[int]]:
         """Run prompts to completion (offline use and tests); returns generated token ids."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"generate-{id(prompts)}-{i}" for i in range(len(prompts))]
+        ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
         results: dict[str, list[int]] = {i: [] for i in ids}
         for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
             self.add_request(request_id, prompt, p)
@@ -186,8 +188,8 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.sampling
-        if not p.ignore_eos and token in self.model_config.eos_token_ids or token in (
-                p.stop_token_ids):
+        is_eos = token in self.model_config.eos_token_ids and not p.ignore_eos
+        if is_eos or token in p.stop_token_ids:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH

@@ -51,7 +51,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -65,14 +64,10 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledSequence(seq, num_new))
-                scheduled_ids.add(id(seq))
                 budget -= num_new
                 i += 1
         if out.preempted:
-            # Preempted sequences may have been scheduled earlier in this loop only if they
-            # were older, which cannot happen (we preempt the newest); keep the invariant.
-            assert all(id(s) not in scheduled_ids for s in out.preempted)
-            return out
+            return out  # no room to admit anyone this step
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
