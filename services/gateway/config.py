@@ -1,0 +1,27 @@
+"""Gateway settings, shared by the HTTP and gRPC front ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    served_model_name: str | None = None  # None: the backend's model id
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    max_body_bytes: int = MIB  # larger request bodies get 413 (gRPC: RESOURCE_EXHAUSTED)
+    default_max_tokens: int | None = None  # cap when a request sets none; None: context length
+    retry_after_s: int = 1  # Retry-After on 429
+    worker_name: str = "colocated"  # the `worker` label of a single-engine backend's stats
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain an empty key")

@@ -1,0 +1,110 @@
+"""What both front ends share: the backend, the tokenizer, settings, metrics, and the checks."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+
+from services.engine.engine import EngineStats
+from services.engine.tokenizer import Tokenizer
+from services.gateway.backend import GenerationBackend, MultiWorkerStats
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import model_not_found, unauthorized
+from services.gateway.inputs import GenerationRequest, SamplingOptions, build_request
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.pipeline import Delta, generate_deltas
+
+
+class Gateway:
+    """One served model behind one backend. Build one per process and hand it to the front ends:
+    ``create_http_app(gateway)`` and ``GenerationServicer(gateway)``.
+    """
+
+    def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer,
+                 config: GatewayConfig | None = None) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config or GatewayConfig()
+        self.model_name = self.config.served_model_name or backend.model_id
+        self.created = int(time.time())
+        self.metrics = GatewayMetrics(self.model_name, self._worker_stats)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.backend.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        """An empty or missing model name means the served one."""
+        if model and model != self.model_name:
+            raise model_not_found(model)
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """``authorization`` is the header's value (``Bearer <key>``)."""
+        if not self.config.api_keys:
+            return
+        scheme, _, key = (authorization or "").partition(" ")
+        key = key.strip().encode()
+        # Compare against every key so timing does not tell which one is close.
+        matches = [hmac.compare_digest(key, k.encode()) for k in self.config.api_keys]
+        if scheme.lower() != "bearer" or not any(matches):
+            raise unauthorized()
+
+    def build_request(self, request_id: str, prompt_token_ids: list[int],
+                      options: SamplingOptions, cache_salt: str | None = None,
+                      arrival_time: float | None = None, prompt_param: str = "prompt"
+                      ) -> GenerationRequest:
+        return build_request(request_id, prompt_token_ids, options, self.max_model_len,
+                             cache_salt, self.config.default_max_tokens, arrival_time,
+                             prompt_param)
+
+    async def start(self, request: GenerationRequest) -> Generation:
+        """Submit the request and wait for its first step (rejections raise ``GatewayError``)."""
+        timer = self.metrics.start_request(request.arrival_time)
+        deltas = generate_deltas(self.backend, self.tokenizer, request, timer,
+                                 self.config.retry_after_s)
+        try:
+            first = await anext(deltas)
+        except BaseException:
+            await deltas.aclose()
+            raise
+        return Generation(request, first, deltas)
+
+    def _worker_stats(self) -> Mapping[str, EngineStats]:
+        if isinstance(self.backend, MultiWorkerStats):
+            return self.backend.worker_stats()
+        return {self.config.worker_name: self.backend.stats}
+
+
+@dataclass
+class Generation:
+    """A started request: its first delta and the rest. Close it to abort an unfinished one."""
+
+    request: GenerationRequest
+    first: Delta
+    rest: AsyncGenerator[Delta, None]
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        yield self.first
+        if self.first.finish_reason is None:
+            async for delta in self.rest:
+                yield delta
+
+    async def aclose(self) -> None:
+        await self.rest.aclose()
+
+    async def collect(self) -> Delta:
+        """Run to the end and merge every delta into one."""
+        merged = Delta()
+        try:
+            async for delta in self:
+                merged.text += delta.text
+                merged.token_ids += delta.token_ids
+                merged.logprobs += delta.logprobs
+                merged.text_offsets += delta.text_offsets
+                merged.finish_reason = delta.finish_reason
+                merged.usage = delta.usage
+        finally:
+            await self.aclose()
+        return merged

@@ -1,0 +1,177 @@
+"""The gRPC front end: ``tandem.v1.Generation/Generate`` plus health checking and reflection."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.gateway.core import Gateway
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.inputs import (
+    SamplingOptions,
+    check_token_ids,
+    new_request_id,
+    tokenize_chat,
+    tokenize_prompt,
+)
+from services.gateway.pb import generation_pb2 as pb
+from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from services.gateway.pipeline import Delta
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # tandem.v1.Generation
+
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+_FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def status_code(error: GatewayError) -> grpc.StatusCode:
+    return _STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+async def generate_responses(gateway: Gateway, request: pb.GenerateRequest,
+                             authorization: str | None = None
+                             ) -> AsyncIterator[pb.GenerateResponse]:
+    """The call's messages; rejections raise ``GatewayError`` before the first one.
+
+    Transport-free, so a Ray Serve gRPC deployment can reuse it with its own context.
+    """
+    arrival = time.monotonic()
+    gateway.check_api_key(authorization)
+    gateway.check_model(request.model)
+    prompt = _prompt_token_ids(gateway, request)
+    greq = gateway.build_request(request.request_id or new_request_id("gen"), prompt,
+                                 _sampling_options(request), request.cache_salt or None,
+                                 arrival, prompt_param=request.WhichOneof("input") or "prompt")
+    generation = await gateway.start(greq)
+    try:
+        async for delta in generation:
+            yield _response(greq.request_id, delta)
+    finally:
+        await generation.aclose()
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        try:
+            async for response in generate_responses(self.gateway, request,
+                                                      _as_str(authorization)):
+                yield response
+        except GatewayError as exc:
+            trailers: Sequence[tuple[str, str]] = ()
+            if exc.retry_after_s is not None:
+                trailers = (("retry-after", str(exc.retry_after_s)),)
+            await context.abort(status_code(exc), exc.message, trailing_metadata=trailers)
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):  # context.abort's own exception
+                raise
+            log.exception("Generate failed", exc_info=exc)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
+
+
+@dataclass
+class GrpcFrontEnd:
+    """A grpc.aio server with Generation, health checking and reflection."""
+
+    server: grpc.aio.Server
+    port: int  # the bound port (the address may ask for port 0)
+    health: health.aio.HealthServicer
+
+    async def start(self) -> None:
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING while calls drain
+        await self.server.stop(grace_s)
+
+
+def create_grpc_server(gateway: Gateway, address: str = "127.0.0.1:50051") -> GrpcFrontEnd:
+    """Build (not start) the gRPC front end; messages over the body limit get RESOURCE_EXHAUSTED."""
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", gateway.config.max_body_bytes)])
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    return GrpcFrontEnd(server, port, health_servicer)
+
+
+def _as_str(value: str | bytes | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest) -> list[int]:
+    which = request.WhichOneof("input")
+    if which == "prompt":
+        return tokenize_prompt(gateway.tokenizer, request.prompt)
+    if which == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        bad = next((m["role"] for m in messages
+                    if m["role"] not in ("system", "user", "assistant")), None)
+        if bad is not None:
+            raise bad_request(f"unknown chat role {bad!r}", param="chat")
+        return tokenize_chat(gateway.tokenizer, messages)
+    if which == "token_ids":
+        return check_token_ids(request.token_ids.ids, gateway.tokenizer.vocab_size,
+                               param="token_ids")
+    raise bad_request("set one of prompt, chat or token_ids", param="input")
+
+
+def _sampling_options(request: pb.GenerateRequest) -> SamplingOptions:
+    s = request.sampling
+    return SamplingOptions(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+    )
+
+
+def _response(request_id: str, delta: Delta) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=delta.token_ids,
+        text=delta.text,
+        logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                  top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                  for lp in delta.logprobs],
+    )
+    if delta.finish_reason is not None:
+        response.finish_reason = _FINISH_REASONS.get(delta.finish_reason,
+                                                     pb.FINISH_REASON_UNSPECIFIED)
+    if delta.usage is not None:
+        response.usage.CopyFrom(pb.Usage(prompt_tokens=delta.usage.prompt_tokens,
+                                         completion_tokens=delta.usage.completion_tokens,
+                                         cached_tokens=delta.usage.cached_tokens))
+    return response

@@ -1,0 +1,260 @@
+"""The OpenAI-compatible HTTP front end (FastAPI): completions, chat, models, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway.body_limit import BodyLimitMiddleware
+from services.gateway.core import Gateway, Generation
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.inputs import (
+    GenerationRequest,
+    check_token_ids,
+    new_request_id,
+    tokenize_chat,
+    tokenize_prompt,
+)
+from services.gateway.openai_format import SSE_DONE, ResponseContext, sse
+from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.pipeline import Delta
+from services.gateway.token_text import TokenText
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+# nginx's code for "the client closed the connection"; nobody reads it, logs do.
+_CLIENT_CLOSED = 499
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response started."""
+
+
+def create_http_app(gateway: Gateway) -> FastAPI:
+    """Build the ASGI app around a gateway (serve it with uvicorn, or as a Ray Serve ingress)."""
+    app = FastAPI(title="Tandem", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes)
+    token_text = TokenText(gateway.tokenizer)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> Response:
+        headers = ({"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None
+                   else None)
+        return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        error = GatewayError(exc.status_code, str(exc.detail),
+                             type="not_found_error" if exc.status_code == 404
+                             else "invalid_request_error")
+        return JSONResponse(error.to_json(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(_: Request, __: ClientDisconnected) -> Response:
+        return Response(status_code=_CLIENT_CLOSED)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> Response:
+        log.exception("internal error", exc_info=exc)
+        error = GatewayError(500, "Internal server error.", type="server_error")
+        return JSONResponse(error.to_json(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = gateway.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, object]:
+        gateway.check_api_key(request.headers.get("authorization"))
+        return {"object": "list", "data": [_model_card(gateway)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> dict[str, object]:
+        gateway.check_api_key(request.headers.get("authorization"))
+        gateway.check_model(model)
+        return _model_card(gateway)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        gateway.check_api_key(request.headers.get("authorization"))
+        body = await _parse(request, ChatCompletionRequest)
+        gateway.check_model(body.model)
+        if error := body.unsupported_fields():
+            raise error
+        prompt = tokenize_chat(gateway.tokenizer, body.chat_messages())
+        greq = gateway.build_request(new_request_id("chatcmpl"), prompt, body.sampling_options(),
+                                     body.salt(), arrival, prompt_param="messages")
+        ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name, token_text,
+                              body.return_token_ids)
+        if body.stream:
+            generation = await _unless_disconnected(request, gateway.start(greq))
+            return _event_stream(generation, _chat_events(generation, ctx, body))
+        merged = await _unless_disconnected(request, _run(gateway, greq))
+        return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        gateway.check_api_key(request.headers.get("authorization"))
+        body = await _parse(request, CompletionRequest)
+        gateway.check_model(body.model)
+        if error := body.unsupported_fields():
+            raise error
+        prompt_in = body.single_prompt()
+        prompt = (tokenize_prompt(gateway.tokenizer, prompt_in) if isinstance(prompt_in, str)
+                  else check_token_ids(prompt_in, gateway.tokenizer.vocab_size))
+        greq = gateway.build_request(new_request_id("cmpl"), prompt, body.sampling_options(),
+                                     body.salt(), arrival)
+        ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name, token_text,
+                              body.return_token_ids)
+        want_logprobs = body.logprobs is not None
+        if body.stream:
+            generation = await _unless_disconnected(request, gateway.start(greq))
+            return _event_stream(generation, _completion_events(generation, ctx, body))
+        merged = await _unless_disconnected(request, _run(gateway, greq))
+        return JSONResponse(ctx.completion(merged, want_logprobs, prompt))
+
+    return app
+
+
+def _model_card(gateway: Gateway) -> dict[str, object]:
+    return {"id": gateway.model_name, "object": "model", "created": gateway.created,
+            "owned_by": "tandem", "max_model_len": gateway.max_model_len}
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json"
+                          ) from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from exc
+
+
+def _validation_error(exc: ValidationError) -> GatewayError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    messages = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:3]]
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return bad_request("Invalid request: " + "; ".join(messages) + more, param=param)
+
+
+async def _run(gateway: Gateway, request: GenerationRequest) -> Delta:
+    return await (await gateway.start(request)).collect()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (which aborts the generation) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the server's next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event_stream(generation: Generation, events: AsyncGenerator[bytes, None]
+                  ) -> StreamingResponse:
+    # The background task closes the generation even when the client leaves before the body
+    # iterator ever starts (then ``_guarded``'s own cleanup never runs).
+    return StreamingResponse(_guarded(generation, events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(generation.aclose))
+
+
+async def _guarded(generation: Generation, events: AsyncGenerator[bytes, None]
+                   ) -> AsyncIterator[bytes]:
+    """Close the generation however the stream ends (done, failed, client gone); a failure after
+    the headers went out becomes an SSE error event, as OpenAI-compatible servers send."""
+    try:
+        async with contextlib.aclosing(events):
+            async for chunk in events:
+                yield chunk
+    except Exception as exc:
+        if isinstance(exc, GatewayError):
+            error = exc
+        else:
+            log.exception("stream failed", exc_info=exc)
+            error = GatewayError(500, "Internal server error.", type="server_error")
+        yield sse(error.to_json())
+        yield SSE_DONE
+    finally:
+        await generation.aclose()
+
+
+async def _chat_events(generation: Generation, ctx: ResponseContext,
+                       body: ChatCompletionRequest) -> AsyncGenerator[bytes, None]:
+    include_usage = body.include_usage()
+
+    def event(chunk: dict[str, object]) -> bytes:
+        if include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    yield event(ctx.chat_chunk(None, False, first=True))
+    usage = None
+    async for delta in generation:
+        usage = delta.usage or usage
+        if (delta.text or delta.finish_reason or (body.logprobs and delta.logprobs)
+                or (body.return_token_ids and delta.token_ids)):
+            yield event(ctx.chat_chunk(delta, body.logprobs))
+    if include_usage:
+        yield sse(ctx.usage_chunk("chat.completion.chunk", usage))
+    yield SSE_DONE
+
+
+async def _completion_events(generation: Generation, ctx: ResponseContext,
+                             body: CompletionRequest) -> AsyncGenerator[bytes, None]:
+    include_usage = body.include_usage()
+    want_logprobs = body.logprobs is not None
+    usage = None
+    async for delta in generation:
+        usage = delta.usage or usage
+        if (delta.text or delta.finish_reason or (want_logprobs and delta.logprobs)
+                or (body.return_token_ids and delta.token_ids)):
+            chunk = ctx.completion_chunk(delta, want_logprobs)
+            if include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+    if include_usage:
+        yield sse(ctx.usage_chunk("text_completion", usage))
+    yield SSE_DONE

@@ -1,0 +1,131 @@
+"""From a client's prompt and options to a validated, tokenized ``GenerationRequest``.
+
+Both front ends go through here, so HTTP and gRPC accept and reject exactly the same things.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import TemplateError
+
+from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import Tokenizer
+from services.gateway.errors import bad_request
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+_INT64 = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling as a client states it; None means the default."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 or -1: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    cache_salt: str | None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    if not prompt:
+        raise bad_request("prompt is empty", param="prompt")
+    return tokenizer.encode(prompt)
+
+
+def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]]) -> list[int]:
+    if not messages:
+        raise bad_request("messages is empty: send at least one message", param="messages")
+    try:
+        return tokenizer.encode_chat(messages)
+    except (ValueError, TemplateError) as exc:  # no template, or the template rejected them
+        raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt"
+                    ) -> list[int]:
+    ids = list(token_ids)
+    if not ids:
+        raise bad_request("the prompt has no tokens", param=param)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                          param=param)
+    return ids
+
+
+def build_request(request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
+                  max_model_len: int, cache_salt: str | None = None,
+                  default_max_tokens: int | None = None, arrival_time: float | None = None,
+                  prompt_param: str = "prompt") -> GenerationRequest:
+    """Check the request against the context length and turn options into SamplingParams."""
+    num_prompt = len(prompt_token_ids)
+    room = max_model_len - num_prompt
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt} tokens (prompt + at least 1 generated token must fit).",
+            param=prompt_param, code="context_length_exceeded")
+    max_tokens = options.max_tokens
+    if max_tokens is not None and max_tokens >= 1 and num_prompt + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(room, default_max_tokens) if default_max_tokens else room
+    _check_stop(options.stop)
+    if options.seed is not None and not _INT64[0] <= options.seed <= _INT64[1]:
+        raise bad_request(f"seed must fit in 64 bits, got {options.seed}", param="seed")
+    top_k = options.top_k if options.top_k is not None else 0
+    if top_k == -1:  # vLLM's spelling of "off"
+        top_k = 0
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if options.temperature is None else options.temperature,
+            top_k=top_k,
+            top_p=1.0 if options.top_p is None else options.top_p,
+            seed=options.seed,
+            ignore_eos=options.ignore_eos,
+            logprobs=options.logprobs,
+        )
+    except ValueError as exc:  # SamplingParams names the field first in its messages
+        field_name = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param=field_name) from exc
+    return GenerationRequest(request_id, prompt_token_ids, params, options.stop, cache_salt or None,
+                             time.monotonic() if arrival_time is None else arrival_time)
+
+
+def _check_stop(stop: Sequence[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}",
+                          param="stop")
+    for s in stop:
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise bad_request(f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters",
+                              param="stop")

@@ -1,0 +1,126 @@
+"""Prometheus metrics for one gateway app, in its own registry (several apps share a process).
+
+Latency and token metrics are measured by the gateway per request; engine gauges and prefix-cache
+counters are read from the backend's stats at scrape time, one series per worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from services.engine.engine import EngineStats
+
+# vLLM's buckets, so dashboards and SLO queries carry over.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+StatsSource = Callable[[], Mapping[str, EngineStats]]
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str, stats_source: StatsSource,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        labels = ["model_name"]
+        self.ttft = Histogram("tandem_time_to_first_token_seconds",
+                              "Time from request arrival to its first generated token.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("tandem_inter_token_latency_seconds",
+                             "Time between generated tokens (a step's gap split over its tokens).",
+                             labels, buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds",
+                             "Time from request arrival to its end.",
+                             labels, buckets=E2E_BUCKETS, registry=self.registry)
+        self.success = Counter("tandem_request_success", "Requests that ended, by reason.",
+                               [*labels, "finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of ended requests.",
+                                     labels, registry=self.registry)
+        self.generation_tokens = Counter("tandem_generation_tokens",
+                                         "Tokens generated (and sent) by ended requests.",
+                                         labels, registry=self.registry)
+        self.registry.register(_EngineStatsCollector(model_name, stats_source))
+
+    def start_request(self, arrival_time: float | None = None) -> RequestTimer:
+        return RequestTimer(self, time.monotonic() if arrival_time is None else arrival_time)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+@dataclass
+class RequestTimer:
+    metrics: GatewayMetrics
+    arrival_time: float  # time.monotonic()
+    last_token_time: float | None = None
+    ended: bool = field(default=False)
+
+    def tokens(self, count: int, now: float | None = None) -> None:
+        """``count`` tokens arrived together (one engine step)."""
+        if count <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        name = self.metrics.model_name
+        if self.last_token_time is None:
+            self.metrics.ttft.labels(name).observe(now - self.arrival_time)
+            count -= 1
+        else:
+            gap = (now - self.last_token_time) / count
+            for _ in range(count):
+                self.metrics.itl.labels(name).observe(gap)
+        self.last_token_time = now
+
+    def end(self, finished_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        name = self.metrics.model_name
+        self.metrics.e2e.labels(name).observe(time.monotonic() - self.arrival_time)
+        self.metrics.success.labels(name, finished_reason).inc()
+        self.metrics.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.metrics.generation_tokens.labels(name).inc(generation_tokens)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, model_name: str, source: StatsSource) -> None:
+        self._model_name = model_name
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "worker"]
+        families: list[tuple[GaugeMetricFamily | CounterMetricFamily,
+                             Callable[[EngineStats], float]]] = [
+            (GaugeMetricFamily("tandem_num_requests_running",
+                               "Requests in the running batch.", labels=labels),
+             lambda s: s.num_running),
+            (GaugeMetricFamily("tandem_num_requests_waiting", "Requests waiting to be scheduled.",
+                               labels=labels), lambda s: s.num_waiting),
+            (GaugeMetricFamily("tandem_kv_cache_usage_perc",
+                               "Fraction of KV blocks in use (1 = full).", labels=labels),
+             lambda s: s.kv_cache_usage),
+            (CounterMetricFamily("tandem_prefix_cache_queries",
+                                 "Prompt tokens looked up in the prefix cache.", labels=labels),
+             lambda s: s.prefix_cache_queries),
+            (CounterMetricFamily("tandem_prefix_cache_hits",
+                                 "Prompt tokens found in the prefix cache.", labels=labels),
+             lambda s: s.prefix_cache_hits),
+            (CounterMetricFamily("tandem_num_preemptions", "Sequences preempted (recomputed).",
+                                 labels=labels), lambda s: s.num_preemptions),
+        ]
+        stats = self._source()
+        for family, value in families:
+            for worker, worker_stats in stats.items():
+                family.add_metric([self._model_name, worker], float(value(worker_stats)))
+            yield family

@@ -1,0 +1,128 @@
+"""OpenAI response objects (JSON-ready dicts) built from the pipeline's deltas."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.sequence import TokenLogprobs
+from services.gateway.pipeline import Delta, Usage
+from services.gateway.token_text import TokenText
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                             separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def usage_json(usage: Usage | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+@dataclass
+class ResponseContext:
+    """What every response object of one request repeats."""
+
+    id: str
+    created: int
+    model: str
+    token_text: TokenText
+    return_token_ids: bool = False
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def with_token_ids(self, choice: dict[str, Any], delta: Delta | None) -> dict[str, Any]:
+        if self.return_token_ids:
+            choice["token_ids"] = delta.token_ids if delta is not None else []
+        return choice
+
+    # -- chat ---------------------------------------------------------------------------
+
+    def chat_logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            return {"token": self.token_text.text(token_id), "logprob": _lp(logprob),
+                    "bytes": self.token_text.bytes(token_id)}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in logprobs]}
+
+    def chat_completion(self, delta: Delta, want_logprobs: bool,
+                        prompt_token_ids: list[int]) -> dict[str, Any]:
+        choice = self.with_token_ids({
+            "index": 0,
+            "message": {"role": "assistant", "content": delta.text},
+            "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
+            "finish_reason": delta.finish_reason,
+        }, delta)
+        body = self.envelope("chat.completion", [choice])
+        body["usage"] = usage_json(delta.usage)
+        if self.return_token_ids:
+            body["prompt_token_ids"] = prompt_token_ids
+        return body
+
+    def chat_chunk(self, delta: Delta | None, want_logprobs: bool, first: bool = False
+                   ) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+        choice: dict[str, Any] = {"index": 0, "delta": message, "logprobs": None,
+                                  "finish_reason": None}
+        if delta is not None:
+            if delta.text:
+                message["content"] = delta.text
+            if want_logprobs and delta.logprobs:
+                choice["logprobs"] = self.chat_logprobs(delta.logprobs)
+            choice["finish_reason"] = delta.finish_reason
+        self.with_token_ids(choice, delta)
+        return self.envelope("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, obj: str, usage: Usage | None) -> dict[str, Any]:
+        body = self.envelope(obj, [])
+        body["usage"] = usage_json(usage)
+        return body
+
+    # -- completions --------------------------------------------------------------------
+
+    def completion_logprobs(self, delta: Delta) -> dict[str, Any]:
+        tt = self.token_text
+        return {
+            "tokens": [tt.text(lp.token_id) for lp in delta.logprobs],
+            "token_logprobs": [_lp(lp.logprob) for lp in delta.logprobs],
+            "top_logprobs": [{tt.text(t): _lp(v) for t, v in lp.top} for lp in delta.logprobs],
+            "text_offset": delta.text_offsets[:len(delta.logprobs)],
+        }
+
+    def completion_choice(self, delta: Delta, want_logprobs: bool) -> dict[str, Any]:
+        return self.with_token_ids({
+            "index": 0,
+            "text": delta.text,
+            "logprobs": self.completion_logprobs(delta) if want_logprobs else None,
+            "finish_reason": delta.finish_reason,
+        }, delta)
+
+    def completion(self, delta: Delta, want_logprobs: bool, prompt_token_ids: list[int]
+                   ) -> dict[str, Any]:
+        body = self.envelope("text_completion", [self.completion_choice(delta, want_logprobs)])
+        body["usage"] = usage_json(delta.usage)
+        if self.return_token_ids:
+            body["prompt_token_ids"] = prompt_token_ids
+        return body
+
+    def completion_chunk(self, delta: Delta, want_logprobs: bool) -> dict[str, Any]:
+        return self.envelope("text_completion", [self.completion_choice(delta, want_logprobs)])

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from services.engine.async_engine import AsyncEngine
+from services.engine.model_loader import LoadedModel
+from services.gateway.backend import EngineBackend
+from services.gateway.core import Gateway
+from services.gateway.runner import GatewayServer, ServeAddresses
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def async_engine(make_engine) -> Iterator[AsyncEngine]:  # type: ignore[no-untyped-def]
+    engine = AsyncEngine(make_engine(num_threads=1, num_kv_blocks=128,
+                                     max_model_len=MAX_MODEL_LEN))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def gateway(async_engine: AsyncEngine, loaded_model: LoadedModel) -> Gateway:
+    return Gateway(EngineBackend(async_engine), loaded_model.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def server(gateway: Gateway) -> Iterator[ServeAddresses]:
+    srv = GatewayServer(gateway, http_port=0, grpc_port=0)
+    addresses = srv.start()
+    yield addresses
+    srv.stop()
+
+
+@pytest.fixture
+def client(server: ServeAddresses) -> openai.OpenAI:
+    return openai.OpenAI(api_key="unused", base_url=f"{server.http_url}/v1", max_retries=0,
+                         timeout=120)

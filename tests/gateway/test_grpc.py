@@ -1,0 +1,141 @@
+"""gRPC: streaming Generate, health checking, reflection, status codes, cancellation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.engine.async_engine import AsyncEngine
+from services.gateway.core import Gateway
+from services.gateway.pb import generation_pb2 as pb
+from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from services.gateway.runner import ServeAddresses
+from tests.gateway.helpers import engine_tokens, wait_engine_idle
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def channel(server: ServeAddresses) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel: grpc.Channel) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(channel)
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **extra: object) -> pb.SamplingOptions:
+    return pb.SamplingOptions(max_tokens=max_tokens, temperature=0.0, **extra)  # type: ignore[arg-type]
+
+
+def test_chat_stream_matches_engine(stub: pb_grpc.GenerationStub, gateway: Gateway,
+                                    async_engine: AsyncEngine) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = gateway.tokenizer.encode_chat(messages)
+    expected = engine_tokens(async_engine, prompt, MAX_TOKENS)
+    request = pb.GenerateRequest(
+        model=gateway.model_name,
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]),
+        sampling=greedy(logprobs=1))
+    responses = list(stub.Generate(request, timeout=60))
+    ids = [t for r in responses for t in r.token_ids]
+    assert ids == expected
+    assert "".join(r.text for r in responses) == gateway.tokenizer.decode(expected)
+    assert sum(len(r.logprobs) for r in responses) == len(expected)
+    assert all(len(lp.top) == 1 for r in responses for lp in r.logprobs)
+    last = responses[-1]
+    assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), len(ids))
+    assert len({r.request_id for r in responses}) == 1
+
+
+def test_prompt_and_token_ids_give_the_same_tokens(stub: pb_grpc.GenerationStub,
+                                                   gateway: Gateway,
+                                                   async_engine: AsyncEngine) -> None:
+    text = "The five largest cities in Europe are"
+    prompt = gateway.tokenizer.encode(text)
+    expected = engine_tokens(async_engine, prompt, MAX_TOKENS, ignore_eos=True)
+    for request in (pb.GenerateRequest(prompt=text, sampling=greedy(ignore_eos=True)),
+                    pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                       sampling=greedy(ignore_eos=True))):
+        responses = list(stub.Generate(request, timeout=60))
+        assert [t for r in responses for t in r.token_ids] == expected
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_stop_string(stub: pb_grpc.GenerationStub, gateway: Gateway,
+                     async_engine: AsyncEngine) -> None:
+    text = "The five largest cities in Europe are"
+    reference = gateway.tokenizer.decode(
+        engine_tokens(async_engine, gateway.tokenizer.encode(text), MAX_TOKENS, ignore_eos=True))
+    stop = reference[len(reference) // 2:len(reference) // 2 + 3]
+    responses = list(stub.Generate(pb.GenerateRequest(
+        prompt=text, sampling=greedy(max_tokens=600, ignore_eos=True, stop=[stop])), timeout=60))
+    assert "".join(r.text for r in responses) == reference[:reference.index(stop)]
+    assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
+    wait_engine_idle(async_engine, timeout_s=20)
+
+
+def test_errors_map_to_status_codes(stub: pb_grpc.GenerationStub) -> None:
+    cases = [
+        (pb.GenerateRequest(model="gpt-17", prompt="x"), grpc.StatusCode.NOT_FOUND, "gpt-17"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(temperature=-1)),
+         grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(max_tokens=0)),
+         grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt, chat or token_ids"),
+        (pb.GenerateRequest(prompt="hello " * 2000), grpc.StatusCode.INVALID_ARGUMENT,
+         "maximum context length"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**6])),
+         grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+        (pb.GenerateRequest(prompt="x" * (2 * 1024 * 1024)), grpc.StatusCode.RESOURCE_EXHAUSTED,
+         ""),
+    ]
+    for request, code, words in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, timeout=60))
+        assert info.value.code() == code, request
+        assert words in info.value.details()
+    # Still serving.
+    responses = list(stub.Generate(pb.GenerateRequest(prompt="Hi", sampling=greedy(2)),
+                                   timeout=60))
+    assert responses[-1].usage.completion_tokens >= 1
+
+
+def test_cancelling_the_call_frees_every_block(stub: pb_grpc.GenerationStub,
+                                               async_engine: AsyncEngine) -> None:
+    call = stub.Generate(pb.GenerateRequest(
+        prompt="Count to a thousand:", sampling=greedy(max_tokens=900, ignore_eos=True)),
+        timeout=60)
+    for received, _ in enumerate(call, start=1):
+        if received == 3:
+            break
+    assert async_engine.stats.num_running == 1
+    call.cancel()
+    wait_engine_idle(async_engine, timeout_s=20)
+
+
+def test_health_reports_serving(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "tandem.v1.Generation"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_and_describes_the_service(channel: grpc.Channel) -> None:
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="tandem.v1.Generation")]
+    listed, described = list(reflection.ServerReflectionInfo(iter(requests), timeout=10))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"tandem.v1.Generation", "grpc.health.v1.Health"} <= names
+    files = described.file_descriptor_response.file_descriptor_proto
+    assert files and b"tandem/v1/generation.proto" in files[0]
