@@ -1,0 +1,5 @@
+"""``python -m loadtest.bench``: the same command as ``tandem bench``."""
+
+from loadtest.bench.cli import main
+
+raise SystemExit(main())

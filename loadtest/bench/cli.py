@@ -1,0 +1,280 @@
+"""``tandem bench``: load-test any OpenAI-compatible server (or Tandem's gRPC API).
+
+    tandem bench --base-url http://127.0.0.1:8000 --workload random --num-requests 200 \\
+        --request-rate 2,4,8 --input-len 256 --output-len 64 --slo-ttft-ms 500 \\
+        --slo-tpot-ms 50 --out results/
+    tandem bench compare --target tandem=http://127.0.0.1:8000 --target peer=http://... \\
+        --workload mix --concurrency 4 --rounds 2 --out results/
+
+Wiring into another argparse CLI: ``add_parser(subparsers)``, then call ``args.func(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from loadtest.bench.arrivals import Load, parse_concurrency, parse_rate
+from loadtest.bench.clients import Client, ClientOptions, Target, TargetError, make_client
+from loadtest.bench.compare import comparison
+from loadtest.bench.metrics import SLO
+from loadtest.bench.plots import write_plots
+from loadtest.bench.prompts import PromptMaker
+from loadtest.bench.report import render_report, write_report
+from loadtest.bench.results import Cell, pool, results_document, write_results
+from loadtest.bench.session import run_session
+from loadtest.bench.tokenizer import load_tokenizer
+from loadtest.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec
+
+PROG = "tandem bench"
+T = TypeVar("T")
+
+
+def _list_of(parse: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """An argparse type for comma-separated values (a sweep)."""
+
+    def parse_list(text: str) -> list[T]:
+        try:
+            return [parse(part.strip()) for part in text.split(",")]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_list
+
+
+def _checked(parse: Callable[[str], T]) -> Callable[[str], T]:
+    def run(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return run
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not value > 0:
+            raise ValueError(f"must be > 0, got {text}")
+        return value
+
+    return _checked(parse)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("mode", nargs="?", choices=("run", "compare"), default="run",
+                        help="run: one target (default); compare: several targets in turn")
+    where = parser.add_argument_group("target")
+    where.add_argument("--base-url", help="the server: http(s)://HOST:PORT[/v1], or "
+                       "grpc://HOST:PORT with --protocol grpc")
+    where.add_argument("--target", action="append", default=[], metavar="LABEL=URL",
+                       help="compare mode: a labelled target (repeat; the first is the baseline)")
+    where.add_argument("--label", help="run mode: the target's name in the report")
+    where.add_argument("--protocol", choices=("http", "grpc"), default=None,
+                       help="default: grpc for grpc:// URLs, else http")
+    where.add_argument("--endpoint", choices=("completions", "chat"), default=None,
+                       help="OpenAI API to call (default: chat for the chat workload, "
+                            "else completions)")
+    where.add_argument("--model", help="model name to send (default: the server's first "
+                       "model from /v1/models)")
+    where.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                       help="bearer token (default: $OPENAI_API_KEY)")
+    where.add_argument("--tokenizer", help="the target model's tokenizer: a .gguf file or a "
+                       "Hugging Face directory (default: the built-in model's)")
+
+    work = parser.add_argument_group("workload")
+    work.add_argument("--workload", choices=WORKLOADS, default="random")
+    work.add_argument("--num-requests", type=_positive(int), default=100)
+    work.add_argument("--input-len", type=_checked(LengthRange.parse),
+                      default=LengthRange(256, 256), metavar="N|LOW:HIGH",
+                      help="prompt tokens (chat: per user message)")
+    work.add_argument("--output-len", type=_checked(LengthRange.parse),
+                      default=LengthRange(64, 64), metavar="N|LOW:HIGH",
+                      help="output tokens (max_tokens, with ignore_eos)")
+    work.add_argument("--prefix-len", type=_positive(int), default=512,
+                      help="prefix: tokens of each tenant's shared system prompt")
+    work.add_argument("--num-tenants", type=_positive(int), default=8)
+    work.add_argument("--zipf-s", type=float, default=1.0,
+                      help="prefix: tenant k is chosen with weight 1/(k+1)^s")
+    work.add_argument("--num-turns", type=_positive(int), default=4, help="chat: turns per "
+                      "conversation")
+    work.add_argument("--long-fraction", type=float, default=0.1,
+                      help="mix: fraction of long requests")
+    work.add_argument("--long-input-len", type=_checked(LengthRange.parse),
+                      default=LengthRange(2048, 2048), metavar="N|LOW:HIGH")
+    work.add_argument("--long-output-len", type=_checked(LengthRange.parse), default=None,
+                      metavar="N|LOW:HIGH", help="mix: default --output-len")
+    work.add_argument("--seed", type=int, default=0)
+
+    load = parser.add_argument_group("load (one of; a comma-separated list sweeps)")
+    loads = load.add_mutually_exclusive_group(required=True)
+    loads.add_argument("--concurrency", type=_list_of(parse_concurrency), metavar="C[,C...]",
+                       help="requests kept in flight")
+    loads.add_argument("--request-rate", type=_list_of(parse_rate), metavar="R[,R...]",
+                       help="requests per second (Poisson or gamma arrivals; 'inf': all at once)")
+    load.add_argument("--burstiness", type=_positive(float), default=1.0,
+                      help="gamma shape of inter-arrival gaps: 1 Poisson, < 1 burstier")
+    load.add_argument("--rounds", type=_positive(int), default=1,
+                      help="passes per target and load (alternating between targets)")
+
+    limits = parser.add_argument_group("limits and outputs")
+    limits.add_argument("--timeout", type=_positive(float), default=600.0,
+                        help="deadline in seconds for each run (target x load x round)")
+    limits.add_argument("--request-timeout", type=_positive(float), default=300.0)
+    limits.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="generate exactly the requested output length")
+    limits.add_argument("--temperature", type=float, default=0.0)
+    limits.add_argument("--slo-ttft-ms", type=_positive(float), default=None)
+    limits.add_argument("--slo-tpot-ms", type=_positive(float), default=None)
+    limits.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="folder for results.json, report.md and the plots")
+    limits.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` to a CLI's subcommands; its handler is ``args.func``."""
+    parser = subparsers.add_parser(
+        "bench", help="load-test an OpenAI-compatible server or Tandem's gRPC API",
+        description="Load-test a server with a workload; write results.json, report.md and "
+                    "PNG plots. See docs/loadtest.md.")
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+@dataclass
+class Plan:
+    targets: list[Target]
+    spec: WorkloadSpec
+    loads: list[Load]
+    slo: SLO
+    options: ClientOptions
+
+
+def _plan(args: argparse.Namespace) -> Plan:
+    if args.mode == "compare":
+        if args.base_url or len(args.target) < 2:
+            raise ValueError("compare needs two or more --target LABEL=URL (and no --base-url)")
+        targets = [Target.parse(t, args.protocol) for t in args.target]
+    else:
+        if args.target or not args.base_url:
+            raise ValueError("give the server with --base-url URL (several targets: "
+                             f"`{PROG} compare --target A=URL --target B=URL`)")
+        given = f"{args.label}={args.base_url}" if args.label else args.base_url
+        targets = [Target.parse(given, args.protocol)]
+    labels = [t.label for t in targets]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"target labels must differ: {labels}")
+    endpoint = args.endpoint or ("chat" if args.workload == "chat" else "completions")
+    spec = WorkloadSpec(
+        name=args.workload, endpoint=endpoint, num_requests=args.num_requests,
+        input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len,
+        num_tenants=args.num_tenants, zipf_s=args.zipf_s, num_turns=args.num_turns,
+        long_fraction=args.long_fraction, long_input_len=args.long_input_len,
+        long_output_len=args.long_output_len)
+    spec.check()
+    if args.concurrency is not None:
+        loads = [Load("concurrency", c) for c in args.concurrency]
+    else:
+        loads = [Load("rate", r, args.burstiness) for r in args.request_rate]
+    options = ClientOptions(endpoint=endpoint, model=args.model, api_key=args.api_key,
+                            ignore_eos=args.ignore_eos, temperature=args.temperature,
+                            request_timeout_s=args.request_timeout)
+    return Plan(targets, spec, loads, SLO(args.slo_ttft_ms, args.slo_tpot_ms), options)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 when requests completed, 1 when none did, 2 on bad input."""
+    try:
+        plan = _plan(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        return asyncio.run(_bench(args, plan))
+    except (ValueError, TargetError, OSError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+@functools.lru_cache(maxsize=4)
+def _prompt_maker(tokenizer_path: str | None) -> PromptMaker:
+    # Cached so that repeated in-process runs (tests, scripts) read the vocabulary once.
+    return PromptMaker(load_tokenizer(tokenizer_path))
+
+
+async def _bench(args: argparse.Namespace, plan: Plan) -> int:
+    maker = _prompt_maker(args.tokenizer)
+    tokenizer = maker.tokenizer
+    options = replace(plan.options, count_tokens=lambda text: len(
+        tokenizer.encode(text, add_special_tokens=False)))
+    clients: list[tuple[str, Client]] = []
+    try:
+        for target in plan.targets:
+            clients.append((target.label, make_client(target, options)))
+        models = await asyncio.gather(*(client.preflight() for _, client in clients))
+        runs = await run_session(clients, plan.loads, plan.spec, maker, seed=args.seed,
+                                 rounds=args.rounds, deadline_s=args.timeout,
+                                 progress=not args.no_progress)
+    finally:
+        await asyncio.gather(*(client.aclose() for _, client in clients))
+
+    cells = pool(runs, plan.slo)
+    ratios = comparison(cells) if len(plan.targets) > 1 else None
+    targets = [{"label": t.label, "protocol": t.protocol, "address": t.address, "model": m}
+               for t, m in zip(plan.targets, models, strict=True)]
+    settings = _settings(args, plan)
+    write_results(args.out / "results.json",
+                  results_document({**settings, "targets": targets}, plan.slo, cells, ratios))
+    report = render_report(settings, targets, plan.slo, cells, ratios)
+    write_report(args.out / "report.md", report)
+    write_plots(args.out, cells)
+    _print_summary(cells, args.out)
+    return 0 if any(c.summary.completed for c in cells) else 1
+
+
+def _settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+    spec = plan.spec
+    workload: dict[str, Any] = {"workload": spec.name, "endpoint": spec.endpoint,
+                                "num_requests": spec.num_requests,
+                                "input_len": str(spec.input_len),
+                                "output_len": str(spec.output_len)}
+    if spec.name == "prefix":
+        workload |= {"prefix_len": spec.prefix_len, "num_tenants": spec.num_tenants,
+                     "zipf_s": spec.zipf_s}
+    elif spec.name == "chat":
+        workload |= {"num_turns": spec.num_turns}
+    elif spec.name == "mix":
+        workload |= {"long_fraction": spec.long_fraction,
+                     "long_input_len": str(spec.long_input_len),
+                     "long_output_len": str(spec.long_output_len or spec.output_len)}
+    return {**workload, "loads": ", ".join(load.label for load in plan.loads),
+            "rounds": args.rounds, "seed": args.seed, "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature, "tokenizer": args.tokenizer or "built-in",
+            "deadline_s": args.timeout}
+
+
+def _print_summary(cells: list[Cell], out: Path) -> None:
+    for cell in cells:
+        s = cell.summary
+        ttft = "-" if s.ttft is None else f"{s.ttft.p50:.1f}/{s.ttft.p99:.1f}"
+        itl = "-" if s.itl is None else f"{s.itl.p50:.1f}/{s.itl.p99:.1f}"
+        print(f"{cell.label} @ {cell.load.label}: {s.completed}/{s.requests} ok, "
+              f"{s.request_throughput:.2f} req/s, goodput {s.goodput:.2f} req/s, "
+              f"{s.output_throughput:.1f} out tok/s, TTFT p50/p99 {ttft} ms, "
+              f"ITL p50/p99 {itl} ms")
+    print(f"results in {out}/ (results.json, report.md, plots)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench",
+        description="Load-test a server with a workload; write results.json, report.md and "
+                    "PNG plots. See docs/loadtest.md.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,17 @@
+from __future__ import annotations
+
+import pytest
+
+from loadtest.bench.prompts import PromptMaker
+from loadtest.bench.tokenizer import load_tokenizer
+from services.engine.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def maker(tokenizer: Tokenizer) -> PromptMaker:
+    return PromptMaker(tokenizer)

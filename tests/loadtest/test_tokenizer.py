@@ -1,0 +1,42 @@
+"""The weight-free tokenizer loader reads the same fields as the gguf package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench.gguf_meta import GGUFMetadataError, read_metadata
+from loadtest.bench.tokenizer import TokenizerLoadError, builtin_gguf_path, load_tokenizer
+from services.engine.tokenizer import Tokenizer
+
+
+def test_metadata_matches_the_gguf_reader() -> None:
+    import gguf
+    path = builtin_gguf_path()
+    ours = read_metadata(path)
+    fields = gguf.GGUFReader(str(path)).fields
+    assert set(ours) == {k for k in fields if not k.startswith("GGUF.")}
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.pre", "tokenizer.chat_template", "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.bos_token_id", "general.architecture"):
+        assert ours[key] == fields[key].contents(), key
+
+
+def test_loaded_tokenizer_round_trips(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Hello, world! 123")
+    assert tokenizer.decode(ids) == "Hello, world! 123"
+    assert tokenizer.vocab_size == 49152
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith(
+        "<|im_start|>assistant\n")
+
+
+def test_bad_paths_fail_clearly(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerLoadError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(GGUFMetadataError, match="not a GGUF file"):
+        load_tokenizer(junk)
+    with pytest.raises(TokenizerLoadError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)
