@@ -5,6 +5,8 @@ import pytest
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
+from tests.hf_reference import Reference, hf_greedy, load_hf_model
+from tests.prompts import prompt_set
 
 MAX_NEW_TOKENS = 32
 
@@ -23,3 +25,19 @@ def make_engine(loaded_model: LoadedModel):  # type: ignore[no-untyped-def]
         return LLMEngine(config, loaded_model)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def prompts(loaded_model: LoadedModel) -> list[list[int]]:
+    return prompt_set(loaded_model.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def hf_model(loaded_model: LoadedModel):  # type: ignore[no-untyped-def]
+    return load_hf_model(loaded_model.source)
+
+
+@pytest.fixture(scope="session")
+def references(hf_model, prompts: list[list[int]]) -> list[Reference]:  # type: ignore[no-untyped-def]
+    """transformers' greedy tokens for the prompt set (MAX_NEW_TOKENS each, EOS ignored)."""
+    return [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]

@@ -1,7 +1,8 @@
 """Asyncio front for the engine: a background thread steps it, callers stream per request.
 
 All engine state is touched only by the engine thread; callers hand it commands through a
-queue. torch releases the GIL inside its kernels, so the event loop stays responsive.
+queue (``call`` runs any function on that thread, e.g. the KV import hooks of a decode worker).
+torch releases the GIL inside its kernels, so the event loop stays responsive.
 """
 
 from __future__ import annotations
@@ -9,21 +10,31 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from services.engine.engine import EngineStats, LLMEngine, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
+T = TypeVar("T")
+
 
 @dataclass
-class _Add:
+class _Start:
+    """Create a request with ``start`` and stream its outputs."""
+
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
+    start: Callable[[LLMEngine], object]
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
 
 
 @dataclass
@@ -34,8 +45,8 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[str, _Add] = {}
+        self._commands: queue.SimpleQueue[_Start | _Call | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Start] = {}
         self._stats = engine.stats
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
@@ -45,13 +56,38 @@ class AsyncEngine:
         """A snapshot taken after the engine's latest step."""
         return self._stats
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; invalid requests raise here. Closing the stream aborts."""
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 params: SamplingParams, cache_salt: str | None = None,
+                 prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. The request is queued on the first iteration, where an
+        invalid one raises. Closing the stream early aborts the request."""
+        prompt = list(prompt_token_ids)
+        return self._outputs(request_id, lambda engine: engine.add_request(
+            request_id, prompt, params, cache_salt, prefill_only=prefill_only))
+
+    def stream(self, request_id: str, start: Callable[[LLMEngine], object]
+               ) -> AsyncIterator[RequestOutput]:
+        """Run ``start`` on the engine thread now, not on the first iteration (it creates
+        request ``request_id``, e.g. by committing a KV import), and stream that request's
+        outputs; what ``start`` raises comes out of the first iteration."""
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, cache_salt,
-                                asyncio.get_running_loop(), outputs))
+        self._commands.put(_Start(request_id, start, asyncio.get_running_loop(), outputs))
+        return self._outputs(request_id, None, outputs)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._commands.put(_Call(fn, loop, future))
+        return await future
+
+    async def _outputs(self, request_id: str, start: Callable[[LLMEngine], object] | None,
+                       outputs: asyncio.Queue[RequestOutput | BaseException] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        if outputs is None:  # not started yet
+            assert start is not None
+            outputs = asyncio.Queue()
+            self._commands.put(_Start(request_id, start, asyncio.get_running_loop(), outputs))
         finished = False
         try:
             while not finished:
@@ -98,19 +134,34 @@ class AsyncEngine:
                         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
                 self._stats = self.engine.stats
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Start | _Call | _Abort) -> None:
         if isinstance(command, _Abort):
             self._streams.pop(command.request_id, None)
             self.engine.abort_request(command.request_id)
+        elif isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as exc:
+                command.loop.call_soon_threadsafe(_resolve, command.future, None, exc)
+            else:
+                command.loop.call_soon_threadsafe(_resolve, command.future, result, None)
         else:
             try:
-                self.engine.add_request(command.request_id, command.prompt_token_ids,
-                                        command.params, command.cache_salt)
+                command.start(self.engine)
             except Exception as exc:  # invalid request: hand the error to its caller
                 command.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
                 return
             self._streams[command.request_id] = command
         self._stats = self.engine.stats
+
+
+def _resolve(future: asyncio.Future[Any], result: object, exc: BaseException | None) -> None:
+    if future.done():  # the caller stopped waiting
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 _NO_COMMAND = object()

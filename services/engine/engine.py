@@ -30,6 +30,28 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; retry later."""
 
 
+@dataclass(frozen=True)
+class PinnedKV:
+    """A prefill-only request's prompt KV, held in ``block_ids`` until ``release_kv``."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # in prompt order; the last one may be partly filled
+    num_tokens: int  # prompt tokens whose k/v the blocks hold
+
+
+@dataclass(frozen=True)
+class ImportSlot:
+    """Blocks reserved for a prompt whose KV another worker computed.
+
+    ``block_ids[:num_cached_blocks]`` already hold that KV (this engine's prefix cache); the
+    caller fills the rest, block i with the sender's block i, then commits the import.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_cached_blocks: int
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request."""
@@ -42,6 +64,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    kv: PinnedKV | None = None  # set when a prefill-only request pinned its prompt's KV
 
 
 @dataclass
@@ -54,6 +77,8 @@ class EngineStats:
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
     num_preemptions: int
+    num_pinned: int = 0  # prefill-only requests holding their KV for a transfer
+    num_importing: int = 0  # requests whose KV a transfer is filling
 
 
 class LLMEngine:
@@ -80,16 +105,99 @@ class LLMEngine:
                            max_positions=self.max_model_len, device=config.device)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device)
         self.sampler = Sampler(config.seed)
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence] = {}  # queued or running
+        self.pinned: dict[str, Sequence] = {}  # prefill done, KV held until release_kv
+        self.imports: dict[str, Sequence] = {}  # blocks reserved, KV being transferred in
         self.num_preemptions = 0
         self._generate_ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
-                    params: SamplingParams | None = None, cache_salt: str | None = None) -> None:
+                    params: SamplingParams | None = None, cache_salt: str | None = None,
+                    prefill_only: bool = False) -> None:
+        """Queue a request. ``prefill_only`` (the prefill role) stops it after the first token
+        and pins the prompt's blocks: that output carries a ``PinnedKV``; see ``release_kv``."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
+        seq.prefill_only = prefill_only
+        self._enqueue(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Forget a request wherever it is: queued, running, importing KV or pinned."""
+        seq = (self.requests.pop(request_id, None) or self.imports.pop(request_id, None)
+               or self.pinned.pop(request_id, None))
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish_reason = FinishReason.ABORT
+        self.sampler.forget(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- disaggregation: prefill side -----------------------------------------------------
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free a pinned prefill's blocks (its full blocks stay in the prefix cache)."""
+        seq = self.pinned.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq)
+        return True
+
+    # -- disaggregation: decode side ------------------------------------------------------
+
+    def begin_import(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
+                     params: SamplingParams | None = None, cache_salt: str | None = None
+                     ) -> ImportSlot:
+        """Reserve blocks for a prompt prefilled elsewhere, whose first token is known.
+
+        Leading blocks this engine already caches are reused; the caller transfers the rest,
+        then calls ``commit_import`` (or ``recompute_import``, or ``abort_request``). Raises
+        ``EngineOverloadedError`` when the blocks are not free now.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise RequestError(f"first token {first_token} is outside the vocabulary")
+        if seq.sampling.max_tokens < 2 or seq.num_tokens + 1 >= self.max_model_len:
+            raise RequestError("nothing left to decode after the first token")
+        seq.token_ids.append(first_token)
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(seq)
+        num_new = seq.num_prompt_tokens - len(cached) * bm.block_size
+        if not bm.can_admit(seq, cached, num_new):
+            raise EngineOverloadedError(
+                f"no room to import {bm.blocks_needed(seq.num_prompt_tokens) - len(cached)} KV "
+                f"blocks ({bm.num_free_blocks} free)"
+            )
+        bm.admit(seq, cached)
+        allocated = bm.allocate(seq, num_new)
+        assert allocated, "can_admit promised room"
+        seq.status = SequenceStatus.IMPORTING
+        self.imports[request_id] = seq
+        return ImportSlot(request_id, tuple(seq.block_ids), len(cached))
+
+    def commit_import(self, request_id: str) -> None:
+        """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding."""
+        seq = self._take_import(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self._enqueue(seq)
+
+    def recompute_import(self, request_id: str) -> None:
+        """Give up on the transfer: drop its blocks and prefill the prompt here instead."""
+        seq = self._take_import(request_id)
+        self.block_manager.free(seq)
+        self._enqueue(seq)
+
+    # -- internals: requests --------------------------------------------------------------
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int],
+                      params: SamplingParams | None, cache_salt: str | None) -> Sequence:
         params = params or SamplingParams()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.imports or (
+                request_id in self.pinned):
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -109,21 +217,18 @@ class LLMEngine:
             )
         extra_keys = (self.model_config.model_id, cache_salt) if cache_salt else (
             self.model_config.model_id,)
-        seq = Sequence(request_id, prompt, len(prompt), params, extra_keys)
-        self.requests[request_id] = seq
+        return Sequence(request_id, prompt, len(prompt), params, extra_keys)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> bool:
-        seq = self.requests.pop(request_id, None)
+    def _take_import(self, request_id: str) -> Sequence:
+        seq = self.imports.pop(request_id, None)
         if seq is None:
-            return False
-        self.scheduler.finish(seq)
-        seq.finish_reason = FinishReason.ABORT
-        self.sampler.forget(request_id)
-        return True
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+            raise RequestError(f"no KV import is in progress for request {request_id!r}")
+        return seq
 
     # -- stepping -------------------------------------------------------------------------
 
@@ -149,14 +254,17 @@ class LLMEngine:
                 seq.logprobs.extend(new_logprobs)
             seq.token_ids.append(token)
             self._check_stop(seq, token)
+            kv = None
             if seq.finish_reason is not None:
                 self._finish(seq)
+            elif seq.prefill_only:
+                kv = self._pin(seq)
             outputs.append(RequestOutput(
                 request_id=seq.request_id, new_token_ids=[token], new_logprobs=new_logprobs,
                 finished=seq.is_finished, finish_reason=seq.finish_reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
-                num_cached_tokens=seq.num_cached_tokens,
+                num_cached_tokens=seq.num_cached_tokens, kv=kv,
             ))
         return outputs
 
@@ -182,6 +290,7 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage, prefix_cache_queries=bm.stats.queries,
             prefix_cache_hits=bm.stats.hits, num_preemptions=self.num_preemptions,
+            num_pinned=len(self.pinned), num_importing=len(self.imports),
         )
 
     # -- internals ------------------------------------------------------------------------
@@ -199,3 +308,10 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         self.sampler.forget(seq.request_id)
         assert seq.status is SequenceStatus.FINISHED
+
+    def _pin(self, seq: Sequence) -> PinnedKV:
+        self.scheduler.finish(seq, free_blocks=False)
+        self.requests.pop(seq.request_id, None)
+        self.sampler.forget(seq.request_id)
+        self.pinned[seq.request_id] = seq
+        return PinnedKV(seq.request_id, tuple(seq.block_ids), seq.num_computed_tokens)

@@ -71,27 +71,36 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
-            num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size, budget)
-            if not self.block_manager.can_admit(seq, cached, num_new):
-                break
-            self.waiting.popleft()
-            self.block_manager.admit(seq, cached)
-            allocated = self.block_manager.allocate(seq, num_new)
-            assert allocated, "can_admit promised room"
+            if seq.block_ids:  # imported KV: it already holds its prompt's blocks
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self.block_manager.allocate(seq, num_new):
+                    break
+                self.waiting.popleft()
+            else:
+                cached = self.block_manager.find_cached_prefix(seq)
+                num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size,
+                              budget)
+                if not self.block_manager.can_admit(seq, cached, num_new):
+                    break
+                self.waiting.popleft()
+                self.block_manager.admit(seq, cached)
+                allocated = self.block_manager.allocate(seq, num_new)
+                assert allocated, "can_admit promised room"
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         return out
 
-    def finish(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence from the queues and free its blocks."""
+    def finish(self, seq: Sequence, free_blocks: bool = True) -> None:
+        """Drop a finished or aborted sequence from the queues and free its blocks (unless the
+        caller keeps them, e.g. a prefill pinning its prompt's KV for a transfer)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def _preempt(self, seq: Sequence) -> None:

@@ -13,6 +13,7 @@ from services.engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    IMPORTING = "importing"  # holds blocks that a KV transfer is filling; not scheduled
     FINISHED = "finished"
 
 
@@ -46,6 +47,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prefill_only: bool = False  # prefill role: stop after the first token and pin the prompt KV
 
     @property
     def num_tokens(self) -> int:

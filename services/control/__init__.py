@@ -1,0 +1,1 @@
+"""The control channel between workers: JSON request/response over TCP, and process helpers."""

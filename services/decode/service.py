@@ -1,0 +1,106 @@
+"""The decode worker on the control channel: server handlers and the client (RemoteDecode)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from services.control.codec import params_from_dict, params_to_dict, token_ids
+from services.control.rpc import Handler, RpcClient
+from services.decode.errors import DecodeRejectedError, KVTransferFailedError
+from services.decode.worker import DecodeResult, DecodeWorker, KVSource
+from services.engine.engine import EngineOverloadedError, RequestError
+from services.engine.sampling_params import SamplingParams
+from services.kv_transfer.pairing import PairingError, PairingInfo
+from services.prefill.result import PrefillResult
+from services.prefill.service import RemotePrefill
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted while the call waited for it."""
+
+
+ERRORS: dict[str, type[Exception]] = {
+    "PairingError": PairingError, "RequestError": RequestError,
+    "EngineOverloadedError": EngineOverloadedError, "DecodeRejectedError": DecodeRejectedError,
+    "KVTransferFailedError": KVTransferFailedError, "RequestAbortedError": RequestAbortedError,
+}
+
+
+def decode_handlers(worker: DecodeWorker) -> dict[str, Handler]:
+    running: dict[str, asyncio.Task[DecodeResult]] = {}
+
+    async def pair_prefill(p: dict[str, Any]) -> Any:
+        return (await worker.pair(RemotePrefill(str(p["host"]), int(p["port"])))).to_dict()
+
+    async def generate(p: dict[str, Any]) -> Any:
+        request_id = str(p["request_id"])
+        prefill = None if p.get("prefill") is None else PrefillResult.from_dict(p["prefill"])
+        salt = p.get("cache_salt")
+        task = asyncio.ensure_future(worker.generate(
+            request_id, token_ids(p["prompt"]), params_from_dict(p["params"]), prefill,
+            None if salt is None else str(salt)))
+        running[request_id] = task
+        try:
+            result = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # our caller hung up
+            raise RequestAbortedError(f"request {request_id!r} was aborted") from None
+        finally:
+            running.pop(request_id, None)
+        return {"request_id": result.request_id, "output_token_ids": result.output_token_ids,
+                "finish_reason": result.finish_reason, "kv_source": str(result.kv_source)}
+
+    async def abort(p: dict[str, Any]) -> Any:
+        task = running.get(str(p["request_id"]))
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def drain(p: dict[str, Any]) -> Any:
+        worker.drain()
+        return True
+
+    async def status(p: dict[str, Any]) -> Any:
+        return await worker.status()
+
+    return {"pair_prefill": pair_prefill, "generate": generate, "abort": abort,
+            "drain": drain, "status": status}
+
+
+class RemoteDecode:
+    """A decode worker in another process."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.rpc = RpcClient(host, port, ERRORS)
+
+    async def pair_prefill(self, host: str, port: int) -> PairingInfo:
+        """Have the decode worker pair with the prefill worker serving at host:port."""
+        return PairingInfo.from_dict(await self.rpc.call("pair_prefill",
+                                                         {"host": host, "port": port}))
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams, prefill: PrefillResult | None,
+                       cache_salt: str | None = None) -> DecodeResult:
+        result = await self.rpc.call("generate", {
+            "request_id": request_id, "prompt": list(prompt_token_ids),
+            "params": params_to_dict(params), "cache_salt": cache_salt,
+            "prefill": None if prefill is None else prefill.to_dict()})
+        return DecodeResult(str(result["request_id"]), token_ids(result["output_token_ids"]),
+                            result["finish_reason"], KVSource(result["kv_source"]))
+
+    async def abort(self, request_id: str) -> bool:
+        return bool(await self.rpc.call("abort", {"request_id": request_id}))
+
+    async def drain(self) -> None:
+        await self.rpc.call("drain")
+
+    async def status(self) -> dict[str, Any]:
+        return dict(await self.rpc.call("status"))
+
+    async def close(self) -> None:
+        await self.rpc.close()

@@ -1,0 +1,301 @@
+"""The decode role: pull a prefilled prompt's KV, release the prefill worker's lease, decode.
+
+Protocol (pull): allocate blocks (reusing any this worker caches), READ the rest from the
+prefill worker, verify (debug checksums), then *release* the lease. The release answer says
+whether the lease was still held while we read; only then are the blocks trusted. A request
+this worker will not take is *rejected* so the prefill worker frees its blocks at once. A
+failed transfer recomputes the prefill here, or fails with a clear error when so configured;
+it never decodes from blocks it could not vouch for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.decode.config import DecodeConfig
+from services.decode.errors import DecodeRejectedError, KVTransferFailedError
+from services.decode.metrics import DecodeMetrics
+from services.decode.peers import PeerLink, PrefillPeer
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import (
+    EngineOverloadedError,
+    ImportSlot,
+    LLMEngine,
+    RequestError,
+    RequestOutput,
+)
+from services.engine.sampling_params import SamplingParams
+from services.kv_transfer.checksum import block_bytes, block_checksums
+from services.kv_transfer.handle import KVHandle
+from services.kv_transfer.pairing import PairingInfo, check_pairing
+from services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
+from services.prefill.result import PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+class KVSource(enum.StrEnum):
+    TRANSFER = "transfer"  # pulled from the prefill worker
+    RECOMPUTE = "recompute"  # the transfer failed; prefilled here
+    LOCAL = "local"  # no prefill worker involved
+
+
+@dataclass
+class DecodeStream:
+    """The request's outputs after its first token (which the prefill worker produced)."""
+
+    request_id: str
+    kv_source: KVSource
+    outputs: AsyncGenerator[RequestOutput, None]
+    abort: Callable[[], None]  # abort the request in the engine
+    _started: bool = False
+
+    def __aiter__(self) -> DecodeStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        self._started = True
+        return await anext(self.outputs)
+
+    async def aclose(self) -> None:
+        """Stop early: aborts the request (if it has not finished) and frees its blocks."""
+        if self._started:
+            await self.outputs.aclose()  # aborts unless the stream finished
+        else:
+            self.abort()
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    request_id: str
+    output_token_ids: list[int]  # the whole output, the prefill's first token included
+    finish_reason: str | None
+    kv_source: KVSource
+
+
+class DecodeWorker:
+    role = "decode"
+
+    def __init__(self, engine: LLMEngine, transport: KVTransport,
+                 config: DecodeConfig | None = None, worker_id: str = "decode-0") -> None:
+        self.worker_id = worker_id
+        self.config = config or DecodeConfig()
+        self.transport = transport
+        self.engine = AsyncEngine(engine)
+        self.metrics = DecodeMetrics()
+        self.accepting = True
+        self._blocks = block_bytes(engine.kv_cache)
+        self._block_size = engine.config.block_size
+        self._peers: dict[str, PeerLink] = {}
+        self._phases: dict[str, str] = {}
+        self._info: PairingInfo | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.transport.start(self.engine.engine.kv_cache)
+        self._info = PairingInfo.for_engine(self.engine.engine, self.worker_id, self.role,
+                                            self.transport)
+
+    def drain(self) -> None:
+        """Stop taking new requests (they are rejected); running ones finish."""
+        self.accepting = False
+
+    async def close(self) -> None:
+        self.accepting = False
+        await self.transport.close()
+        await asyncio.to_thread(self.engine.shutdown)
+
+    @property
+    def info(self) -> PairingInfo:
+        if self._info is None:
+            raise RuntimeError(f"decode worker {self.worker_id} is not started")
+        return self._info
+
+    async def pair(self, peer: PrefillPeer) -> PairingInfo:
+        """Meet a prefill worker once: check settings both ways, load its transport metadata."""
+        theirs = await peer.pair(self.info)
+        check_pairing(self.info, theirs)
+        self.transport.add_peer(theirs.worker_id, theirs.transport_metadata)
+        self._peers[theirs.worker_id] = PeerLink(peer, theirs)
+        return theirs
+
+    def phase(self, request_id: str) -> str | None:
+        """Where an import stands: "allocating", "transferring", "confirming" or None."""
+        return self._phases.get(request_id)
+
+    async def status(self) -> dict[str, Any]:
+        """Engine stats and metrics, as JSON-able data."""
+        stats = await self.engine.call(lambda engine: engine.stats)
+        return {"worker_id": self.worker_id, "engine": dataclasses.asdict(stats),
+                "accepting": self.accepting, "metrics": self.metrics.snapshot()}
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams, prefill: PrefillResult | None,
+                       cache_salt: str | None = None) -> DecodeResult:
+        """Run the request to the end; see ``submit``."""
+        stream = await self.submit(request_id, prompt_token_ids, params, prefill, cache_salt)
+        tokens = [] if prefill is None else [prefill.first_token]
+        finish_reason = None
+        async for out in stream:
+            tokens.extend(out.new_token_ids)
+            finish_reason = out.finish_reason
+        return DecodeResult(request_id, tokens,
+                            None if finish_reason is None else str(finish_reason),
+                            stream.kv_source)
+
+    async def submit(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams, prefill: PrefillResult | None,
+                     cache_salt: str | None = None) -> DecodeStream:
+        """Import the prompt's KV named by ``prefill`` (None: prefill here) and start decoding.
+
+        Raises ``DecodeRejectedError`` when this worker will not take the request,
+        ``KVTransferFailedError`` when the pull failed and ``on_transfer_failure`` is "fail",
+        ``RequestError`` for an invalid request. Cancelling it aborts the request and rejects
+        the lease.
+        """
+        prompt = list(prompt_token_ids)
+        if prefill is None:
+            if not self.accepting:
+                raise DecodeRejectedError(f"decode worker {self.worker_id} is shutting down")
+            return self._stream(request_id, KVSource.LOCAL, lambda e: e.add_request(
+                request_id, prompt, params, cache_salt))
+        kv = prefill.kv
+        if kv is None:
+            raise RequestError(f"request {request_id!r} finished at its first token "
+                               f"({prefill.finish_reason}); there is nothing to decode")
+        self.metrics.imports += 1
+        link = self._peers.get(kv.worker_id)
+        if not self.accepting:
+            await self._reject(link, kv, "shutting_down")
+            raise DecodeRejectedError(f"decode worker {self.worker_id} is shutting down")
+        if kv.num_tokens != len(prompt) or len(kv.block_ids) != -(-len(prompt)
+                                                                 // self._block_size):
+            await self._reject(link, kv, "invalid_request")
+            raise RequestError(f"KV handle covers {kv.num_tokens} tokens in "
+                               f"{len(kv.block_ids)} blocks; the prompt has {len(prompt)}")
+
+        self._phases[request_id] = "allocating"
+        try:
+            slot = await self._reserve(request_id, prompt, prefill.first_token, params,
+                                       cache_salt, link, kv)
+            failure = await self._pull(request_id, link, kv, slot)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abandon(request_id, link, kv))
+            raise
+        finally:
+            self._phases.pop(request_id, None)
+
+        start: Callable[[LLMEngine], None]
+        if failure is None:
+            start, source = (lambda e: e.commit_import(request_id)), KVSource.TRANSFER
+        elif self.config.on_transfer_failure == "fail":
+            await self.engine.call(lambda e: e.abort_request(request_id))
+            raise KVTransferFailedError(
+                f"request {request_id!r}: the KV transfer from prefill worker {kv.worker_id!r} "
+                f"failed ({failure}) and on_transfer_failure is 'fail'") from failure
+        else:
+            log.warning("%s: request %s: recomputing the prefill after: %s", self.worker_id,
+                        request_id, failure)
+            self.metrics.recomputes += 1
+            start, source = (lambda e: e.recompute_import(request_id)), KVSource.RECOMPUTE
+        return self._stream(request_id, source, start)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _stream(self, request_id: str, source: KVSource,
+                start: Callable[[LLMEngine], None]) -> DecodeStream:
+        outputs = self.engine.stream(request_id, start)
+        assert isinstance(outputs, AsyncGenerator)
+        return DecodeStream(request_id, source, outputs, lambda: self.engine.abort(request_id))
+
+    async def _reserve(self, request_id: str, prompt: list[int], first_token: int,
+                       params: SamplingParams, cache_salt: str | None, link: PeerLink | None,
+                       kv: KVHandle) -> ImportSlot:
+        try:
+            return await self.engine.call(lambda e: e.begin_import(
+                request_id, prompt, first_token, params, cache_salt))
+        except EngineOverloadedError as exc:
+            await self._reject(link, kv, "no_capacity")
+            raise DecodeRejectedError(f"decode worker {self.worker_id} has no room for "
+                                      f"request {request_id!r}: {exc}") from exc
+        except RequestError:
+            await self._reject(link, kv, "invalid_request")
+            raise
+
+    async def _pull(self, request_id: str, link: PeerLink | None, kv: KVHandle,
+                    slot: ImportSlot) -> KVTransferError | None:
+        """Fill the import's blocks and confirm the lease; the failure, if any."""
+        skip = slot.num_cached_blocks
+        self.metrics.blocks_reused += skip
+        try:
+            if link is None:
+                raise KVTransferError(f"not paired with prefill worker {kv.worker_id!r}")
+            self._phases[request_id] = "transferring"
+            if skip < len(kv.block_ids):
+                start = time.perf_counter()
+                nbytes = await self.transport.read_blocks(
+                    kv.worker_id, kv.block_ids[skip:], slot.block_ids[skip:],
+                    self.config.transfer_timeout_s)
+                self.metrics.transfer_seconds += time.perf_counter() - start
+                self.metrics.bytes_moved += nbytes
+                self.metrics.blocks_pulled += len(kv.block_ids) - skip
+                self.metrics.transfers += 1
+                if self.config.verify_checksums and kv.checksums is not None:
+                    self._verify(kv, slot, skip)
+        except KVTransferError as exc:
+            self.metrics.transfer_failures += 1
+            self.metrics.checksum_failures += isinstance(exc, KVChecksumError)
+            await self._reject(link, kv, "transfer_failed")
+            return exc
+        assert link is not None
+        self._phases[request_id] = "confirming"
+        try:
+            async with asyncio.timeout(self.config.control_timeout_s):
+                held = await link.peer.release(kv.lease_id)
+        except Exception as exc:
+            if skip == len(kv.block_ids):
+                return None  # nothing was read, so nothing needs vouching for
+            self.metrics.transfer_failures += 1
+            return KVTransferError(f"could not confirm lease {kv.lease_id} with "
+                                   f"{kv.worker_id!r}: {exc!r}")
+        if not held and skip < len(kv.block_ids):
+            self.metrics.transfer_failures += 1
+            return KVTransferError(f"{kv.worker_id!r} no longer held lease {kv.lease_id} "
+                                   f"(expired?), so the blocks read may not be this prompt's")
+        return None
+
+    def _verify(self, kv: KVHandle, slot: ImportSlot, skip: int) -> None:
+        assert kv.checksums is not None
+        got = block_checksums(self._blocks, slot.block_ids[skip:])
+        for i, (want, have) in enumerate(zip(kv.checksums[skip:], got, strict=True), skip):
+            if want != have:
+                raise KVChecksumError(f"block {i} of lease {kv.lease_id}: CRC32 {have:#010x}, "
+                                      f"the prefill worker sent {want:#010x}")
+
+    async def _reject(self, link: PeerLink | None, kv: KVHandle, reason: str) -> None:
+        """Tell the prefill worker to free the blocks now; best effort (else they expire)."""
+        self.metrics.rejects[reason] += 1
+        if link is None:
+            return
+        try:
+            async with asyncio.timeout(self.config.control_timeout_s):
+                await link.peer.reject(kv.lease_id, reason)
+        except Exception as exc:
+            log.warning("%s: reject of lease %s at %s failed (%r); it will expire",
+                        self.worker_id, kv.lease_id, kv.worker_id, exc)
+
+    async def _abandon(self, request_id: str, link: PeerLink | None, kv: KVHandle) -> None:
+        with contextlib.suppress(Exception):
+            await self.engine.call(lambda e: e.abort_request(request_id))
+        await self._reject(link, kv, "aborted")

@@ -1,0 +1,170 @@
+"""NIXL transport (UCX backend): READ the peer's registered blocks into ours.
+
+On CPU machines UCX moves host memory between processes (cross-memory attach after a TCP
+wire-up); on GPU nodes the same calls move GPU memory over RDMA/NVLink. The agent runs without
+NIXL's progress thread (it busy-spins a core); a light poll of the agent instead lets peers
+complete their wire-up with us, and our own transfers are driven by the thread that posts them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
+
+try:
+    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+except ImportError:  # the plain wheel name, where it is installed instead
+    from nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # type: ignore[no-redef]
+
+log = logging.getLogger(__name__)
+logging.getLogger("nixl").setLevel(os.environ.get("NIXL_LOG_LEVEL", "WARNING").upper())
+
+
+class NixlTransport(KVTransport):
+    kind = "nixl"
+
+    def __init__(self, name: str, faults: TransferFaults | None = None,
+                 progress_interval_s: float = 0.002, poll_interval_s: float = 0.0005) -> None:
+        super().__init__(name, faults)
+        self.progress_interval_s = progress_interval_s
+        self.poll_interval_s = poll_interval_s
+        self.agent_name = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._agent: Any = None
+        self._local = _Region(0, "DRAM", 0)
+        self._remote: dict[str, tuple[str, _Region]] = {}  # peer id -> (agent name, cache)
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-xfer")
+        self._progress_task: asyncio.Task[None] | None = None
+
+    async def _start(self, kv_cache: torch.Tensor) -> None:
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                   backends=["UCX"],
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        agent = nixl_agent(self.agent_name, config)
+        if "UCX" not in agent.backends:
+            raise KVTransferError("NIXL loaded, but its UCX backend did not")
+        agent.register_memory(kv_cache)
+        self._agent = agent
+        self._local = _Region(kv_cache.data_ptr(), "VRAM" if kv_cache.is_cuda else "DRAM",
+                              kv_cache.device.index or 0)
+        self._progress_task = asyncio.create_task(self._progress(), name="nixl-progress")
+
+    async def _close(self) -> None:
+        if self._progress_task is not None:
+            self._progress_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._progress_task
+        self._executor.shutdown(wait=True)
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"agent": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+                "base_addr": self._local.base, "mem_type": self._local.mem_type,
+                "device_id": self._local.device_id}
+
+    def _add_peer(self, peer_id: str, metadata: Mapping[str, Any]) -> None:
+        try:
+            region = _Region(int(metadata["base_addr"]), str(metadata["mem_type"]),
+                             int(metadata["device_id"]))
+            if region.mem_type not in ("DRAM", "VRAM"):
+                raise ValueError(f"memory type {region.mem_type!r}")
+            name = self._agent.add_remote_agent(base64.b64decode(metadata["agent"]))
+        except Exception as exc:
+            raise KVTransferError(f"cannot load NIXL metadata of peer {peer_id!r}: {exc}") from None
+        self._remote[peer_id] = (name.decode() if isinstance(name, bytes) else name, region)
+
+    def _remove_peer(self, peer_id: str) -> None:
+        name, _ = self._remote.pop(peer_id)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # already gone on NIXL's side
+            log.debug("removing NIXL agent %s: %s", name, exc)
+
+    async def _read(self, peer_id: str, remote: list[int], local: list[int]) -> None:
+        agent = self._agent
+        name, region = self._remote[peer_id]
+        size = self._registered().shape[1]
+        try:
+            local_descs = agent.get_xfer_descs(_descs(self._local, local, size),
+                                               self._local.mem_type)
+            remote_descs = agent.get_xfer_descs(_descs(region, remote, size), region.mem_type)
+            handle = agent.initialize_xfer("READ", local_descs, remote_descs, name)
+        except Exception as exc:
+            raise KVTransferError(f"NIXL refused the read from {peer_id!r}: {exc}") from None
+        loop = asyncio.get_running_loop()
+        posted = loop.run_in_executor(self._executor, agent.transfer, handle)
+        state = "ERR"
+        try:
+            state = await asyncio.shield(posted)
+            while state == "PROC":
+                await asyncio.sleep(self.poll_interval_s)
+                state = agent.check_xfer_state(handle)
+        except Exception as exc:
+            raise KVTransferError(f"NIXL read from {peer_id!r} failed: {exc}") from None
+        finally:
+            await self._settle(posted, handle)
+        if state != "DONE":
+            raise KVTransferError(f"NIXL read from {peer_id!r} ended in state {state}")
+
+    async def _settle(self, posted: asyncio.Future[str], handle: Any) -> None:
+        """Wait until the transfer can no longer write locally, then free its handle."""
+        cancelled = False
+        while not posted.done():
+            try:
+                await asyncio.wait([posted])
+            except asyncio.CancelledError:
+                cancelled = True
+        try:
+            self._agent.release_xfer_handle(handle)  # cancels a transfer still in progress
+        except Exception:
+            # NIXL could not cancel it: wait for the transfer to end before the caller reuses
+            # the destination blocks.
+            while self._state(handle) == "PROC":
+                await asyncio.sleep(self.poll_interval_s)
+            with contextlib.suppress(Exception):
+                self._agent.release_xfer_handle(handle)
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _state(self, handle: Any) -> str:
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception:
+            return "ERR"
+
+    async def _progress(self) -> None:
+        while True:
+            try:
+                self._agent.get_new_notifs()  # progresses UCX: peers' wire-up needs it
+            except Exception as exc:
+                log.warning("NIXL progress: %s", exc)
+            await asyncio.sleep(self.progress_interval_s)
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A registered KV cache: where it starts, in which memory."""
+
+    base: int
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int
+
+
+def _descs(region: _Region, block_ids: list[int], size: int) -> np.ndarray:
+    """One (address, length, device) row per block."""
+    rows = np.zeros((len(block_ids), 3), dtype=np.uint64)
+    rows[:, 0] = region.base + np.asarray(block_ids, dtype=np.uint64) * np.uint64(size)
+    rows[:, 1] = size
+    rows[:, 2] = region.device_id
+    return rows

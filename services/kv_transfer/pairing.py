@@ -1,0 +1,100 @@
+"""Pairing guard: a prefill and a decode worker agree on everything their KV bytes depend on.
+
+Checked once, when a decode worker meets a prefill worker (both sides check), so a mismatch is
+a clear error at start-up instead of garbage tokens later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from services.engine.block_hash import HASH_SCHEME
+
+if TYPE_CHECKING:
+    from services.engine.engine import LLMEngine
+    from services.kv_transfer.transport import KVTransport
+
+PROTOCOL_VERSION = 1
+# The engine's cache layout (services/engine/kv_cache.py), named so a change is noticed.
+KV_LAYOUT = "block-major[block,layer,k|v,slot,kv_head,head_dim]"
+
+
+class PairingError(ValueError):
+    """Two workers cannot exchange KV blocks."""
+
+
+@dataclass(frozen=True)
+class PairingInfo:
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    model_id: str
+    dtype: str
+    block_size: int
+    kv_layout: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hash_scheme: str
+    transport: str
+    protocol_version: int = PROTOCOL_VERSION
+    transport_metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def for_engine(cls, engine: LLMEngine, worker_id: str, role: str,
+                   transport: KVTransport) -> PairingInfo:
+        spec = engine.kv_spec
+        return cls(worker_id=worker_id, role=role, model_id=engine.model_config.model_id,
+                   dtype=spec.dtype, block_size=spec.block_size, kv_layout=KV_LAYOUT,
+                   num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                   head_dim=spec.head_dim, hash_scheme=HASH_SCHEME, transport=transport.kind,
+                   transport_metadata=transport.metadata())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PairingInfo:
+        try:
+            info = cls(**data)
+        except TypeError as exc:
+            raise PairingError(f"malformed pairing info: {exc}") from None
+        for f in fields(cls):
+            expected = dict if f.name == "transport_metadata" else f.type
+            value = getattr(info, f.name)
+            ok = isinstance(value, dict) if expected is dict else (
+                type(value) is int if expected == "int" else isinstance(value, str))
+            if not ok:
+                raise PairingError(f"malformed pairing info: {f.name}={value!r}")
+        return info
+
+
+# Field, what to call it in an error message.
+_MUST_MATCH = (
+    ("protocol_version", "protocol version"),
+    ("model_id", "model"),
+    ("dtype", "dtype"),
+    ("block_size", "block size"),
+    ("kv_layout", "KV cache layout"),
+    ("num_layers", "KV cache layout (layers)"),
+    ("num_kv_heads", "KV cache layout (KV heads)"),
+    ("head_dim", "KV cache layout (head dim)"),
+    ("hash_scheme", "block hash scheme"),
+    ("transport", "KV transport"),
+)
+
+
+def check_pairing(local: PairingInfo, remote: PairingInfo) -> None:
+    """Raise ``PairingError`` naming every setting on which the two workers differ."""
+    problems = []
+    if {local.role, remote.role} != {"prefill", "decode"}:
+        problems.append(f"roles are {local.role} and {remote.role}; one prefill and one decode "
+                        f"worker pair")
+    for name, label in _MUST_MATCH:
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine != theirs:
+            problems.append(f"{label} differs ({local.worker_id}: {mine!r}, "
+                            f"{remote.worker_id}: {theirs!r})")
+    if problems:
+        raise PairingError(f"cannot pair {local.role} worker {local.worker_id!r} with "
+                           f"{remote.role} worker {remote.worker_id!r}: " + "; ".join(problems))

@@ -1,0 +1,171 @@
+"""Plain TCP transport, for machines where NIXL cannot load.
+
+Every worker serves reads of its own cache; a reader sends ``{"op": "read", "blocks": [...]}``
+and gets ``{"ok": true, "nbytes": N}`` followed by the blocks' raw bytes in request order (or
+``{"ok": false, "error": ...}``). Bytes go straight between the socket and the cache memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from services.kv_transfer.framing import (
+    FrameError,
+    encode_frame,
+    sock_read_frame,
+    sock_recv_into,
+)
+from services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
+
+log = logging.getLogger(__name__)
+
+MAX_BLOCKS_PER_READ = 1 << 16
+
+
+class TcpTransport(KVTransport):
+    kind = "tcp"
+
+    def __init__(self, name: str, faults: TransferFaults | None = None,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(name, faults)
+        self.host = host
+        self.port = port
+        self._server: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._addresses: dict[str, tuple[str, int]] = {}
+        self._idle: dict[str, list[socket.socket]] = {}
+
+    # -- serving --------------------------------------------------------------------------
+
+    async def _start(self, kv_cache: torch.Tensor) -> None:
+        if kv_cache.device.type != "cpu":
+            raise KVTransferError("the TCP transport moves host memory only; use NIXL for "
+                                  f"a KV cache on {kv_cache.device}")
+        server = socket.create_server((self.host, self.port))
+        server.setblocking(False)
+        self._server = server
+        self.port = server.getsockname()[1]
+        self._accept_task = asyncio.create_task(self._accept(), name="kv-tcp-accept")
+
+    async def _accept(self) -> None:
+        assert self._server is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._server)
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.create_task(self._serve(conn))
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        blocks = self._registered().numpy()
+        try:
+            while (request := await sock_read_frame(loop, conn)) is not None:
+                ids, error = self._parse_read(request, blocks.shape[0])
+                if error:
+                    await loop.sock_sendall(conn, encode_frame({"ok": False, "error": error}))
+                    continue
+                await loop.sock_sendall(conn, encode_frame(
+                    {"ok": True, "nbytes": len(ids) * blocks.shape[1]}))
+                for block_id in ids:
+                    await loop.sock_sendall(conn, memoryview(blocks[block_id]))
+        except (OSError, FrameError) as exc:
+            log.debug("KV reader connection ended: %s", exc)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _parse_read(request: dict[str, Any], num_blocks: int) -> tuple[list[int], str | None]:
+        if request.get("op") != "read":
+            return [], f"unknown op {request.get('op')!r}"
+        ids = request.get("blocks")
+        if not isinstance(ids, list) or len(ids) > MAX_BLOCKS_PER_READ or not all(
+                type(b) is int for b in ids):
+            return [], "blocks must be a list of block ids"
+        bad = next((b for b in ids if not 0 <= b < num_blocks), None)
+        if bad is not None:
+            return [], f"block {bad} is outside the cache [0, {num_blocks})"
+        return ids, None
+
+    async def _close(self) -> None:
+        tasks = [t for t in (self._accept_task, *self._handlers) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._server is not None:
+            self._server.close()
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port}
+
+    def _add_peer(self, peer_id: str, metadata: Mapping[str, Any]) -> None:
+        try:
+            self._addresses[peer_id] = (str(metadata["host"]), int(metadata["port"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVTransferError(f"peer {peer_id!r} sent unusable TCP metadata: {exc!r}") from None
+
+    def _remove_peer(self, peer_id: str) -> None:
+        self._addresses.pop(peer_id, None)
+        for conn in self._idle.pop(peer_id, []):
+            conn.close()
+
+    async def _read(self, peer_id: str, remote: list[int], local: list[int]) -> None:
+        loop = asyncio.get_running_loop()
+        blocks = self._registered().numpy()
+        conn = await self._connection(peer_id)
+        reusable = False
+        try:
+            await loop.sock_sendall(conn, encode_frame({"op": "read", "blocks": remote}))
+            reply = await sock_read_frame(loop, conn)
+            if reply is None:
+                raise KVTransferError(f"peer {peer_id!r} closed the connection")
+            if not reply.get("ok"):
+                reusable = True
+                raise KVTransferError(f"peer {peer_id!r} refused the read: {reply.get('error')}")
+            if reply.get("nbytes") != len(remote) * blocks.shape[1]:
+                raise KVTransferError(f"peer {peer_id!r} announced {reply.get('nbytes')} bytes")
+            for block_id in local:
+                await sock_recv_into(loop, conn, memoryview(blocks[block_id]))
+            reusable = True
+        except (OSError, FrameError) as exc:
+            raise KVTransferError(f"TCP read from {peer_id!r} failed: {exc}") from None
+        finally:
+            # A connection left mid-message (error, timeout, cancellation) is not reused.
+            if reusable and peer_id in self._addresses:
+                self._idle.setdefault(peer_id, []).append(conn)
+            else:
+                conn.close()
+
+    async def _connection(self, peer_id: str) -> socket.socket:
+        idle = self._idle.get(peer_id)
+        if idle:
+            return idle.pop()
+        host, port = self._addresses[peer_id]
+        conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        conn.setblocking(False)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.get_running_loop().sock_connect(conn, (host, port))
+        except OSError as exc:
+            conn.close()
+            raise KVTransferError(f"cannot connect to peer {peer_id!r} at {host}:{port}: "
+                                  f"{exc}") from None
+        return conn

@@ -1,0 +1,153 @@
+"""The prefill role: chunked prefill, first token, prompt KV pinned under a lease.
+
+A decode worker pulls the blocks, then sends *release*; if it will not take the request it
+sends *reject*; if neither arrives before the lease's TTL, the blocks are freed anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.sampling_params import SamplingParams
+from services.kv_transfer.checksum import block_bytes, block_checksums
+from services.kv_transfer.handle import KVHandle
+from services.kv_transfer.pairing import PairingInfo, check_pairing
+from services.kv_transfer.transport import KVTransport
+from services.prefill.config import PrefillConfig
+from services.prefill.leases import Clock, Lease, LeaseTable
+from services.prefill.metrics import PrefillMetrics
+from services.prefill.result import PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(self, engine: LLMEngine, transport: KVTransport,
+                 config: PrefillConfig | None = None, worker_id: str = "prefill-0",
+                 clock: Clock = time.monotonic) -> None:
+        self.worker_id = worker_id
+        self.config = config or PrefillConfig()
+        self.transport = transport
+        self.engine = AsyncEngine(engine)
+        self.leases = LeaseTable(self.config.lease_ttl_s, clock)
+        self.metrics = PrefillMetrics()
+        self.peers: dict[str, PairingInfo] = {}  # decode workers met so far
+        self._blocks = block_bytes(engine.kv_cache)
+        self._info: PairingInfo | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.transport.start(self.engine.engine.kv_cache)
+        self._info = PairingInfo.for_engine(self.engine.engine, self.worker_id, self.role,
+                                            self.transport)
+        self._reaper = asyncio.create_task(self._reap(), name=f"{self.worker_id}-leases")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.transport.close()
+        await asyncio.to_thread(self.engine.shutdown)
+
+    @property
+    def info(self) -> PairingInfo:
+        if self._info is None:
+            raise RuntimeError(f"prefill worker {self.worker_id} is not started")
+        return self._info
+
+    async def pair(self, decode: PairingInfo) -> PairingInfo:
+        """Meet a decode worker: refuse on any setting mismatch, else return our info."""
+        check_pairing(self.info, decode)
+        self.peers[decode.worker_id] = decode
+        return self.info
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int],
+                      params: SamplingParams, cache_salt: str | None = None) -> PrefillResult:
+        """Prefill the prompt and sample its first token; unless that ends the request, the
+        prompt's blocks stay pinned under a lease until released, rejected or expired."""
+        last: RequestOutput | None = None
+        async for out in self.engine.generate(request_id, prompt_token_ids, params, cache_salt,
+                                              prefill_only=True):
+            last = out
+        assert last is not None and last.finished
+        self.metrics.prefills += 1
+        handle = None
+        if last.kv is not None:
+            lease = self.leases.grant(request_id)
+            self.metrics.leases_granted += 1
+            checksums = (tuple(block_checksums(self._blocks, last.kv.block_ids))
+                         if self.config.checksums else None)
+            handle = KVHandle(self.worker_id, lease.lease_id, last.kv.block_ids,
+                              last.kv.num_tokens, checksums)
+        return PrefillResult(
+            request_id=request_id, first_token=last.new_token_ids[0],
+            finish_reason=None if last.finish_reason is None else str(last.finish_reason),
+            num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
+            kv=handle, logprobs=tuple(last.new_logprobs))
+
+    async def release(self, lease_id: str) -> bool:
+        """The decode worker has the blocks. True if the lease was still held, i.e. the
+        blocks it read were this prompt's; False if it had already ended (e.g. expired)."""
+        lease = self.leases.take(lease_id)
+        if lease is None:
+            self.metrics.late_messages += 1
+            return False
+        await self._free([lease])
+        self.metrics.leases_released += 1
+        return True
+
+    async def reject(self, lease_id: str, reason: str) -> bool:
+        """The decode worker will not take the request (or its transfer failed)."""
+        lease = self.leases.take(lease_id)
+        if lease is None:
+            self.metrics.late_messages += 1
+            return False
+        await self._free([lease])
+        self.metrics.leases_rejected += 1
+        self.metrics.reject_reasons[reason] += 1
+        return True
+
+    async def expire_leases(self) -> int:
+        """Free the blocks of every lease past its TTL; returns how many expired."""
+        expired = self.leases.take_expired()
+        if expired:
+            log.warning("%s: %d lease(s) expired without release or reject: %s",
+                        self.worker_id, len(expired), [lease.request_id for lease in expired])
+            await self._free(expired)
+            self.metrics.leases_expired += len(expired)
+        return len(expired)
+
+    async def status(self) -> dict[str, Any]:
+        """Engine stats, lease count and metrics, as JSON-able data."""
+        stats = await self.engine.call(lambda engine: engine.stats)
+        return {"worker_id": self.worker_id, "engine": dataclasses.asdict(stats),
+                "leases": len(self.leases), "metrics": self.metrics.snapshot()}
+
+    # -- internals ------------------------------------------------------------------------
+
+    async def _free(self, leases: list[Lease]) -> None:
+        ids = [lease.request_id for lease in leases]
+        await self.engine.call(lambda engine: [engine.release_kv(i) for i in ids])
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reap_every_s)
+            try:
+                await self.expire_leases()
+            except Exception:
+                log.exception("%s: lease expiry failed", self.worker_id)

@@ -1,0 +1,166 @@
+"""Prefill and decode workers in separate processes, over real NIXL and over TCP.
+
+Greedy output equals transformers' (and so the single engine's) one request at a time and 16
+at once; the prefill worker's free blocks come back after completion, a reject, a decode
+worker SIGKILLed before pulling (lease expiry), and a prefill worker killed mid-request is
+survived by recomputing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from services.control.process import WorkerProcess
+from services.decode import DecodeRejectedError, KVSource
+from services.decode.service import RemoteDecode
+from services.prefill.service import RemotePrefill
+from tests.disagg.cluster import (
+    GREEDY,
+    TRANSPORTS,
+    free_blocks,
+    run_request,
+    spawn,
+    wait_until,
+    worker_spec,
+)
+from tests.engine.test_exactness import check_all
+from tests.hf_reference import compare
+
+LEASE_TTL_S = 5.0
+# The decode side keeps no prefix cache here, so every request pulls all its blocks.
+DECODE_ENGINE = {"enable_prefix_caching": False}
+
+
+@dataclass
+class Cluster:
+    transport: str
+    log_dir: Path
+    prefill: WorkerProcess
+    decode: WorkerProcess
+
+    @asynccontextmanager
+    async def clients(self) -> AsyncIterator[tuple[RemotePrefill, RemoteDecode]]:
+        p = RemotePrefill("127.0.0.1", self.prefill.port)
+        d = RemoteDecode("127.0.0.1", self.decode.port)
+        try:
+            yield p, d
+        finally:
+            await p.close()
+            await d.close()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def cluster(request, tmp_path_factory) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+    transport = request.param
+    log_dir = tmp_path_factory.mktemp(f"disagg-{transport}")
+    decode_spec = worker_spec("d0", transport, {"verify_checksums": True})
+    decode_spec.engine.update(DECODE_ENGINE)
+    prefill, decode = spawn(
+        log_dir,
+        ("prefill", worker_spec("p0", transport, {"lease_ttl_s": LEASE_TTL_S,
+                                                  "checksums": True})),
+        ("decode", decode_spec))
+    try:
+        c = Cluster(transport, log_dir, prefill, decode)
+
+        async def pair() -> None:
+            async with c.clients() as (_, d):
+                info = await d.pair_prefill("127.0.0.1", prefill.port)
+                assert info.worker_id == "p0" and info.transport == transport
+
+        asyncio.run(pair())
+        yield c
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_one_at_a_time(cluster, prompts, references):
+    async def scenario() -> list[list[int]]:
+        async with cluster.clients() as (p, d):
+            start = await free_blocks(p)
+            outputs = []
+            for i, prompt in enumerate(prompts):
+                result = await run_request(p, d, f"seq-{i}", prompt)
+                assert result.kv_source is KVSource.TRANSFER
+                outputs.append(result.output_token_ids)
+                assert await free_blocks(p) == start
+            metrics = (await d.status())["metrics"]
+            assert metrics["transfers"] == len(prompts) and metrics["recomputes"] == 0
+            blocks = sum(-(-len(prompt) // 16) for prompt in prompts)
+            assert metrics["blocks_pulled"] == blocks and metrics["bytes_moved"] > 0
+            return outputs
+
+    check_all(asyncio.run(scenario()), references, f"{cluster.transport} one at a time")
+
+
+def test_sixteen_concurrent(cluster, prompts, references):
+    async def scenario() -> list[list[int]]:
+        async with cluster.clients() as (p, d):
+            start = await free_blocks(p)
+            before = (await p.status())["metrics"]["leases_released"]
+            results = await asyncio.gather(*(
+                run_request(p, d, f"conc-{i}", prompts[i % len(prompts)]) for i in range(16)))
+            assert all(r.kv_source is KVSource.TRANSFER for r in results)
+            status = await p.status()
+            assert status["metrics"]["leases_released"] - before == 16
+            assert status["leases"] == 0 and await free_blocks(p) == start
+            return [r.output_token_ids for r in results]
+
+    outputs = asyncio.run(scenario())
+    check_all(outputs[:8], references, f"{cluster.transport} concurrent, first copy")
+    check_all(outputs[8:], references, f"{cluster.transport} concurrent, second copy")
+
+
+def test_reject_and_killed_decode_free_prefill_blocks(cluster, prompts):
+    """A second decode worker first rejects (draining), then dies before pulling."""
+    (doomed,) = spawn(cluster.log_dir, ("decode", worker_spec("d1", cluster.transport, {})))
+    try:
+        async def scenario() -> None:
+            async with cluster.clients() as (p, _):
+                d1 = RemoteDecode("127.0.0.1", doomed.port)
+                await d1.pair_prefill("127.0.0.1", cluster.prefill.port)
+                start = await free_blocks(p)
+                await d1.drain()
+                first = await p.prefill("rejected", prompts[5], GREEDY)
+                assert await free_blocks(p) < start
+                with pytest.raises(DecodeRejectedError, match="shutting down"):
+                    await d1.generate("rejected", prompts[5], GREEDY, first)
+                assert await free_blocks(p) == start
+                await d1.close()
+
+                await p.prefill("orphaned", prompts[5], GREEDY)
+                assert await free_blocks(p) < start
+                doomed.kill()
+                async def all_free_again() -> bool:
+                    return await free_blocks(p) == start
+
+                await wait_until(all_free_again, LEASE_TTL_S + 15, "the orphaned lease to expire")
+                metrics = (await p.status())["metrics"]
+                assert metrics["leases_expired"] >= 1
+                assert metrics["reject_reasons"].get("shutting_down") == 1
+
+        asyncio.run(scenario())
+    finally:
+        doomed.stop()
+
+
+def test_prefill_killed_mid_request_recomputes(cluster, prompts, references):
+    """Runs last for its cluster: the prefill worker dies after the first token."""
+    async def scenario() -> None:
+        async with cluster.clients() as (p, d):
+            first = await p.prefill("orphan", prompts[4], GREEDY)
+            cluster.prefill.kill()
+            result = await d.generate("orphan", prompts[4], GREEDY, first)
+            assert result.kv_source is KVSource.RECOMPUTE
+            compare(result.output_token_ids, references[4], "prefill worker killed")
+            assert await free_blocks(d) == (await d.status())["engine"]["num_blocks"]
+
+    asyncio.run(scenario())
+
