@@ -1,10 +1,13 @@
-# Two entry points on a fresh machine: `make run` and `make test` (both set up .venv first).
+# Two entry points on a fresh machine: `make up` and `make test` (both set up .venv first).
 PY := .venv/bin/python
 
-.PHONY: setup run test lint bench
+.PHONY: setup up run test lint bench
 
 setup:
 	bash .ci/setup
+
+up: setup
+	.venv/bin/tandem up
 
 run: setup
 	.venv/bin/tandem generate --chat "What is paged attention in one paragraph?"

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from loadtest.bench import cli as bench_cli
+
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
@@ -48,6 +50,71 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# `tandem up` flag -> AppConfig field; only flags given on the command line override --config.
+_UP_FLAGS = {"model": "model", "dtype": "dtype", "prefill": "prefill_replicas",
+             "decode": "decode_replicas", "colocated": "colocated", "host": "host",
+             "port": "port", "grpc_port": "grpc_port", "redis_url": "redis_url",
+             "kv_transport": "kv_transport", "block_size": "block_size",
+             "threads": "threads_per_worker",
+             "max_num_batched_tokens": "max_num_batched_tokens"}
+
+
+def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    up = sub.add_parser("up", help="start a local Ray Serve cluster and serve the model",
+                        argument_default=argparse.SUPPRESS)
+    up.add_argument("--config", help="YAML file of AppConfig settings (flags override it)")
+    up.add_argument("--model", help="a .gguf file or a Hugging Face directory (default: "
+                                    "built-in SmolLM2-135M-Instruct)")
+    up.add_argument("--dtype", choices=["float32", "bfloat16"])
+    up.add_argument("--prefill", type=int, metavar="N", help="prefill worker replicas (1)")
+    up.add_argument("--decode", type=int, metavar="M", help="decode worker replicas (1)")
+    up.add_argument("--colocated", action="store_true",
+                    help="one engine in the gateway does prefill and decode")
+    up.add_argument("--host", help="HTTP and gRPC listen address (127.0.0.1)")
+    up.add_argument("--port", type=int, help="HTTP port (8000)")
+    up.add_argument("--grpc-port", type=int, help="gRPC port (50051)")
+    up.add_argument("--redis-url", help="prefix index over Redis Streams (default: in-process)")
+    up.add_argument("--kv-transport", choices=["nixl", "tcp", "auto"])
+    up.add_argument("--block-size", type=int)
+    up.add_argument("--threads", type=int, help="torch threads per worker engine (1)")
+    up.add_argument("--max-num-batched-tokens", type=int,
+                    help="per-step token budget (the prefill chunk size)")
+    up.set_defaults(func=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.serving import up
+    from services.serving.config import AppConfig
+
+    flags = {field: getattr(args, flag) for flag, field in _UP_FLAGS.items()
+             if hasattr(args, flag)}
+    config = (AppConfig.from_yaml(args.config, **flags) if getattr(args, "config", None)
+              else AppConfig.from_dict(flags, "command line"))
+    return up.run(config)
+
+
+def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    chat = sub.add_parser("chat", help="chat with a running server, streaming replies")
+    chat.add_argument("prompt", nargs="?", help="ask once and exit (default: interactive)")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.set_defaults(func=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import httpx
+
+    from services.serving import chat
+
+    try:
+        return chat.run(args.url, args.max_tokens, args.temperature, args.system, args.prompt)
+    except (httpx.HTTPError, RuntimeError) as exc:
+        print(f"tandem chat: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    _add_up_parser(sub)
+    _add_chat_parser(sub)
+    bench_cli.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

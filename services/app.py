@@ -1,0 +1,45 @@
+"""Build Tandem's Ray Serve application from one ``AppConfig``.
+
+    gateway (ingress: OpenAI HTTP via Serve's proxy, gRPC on its own port, router inside)
+      ├── prefill workers  (config.prefill_replicas replicas, one engine each)
+      └── decode workers   (config.decode_replicas replicas, one engine each)
+
+Replica choice for the workers goes through ``TandemRequestRouter``, which sends each call to
+the replica the gateway's prefix-/load-aware router picked. ``config.colocated`` deploys the
+gateway alone, with one engine doing both phases.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from services.serving.config import AppConfig, ConfigError
+from services.serving.gateway import GatewayIngress
+from services.serving.workers import DecodeReplica, PrefillReplica
+
+__all__ = ["AppConfig", "ConfigError", "build_app"]
+
+# Serve's own queue limit per replica; the engines' admission control (max_waiting) is the
+# real one, so this only has to be above it.
+_MAX_ONGOING = 100_000
+
+
+def build_app(config: AppConfig) -> Application:
+    # Workers take CPU from the engine's threads, not from Ray's bookkeeping.
+    options = {"num_cpus": 0}
+    gateway = serve.deployment(GatewayIngress, name="gateway", ray_actor_options=options,
+                               max_ongoing_requests=_MAX_ONGOING)
+    if config.colocated:
+        return gateway.bind(config)
+    router = RequestRouterConfig(
+        request_router_class="services.serving.request_router:TandemRequestRouter")
+    workers = {}
+    for role, cls, replicas in (("prefill", PrefillReplica, config.prefill_replicas),
+                                ("decode", DecodeReplica, config.decode_replicas)):
+        workers[role] = serve.deployment(
+            cls, name=role, num_replicas=replicas, ray_actor_options=options,
+            max_ongoing_requests=_MAX_ONGOING, request_router_config=router,
+            graceful_shutdown_timeout_s=5).bind(config)
+    return gateway.bind(config, workers["prefill"], workers["decode"])

@@ -1,0 +1,59 @@
+"""``tandem chat``: a terminal client that streams replies from a running server."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+import httpx
+
+
+def stream_reply(client: httpx.Client, url: str, messages: list[dict[str, str]],
+                 max_tokens: int, temperature: float, out: TextIO) -> str:
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True}
+    reply = []
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            message = response.json().get("error", {}).get("message", response.text)
+            raise RuntimeError(f"HTTP {response.status_code}: {message}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message", "stream failed"))
+            for choice in chunk.get("choices", ()):
+                text = choice.get("delta", {}).get("content") or ""
+                reply.append(text)
+                out.write(text)
+                out.flush()
+    out.write("\n")
+    return "".join(reply)
+
+
+def run(url: str, max_tokens: int, temperature: float, system: str | None,
+        prompt: str | None = None, inp: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
+    """One question (``prompt``) or an interactive loop; history is kept for the session."""
+    messages = [{"role": "system", "content": system}] if system else []
+    url = url.rstrip("/").removesuffix("/v1")
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0)) as client:
+        while True:
+            if prompt is None:
+                out.write("> ")
+                out.flush()
+                line = inp.readline()
+                if not line:
+                    return 0
+                question = line.strip()
+                if not question:
+                    continue
+            else:
+                question = prompt
+            messages.append({"role": "user", "content": question})
+            answer = stream_reply(client, url, messages, max_tokens, temperature, out)
+            messages.append({"role": "assistant", "content": answer})
+            if prompt is not None:
+                return 0

@@ -1,0 +1,134 @@
+"""``AppConfig``: everything ``build_app`` needs, from one YAML file and/or CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from services.engine.config import EngineConfig
+from services.kv_transfer.factory import TRANSPORTS
+
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    model: str | None = None  # .gguf file or HF directory; None: the built-in model
+    dtype: str = "float32"
+    block_size: int = 16
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    colocated: bool = False  # one engine in the gateway does both phases
+    kv_transport: str = "auto"  # nixl | tcp | auto (NIXL when it loads)
+    max_num_batched_tokens: int = 512  # per-step token budget (the prefill chunk size)
+    max_num_seqs: int = 32
+    max_waiting: int = 1024  # queue limit per engine; beyond it requests get 429
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 0.25
+    max_model_len: int | None = None
+    threads_per_worker: int = 1  # torch intra-op threads per engine
+    host: str = "127.0.0.1"  # HTTP and gRPC listen address
+    port: int = 8000
+    grpc_port: int = 50051
+    worker_host: str = "127.0.0.1"  # where workers' control and KV ports listen
+    redis_url: str | None = None  # None: in-process prefix index fed by the gateway
+    served_model_name: str | None = None
+    max_body_bytes: int = 1 << 20
+    lease_ttl_s: float = 30.0
+    poll_interval_s: float = 0.5  # gateway polls workers' load, stats (and events) this often
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_transport not in TRANSPORTS:
+            raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
+                              f"got {self.kv_transport!r}")
+        for name in ("block_size", "prefill_replicas", "decode_replicas",
+                     "max_num_batched_tokens", "max_num_seqs", "max_waiting",
+                     "threads_per_worker"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        for name in ("port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name} must be 0..65535, got {getattr(self, name)}")
+        if self.port and self.port == self.grpc_port:
+            raise ConfigError(f"port and grpc_port must differ, both are {self.port}")
+        for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.model is not None and not Path(self.model).exists():
+            raise ConfigError(f"model: {self.model} does not exist")
+        if self.redis_url is not None and not self.redis_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, "
+                              f"got {self.redis_url!r}")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model, dtype=self.dtype, block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
+            num_threads=self.threads_per_worker)
+
+    def replace(self, **changes: Any) -> AppConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> AppConfig:
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: "
+                              f"{', '.join(known)}")
+        for name, value in data.items():
+            _check_type(name, value, str(known[name].type), source)
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> AppConfig:
+        """Settings from the file, then ``overrides`` (CLI flags that were given) on top."""
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        return cls.from_dict({**data, **overrides}, str(path))
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ConfigError(f"{name} must be >= {low}, got {value}")
+
+
+def _check_type(name: str, value: object, annotation: str, source: str) -> None:
+    if value is None and "None" in annotation:
+        return
+    expected: tuple[type, ...] = ()
+    if annotation.startswith("int"):
+        expected = (int,)
+    elif annotation.startswith("float"):
+        expected = (int, float)
+    elif annotation.startswith("bool"):
+        expected = (bool,)
+    elif annotation.startswith("str"):
+        expected = (str,)
+    if expected and (not isinstance(value, expected)
+                     or (bool not in expected and isinstance(value, bool))):
+        raise ConfigError(f"{source}: {name} must be {annotation}, got {value!r}")

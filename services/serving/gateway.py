@@ -1,0 +1,106 @@
+"""The gateway ingress replica: the committed FastAPI app over HTTP (Serve's proxy) and the
+gRPC front end on its own port, both over one backend (disaggregated or colocated)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from router import (
+    InProcessEventBus,
+    InProcessRegistry,
+    RedisRegistry,
+    RedisStreamEventBus,
+    Router,
+    RouterConfig,
+    connect,
+)
+from services.engine.async_engine import AsyncEngine
+from services.engine.block_hash import HashSettings
+from services.engine.engine import LLMEngine
+from services.engine.model_loader import load_model
+from services.gateway import (
+    EngineBackend,
+    Gateway,
+    GatewayConfig,
+    create_grpc_server,
+    create_http_app,
+)
+from services.serving import metrics
+from services.serving.backend import DisaggBackend
+from services.serving.cluster_view import ClusterView, WorkerSnapshot
+from services.serving.config import AppConfig
+
+log = logging.getLogger(__name__)
+
+WORKERS_READY_TIMEOUT_S = 300.0
+
+
+@serve.ingress()
+class GatewayIngress:
+    async def __init__(self, config: AppConfig, prefill: DeploymentHandle | None = None,
+                   decode: DeploymentHandle | None = None) -> None:
+        self.config = config
+        self.view: ClusterView | None = None
+        self.router: Router | None = None
+        loaded = await asyncio.to_thread(load_model, config.model, config.dtype, False)
+        tokenizer = loaded.tokenizer
+        gateway_config = GatewayConfig(served_model_name=config.served_model_name,
+                                       max_body_bytes=config.max_body_bytes)
+        if config.colocated:
+            engine = await asyncio.to_thread(LLMEngine, config.engine_config(), loaded)
+            self.gateway = Gateway(EngineBackend(AsyncEngine(engine)), tokenizer, gateway_config)
+            source = self._colocated_snapshot
+        else:
+            assert prefill is not None and decode is not None
+            model_id = loaded.config.model_id
+            del loaded  # the gateway needs only the tokenizer
+            backend = await self._disaggregated(config, model_id, prefill, decode)
+            self.gateway = Gateway(backend, tokenizer, gateway_config)
+            source = backend.snapshots
+        metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source)
+        self.grpc = create_grpc_server(self.gateway, f"{config.host}:{config.grpc_port}")
+        await self.grpc.start()
+
+    async def _disaggregated(self, config: AppConfig, model_id: str, prefill: DeploymentHandle,
+                             decode: DeploymentHandle) -> DisaggBackend:
+        settings = HashSettings(config.block_size, model_id)
+        registry: InProcessRegistry | None = None
+        bus: InProcessEventBus | None = None
+        if config.redis_url:
+            router = Router(RouterConfig(settings), RedisRegistry(connect(config.redis_url)),
+                            RedisStreamEventBus(connect(config.redis_url)))
+            router.start()
+        else:
+            registry, bus = InProcessRegistry(settings), InProcessEventBus()
+            router = Router(RouterConfig(settings), registry, bus)
+        self.router = router
+        self.view = ClusterView(router, {"prefill": prefill, "decode": decode}, registry, bus,
+                                config.poll_interval_s)
+        await self.view.wait_for({"prefill": config.prefill_replicas,
+                                  "decode": config.decode_replicas}, WORKERS_READY_TIMEOUT_S)
+        self.view.start()
+        max_len = min(w.max_model_len for w in self.view.workers.values())
+        return DisaggBackend(router, self.view, prefill, decode, model_id, max_len)
+
+    def _colocated_snapshot(self) -> list[WorkerSnapshot]:
+        return [WorkerSnapshot("colocated", "colocated", self.gateway.backend.stats)]
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_http_app(self.gateway)
+
+    async def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.grpc.stop(1.0)
+        if self.view is not None:
+            await self.view.close()
+        if self.router is not None:
+            self.router.close()
+        backend = self.gateway.backend
+        if isinstance(backend, EngineBackend):
+            await asyncio.to_thread(backend.engine.shutdown)

@@ -1,0 +1,37 @@
+"""Replica choice inside Ray Serve: the gateway's ``Router`` picks a worker, this honours it.
+
+The gateway's disaggregated backend routes each prompt with ``router.Router`` (prefix- and
+load-aware) and passes the chosen worker id, which is the Serve replica id, as the
+``route_to`` keyword of the handle call. Serve's handle asks this request router which replica
+to send to: the named one when it is a candidate, else (no hint, or that replica is gone) the
+least-loaded candidate by Serve's own queue-length probe. Calls that must reach one particular
+replica (lease reject, status) check ``route_to`` on arrival.
+
+It also records the replica ids each deployment currently has, which the gateway uses to
+discover workers without a registry service (in-process mode).
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from services.serving import replica_ids
+
+ROUTE_TO = "route_to"
+
+
+class TandemRequestRouter(RequestRouter):
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        target = None if pending_request is None else pending_request.kwargs.get(ROUTE_TO)
+        if target is not None:
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            if chosen:
+                return [chosen]
+        return [candidate_replicas]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        replica_ids.record(self._deployment_id.name,
+                           frozenset(r.replica_id.unique_id for r in replicas))

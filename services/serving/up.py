@@ -1,0 +1,75 @@
+"""``tandem up``: a private local Ray, the app deployed, one ready line, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import TextIO
+
+from services.serving.config import AppConfig
+
+APP_NAME = "tandem"
+READY_TIMEOUT_S = 600.0
+
+
+def ready_line(config: AppConfig) -> str:
+    shape = ("colocated" if config.colocated
+             else f"{config.prefill_replicas} prefill, {config.decode_replicas} decode")
+    return (f"Tandem ready: HTTP http://{config.host}:{config.port}/v1  "
+            f"gRPC {config.host}:{config.grpc_port}  ({shape})")
+
+
+def run(config: AppConfig, out: TextIO = sys.stdout) -> int:
+    """Serve until SIGINT/SIGTERM; every Ray process started here is stopped on the way out."""
+    stop = threading.Event()
+    _on_signals(stop)
+    # Loopback-only, no auth token, no usage reporting: a private cluster for this command.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from services.app import build_app
+
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, logging_level="WARNING",
+             object_store_memory=128 * 1024 * 1024)
+    _on_signals(stop)  # again: ray.init installs its own SIGTERM handler (it aborts)
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port},
+                    logging_config={"log_level": "WARNING"})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        _wait_healthy(f"http://{config.host}:{config.port}/health", stop)
+        if not stop.is_set():
+            print(ready_line(config), file=out, flush=True)
+        stop.wait()
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+def _on_signals(stop: threading.Event) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def _wait_healthy(url: str, stop: threading.Event) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer within {READY_TIMEOUT_S} s")
+        stop.wait(0.1)

@@ -1,0 +1,115 @@
+"""`tandem up` as a subprocess: free ports, the ready line, SIGTERM, and a leftover check."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1\s+gRPC (\S+)")
+TANDEM = Path(sys.executable).with_name("tandem")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class UpProcess:
+    args: list[str]
+    log_path: Path
+    ready_timeout_s: float = 240.0
+    http_url: str = ""
+    grpc_target: str = ""
+    ready_s: float = 0.0
+    process: subprocess.Popen[str] | None = None
+    _descendants: list[psutil.Process] = field(default_factory=list)
+
+    def start(self) -> UpProcess:
+        port, grpc_port = free_port(), free_port()
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        started = time.monotonic()
+        self.process = subprocess.Popen(
+            [str(TANDEM), "up", "--port", str(port), "--grpc-port", str(grpc_port), *self.args],
+            stdout=subprocess.PIPE, stderr=self.log_path.open("w"), text=True, env=env)
+        line = _read_line(self.process, self.ready_timeout_s)
+        match = READY.match(line or "")
+        if match is None:
+            self.stop()
+            raise AssertionError(f"no ready line from tandem up (got {line!r}); log:\n"
+                                 + self.log_path.read_text()[-4000:])
+        self.ready_s = time.monotonic() - started
+        self.http_url, self.grpc_target = match.group(1), match.group(2)
+        return self
+
+    def descendants(self) -> list[psutil.Process]:
+        assert self.process is not None
+        return psutil.Process(self.process.pid).children(recursive=True)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, wait for exit; returns the exit code."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self._descendants = self.descendants()
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        finally:
+            for proc in self._descendants:  # only what this command started
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    proc.kill()
+
+    def leftovers(self, timeout_s: float = 20.0) -> list[str]:
+        """Processes started by the command still alive after it exited (polled)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alive = [p for p in self._descendants
+                     if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not alive or time.monotonic() > deadline:
+                return [f"{p.pid} {' '.join(p.cmdline()[:2])}" for p in alive]
+            time.sleep(0.1)
+
+
+def _read_line(process: subprocess.Popen[str], timeout_s: float) -> str | None:
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(process.stdout.readline()),  # type: ignore[union-attr]
+                              daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return result[0].strip() if result else None
+
+
+def metric_values(http_url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """{labels: value} of one Prometheus series name on /metrics."""
+    text = httpx.get(f"{http_url}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels_text, value = line[len(name) + 1:].rsplit("} ", 1)
+            labels = tuple(sorted(tuple(part.split("=", 1)) for part in
+                                  re.findall(r'\w+="[^"]*"', labels_text)))
+            values[tuple((k, v.strip('"')) for k, v in labels)] = float(value)
+    return values
+
+
+def per_worker(values: dict[tuple[tuple[str, str], ...], float]) -> dict[str, float]:
+    return {dict(labels)["worker"]: value for labels, value in values.items()}
+
+
+def wait_for(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.1)

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import UpProcess
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    """`tandem up` with 1 prefill + 1 decode worker on free loopback ports."""
+    log = Path(tmp_path_factory.mktemp("up")) / "tandem-up.log"
+    up = UpProcess(["--prefill", "1", "--decode", "1", "--kv-transport", "tcp"], log).start()
+    try:
+        yield up
+    finally:
+        up.stop()

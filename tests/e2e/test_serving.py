@@ -1,0 +1,227 @@
+"""End to end on a real local Ray Serve cluster started by `tandem up` (1 prefill, 1 decode)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from openai import AsyncOpenAI, OpenAI
+
+from services.engine.sampling_params import SamplingParams
+from services.gateway.pb import generation_pb2 as pb
+from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tests.e2e.cluster import UpProcess, metric_values, per_worker, wait_for
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 24
+TOKEN_IDS = {"return_token_ids": True}
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def reference(make_engine):  # type: ignore[no-untyped-def]
+    """The engine's own greedy output for a prompt's token ids."""
+    engine = make_engine()
+
+    def greedy(prompt: list[int], max_tokens: int = MAX_TOKENS, **kw: object) -> list[int]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+        return engine.generate([prompt], params)[0]
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def client(cluster: UpProcess) -> OpenAI:
+    return OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused", max_retries=0,
+                  timeout=120)
+
+
+def _tokens(obj: object) -> list[int]:
+    return list(obj.model_extra["token_ids"])  # type: ignore[attr-defined]
+
+
+def test_chat_matches_engine(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION,  # type: ignore[arg-type]
+                                              max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body=TOKEN_IDS)
+    prompt = list(response.model_extra["prompt_token_ids"])
+    want = reference(prompt)
+    got = _tokens(response.choices[0])
+    assert got == want
+    assert "Paris" in (response.choices[0].message.content or "")
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == len(prompt)
+    assert response.usage.completion_tokens == len(want)
+    assert response.usage.total_tokens == len(prompt) + len(want)
+
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION,  # type: ignore[arg-type]
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body=TOKEN_IDS)
+    streamed, text, usage = [], "", None
+    for chunk in stream:
+        if chunk.choices:
+            streamed += chunk.choices[0].model_extra.get("token_ids") or []
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert streamed == want
+    assert text == response.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == len(want)
+
+
+def test_completion_matches_engine(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+    prompt = "The three primary colours are"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                         temperature=0, extra_body={**TOKEN_IDS,
+                                                                    "ignore_eos": True})
+    prompt_ids = list(response.model_extra["prompt_token_ids"])
+    want = reference(prompt_ids, ignore_eos=True)
+    assert _tokens(response.choices[0]) == want
+    assert response.usage is not None
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (
+        len(prompt_ids), MAX_TOKENS)
+    assert response.choices[0].finish_reason == "length"
+
+    streamed, text = [], ""
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                           temperature=0, stream=True,
+                                           extra_body={**TOKEN_IDS, "ignore_eos": True}):
+        if chunk.choices:
+            streamed += chunk.choices[0].model_extra.get("token_ids") or []
+            text += chunk.choices[0].text
+    assert streamed == want
+    assert text == response.choices[0].text
+
+
+def test_grpc_streams_same_tokens(cluster: UpProcess, client: OpenAI,
+                                  reference) -> None:  # type: ignore[no-untyped-def]
+    prompt = [1, 504, 3458, 282, 4649, 314]  # token ids: no tokenizer in the way
+    want = reference(prompt, ignore_eos=True)
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingOptions(
+            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        responses = list(stub.Generate(request, timeout=120))
+        assert [t for r in responses for t in r.token_ids] == want
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert responses[-1].usage.completion_tokens == MAX_TOKENS
+        assert len(responses) > 2  # streamed, not one message at the end
+
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "tandem.v1.Generation"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "tandem.v1.Generation" in services
+
+
+def test_sixteen_concurrent_streams(cluster: UpProcess, reference) -> None:  # type: ignore[no-untyped-def]
+    prompts = [f"Write one sentence about the number {i}." for i in range(16)]
+
+    async def one(client: AsyncOpenAI, prompt: str) -> tuple[list[int], list[int], str | None]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+            extra_body={**TOKEN_IDS, "ignore_eos": True})
+        tokens, prompt_ids, finish = [], [], None
+        async for chunk in stream:
+            extra = chunk.model_extra or {}
+            prompt_ids = extra.get("prompt_token_ids") or prompt_ids
+            if chunk.choices:
+                tokens += chunk.choices[0].model_extra.get("token_ids") or []
+                finish = chunk.choices[0].finish_reason or finish
+        return tokens, prompt_ids, finish
+
+    async def run() -> list[tuple[list[int], list[int], str | None]]:
+        async with AsyncOpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused",
+                               max_retries=0, timeout=180) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(run())
+    tokenize = httpx.post(f"{cluster.http_url}/v1/completions", timeout=60, json={
+        "prompt": prompts[0], "max_tokens": 1, "return_token_ids": True}).json()
+    for i, (tokens, prompt_ids, finish) in enumerate(results):
+        assert finish == "length", i
+        ids = prompt_ids or (tokenize["prompt_token_ids"] if i == 0 else None)
+        assert len(tokens) == 16, i
+        if ids:
+            assert tokens == reference(ids, max_tokens=16, ignore_eos=True), i
+
+
+def _all_blocks_free(cluster: UpProcess) -> bool:
+    free = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_free_blocks"))
+    total = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_blocks"))
+    leases = per_worker(metric_values(cluster.http_url, "tandem_prefill_leases"))
+    return len(free) == 2 and free == total and not any(leases.values())
+
+
+def test_disconnect_frees_every_block(cluster: UpProcess) -> None:
+    body = {"prompt": "Tell me a very long story about a lighthouse keeper." * 8,
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 5:
+                break  # leave mid-stream
+    wait_for(lambda: _all_blocks_free(cluster), 30, "every KV block free on both workers")
+    aborted = metric_values(cluster.http_url, "tandem_request_success_total")
+    assert any(dict(k)["finished_reason"] == "abort" and v >= 1 for k, v in aborted.items())
+
+
+def test_stop_string_ends_stream(client: OpenAI) -> None:
+    base = client.completions.create(model=MODEL, prompt="Count: one, two, three,",
+                                     max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    full = base.choices[0].text
+    cut = len(full) // 2
+    stop = full[cut:cut + 4]
+    assert stop.strip(), full
+    text, finish = "", None
+    for chunk in client.completions.create(model=MODEL, prompt="Count: one, two, three,",
+                                           max_tokens=20, temperature=0, stream=True,
+                                           stop=[stop], extra_body={"ignore_eos": True}):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+    assert text == full[:full.index(stop)]
+    assert finish == "stop"
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
+    ({"prompt": [1] * 6000, "max_tokens": 1}, 400, "context length"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "n": 3}, 400, "n"),
+    (b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}', 413, "larger than the limit"),
+])
+def test_bad_requests_get_4xx(cluster: UpProcess, body: object, status: int,
+                              needle: str) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{cluster.http_url}/v1/completions", content=content, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    message = response.json()["error"]["message"]
+    assert needle.lower() in message.lower(), message
+    ok = httpx.post(f"{cluster.http_url}/v1/completions", timeout=60,
+                    json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_up_exits_cleanly_on_sigterm(cluster: UpProcess) -> None:
+    """Runs last in this module: the ready line came, requests were served; now SIGTERM."""
+    assert cluster.ready_s > 0
+    assert cluster.stop() == 0
+    assert cluster.leftovers() == []
