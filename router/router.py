@@ -344,7 +344,8 @@ class Router:
 
     def _pending(self, worker_id: str) -> float:
         reported = self._workers[worker_id].load.pending_prefill_blocks
-        return reported + self._inflight.blocks(worker_id)
+        stale = min(reported, self._inflight.credit(worker_id))
+        return reported - stale + self._inflight.blocks(worker_id)
 
     def _decode_load(self, worker_id: str) -> float:
         record = self._workers[worker_id]

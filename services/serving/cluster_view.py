@@ -46,6 +46,7 @@ class ClusterView:
         self.poll_s = poll_s
         self.workers: dict[str, WorkerSnapshot] = {}
         self._infos: dict[str, WorkerInfo] = {}
+        self._report_seq: dict[str, int] = {}  # newest report applied, per worker
         self._task: asyncio.Task[None] | None = None
 
     def ingest(self, report: Mapping[str, Any]) -> None:
@@ -56,8 +57,11 @@ class ClusterView:
         events = [decode_event(raw).event for raw in report.get("events", ())]
         if events:
             self.bus.publish(worker_id, events)
+        seq = int(report["seq"])
+        newest = seq > self._report_seq.get(worker_id, 0)
         info = self._infos.get(worker_id)
-        if info is not None and self.registry is not None:
+        if newest and info is not None and self.registry is not None:
+            self._report_seq[worker_id] = seq
             self.registry.register(info, WorkerLoad(**report["load"]))
         self.router.sync()
 
@@ -71,6 +75,7 @@ class ClusterView:
         for gone in set(self.workers) - self._live_ids():
             del self.workers[gone]
             self._infos.pop(gone, None)
+            self._report_seq.pop(gone, None)
         self.router.sync()
 
     def _live_ids(self) -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -41,6 +42,9 @@ class _Replica:
         engine = LLMEngine(config.engine_config())
         self.engine = engine
         self.events = None if config.redis_url else EventBuffer(engine.kv_events, self.worker_id)
+        # Reports can reach the gateway out of order (a slow status poll after a response);
+        # the sequence lets it keep the newest load.
+        self._report_seq = itertools.count(1)
         self.redis: RedisMembership | None = None
         self.address = ""
         return engine
@@ -75,7 +79,8 @@ class _Replica:
 
     def report(self) -> dict[str, Any]:
         """Load and buffered KV events, piggy-backed on every response to the gateway."""
-        return {"worker_id": self.worker_id, "load": dataclasses.asdict(self.load()),
+        return {"worker_id": self.worker_id, "seq": next(self._report_seq),
+                "load": dataclasses.asdict(self.load()),
                 "events": self.events.drain() if self.events is not None else []}
 
     async def status(self, route_to: str | None = None) -> dict[str, Any] | None:

@@ -10,9 +10,10 @@ from tests.e2e.cluster import UpProcess
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    """`tandem up` with 1 prefill + 1 decode worker on free loopback ports."""
+    """`tandem up` with 1 prefill + 1 decode worker on free loopback ports, moving KV over NIXL
+    (the default transport; the other e2e clusters use TCP)."""
     log = Path(tmp_path_factory.mktemp("up")) / "tandem-up.log"
-    up = UpProcess(["--prefill", "1", "--decode", "1", "--kv-transport", "tcp"], log).start()
+    up = UpProcess(["--prefill", "1", "--decode", "1", "--kv-transport", "nixl"], log).start()
     try:
         yield up
     finally:

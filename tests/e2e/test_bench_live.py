@@ -21,7 +21,8 @@ def counter_total(http_url: str, name: str) -> float:
 
 def test_short_live_run_against_tandem(cluster, tmp_path: Path) -> None:
     before = {n: counter_total(cluster.http_url, n)
-              for n in ("tandem_prompt_tokens_total", "tandem_generation_tokens_total")}
+              for n in ("tandem_prompt_tokens_total", "tandem_generation_tokens_total",
+                        "tandem_kv_transfer_bytes_total")}
     code = cli.main(["--base-url", cluster.http_url, "--label", "tandem", "--workload", "prefix",
                      "--num-requests", "6", "--concurrency", "3", "--input-len", "40:80",
                      "--output-len", "4:8", "--prefix-len", "32", "--num-tenants", "2",
@@ -41,6 +42,8 @@ def test_short_live_run_against_tandem(cluster, tmp_path: Path) -> None:
         "tandem_prompt_tokens_total"]
     assert summary["output_tokens"] == after["tandem_generation_tokens_total"] - before[
         "tandem_generation_tokens_total"]
+    # The prompts (40-80 tokens) were prefilled on P and their full blocks pulled by D.
+    assert after["tandem_kv_transfer_bytes_total"] > before["tandem_kv_transfer_bytes_total"]
     assert (tmp_path / "report.md").read_text().count("| tandem |") >= 1
     for name in PLOT_FILES:
         assert matplotlib.image.imread(tmp_path / name).shape[0] > 100

@@ -46,9 +46,16 @@ def test_prefix_hits_concentrate(two_prefill: UpProcess) -> None:
     queries = {w: v for w, v in per_worker(
         metric_values(url, "tandem_prefix_cache_queries_total")).items()
         if roles.get(w) == "prefill"}
-    assert len(hits) == 2, hits
-    # Every repeat found its whole prefix: each went to the worker holding it.
-    assert sum(hits.values()) == len(prefixes) * (REPEATS - 1) * PREFIX_BLOCKS * BLOCK, hits
+    assert len(hits) == 2, (hits, roles)
+    # A repeat whose whole prompt the decode worker already caches (from an earlier import)
+    # may skip prefill by design; every other repeat must find its whole prefix on P.
+    prompt_len = PREFIX_BLOCKS * BLOCK + 2
+    to_prefill, rest = divmod(int(sum(queries.values())), prompt_len)
+    assert rest == 0, queries
+    skipped = len(prefixes) * REPEATS - to_prefill
+    assert 0 <= skipped <= len(prefixes) * (REPEATS - 1), queries
+    assert sum(hits.values()) == (to_prefill - len(prefixes)) * PREFIX_BLOCKS * BLOCK, (
+        hits, queries)
     # Each worker's hits are whole prefixes it served before (no scattered partial hits).
     for worker, value in hits.items():
         assert value % (PREFIX_BLOCKS * BLOCK) == 0, (worker, hits)

@@ -348,3 +348,27 @@ def test_background_sync_thread(cluster: Cluster) -> None:
     wait_until(lambda: router.cached_prefix(prompt).get("p1") == 16, what="the index to fill")
     assert router.route(prompt).prefill_worker == "p1"
     router.close()
+
+
+def test_one_request_at_a_time_keeps_its_prefix_worker(cluster: Cluster) -> None:
+    """A heartbeat sampled while a request was in flight must not count it once released."""
+    router = cluster.router()
+    holder, idle = cluster.worker("p0"), cluster.worker("p1")
+    system = blocks(12, seed=9)
+    holder.cache(system)
+    router.sync()
+    for seed in range(5):
+        # 12 cached + 14 new blocks: cost(p0) = 14, cost(p1) = 26 with no load.
+        decision = router.route(system + tokens(200 + seed, 14 * 16))
+        assert decision.prefill_worker == "p0" and decision.reason == "prefix"
+        cluster.clock.advance(0.1)
+        # p0 reports while it computes this request's 14 blocks (a stale 14 would flip it).
+        holder.heartbeat(WorkerLoad(pending_prefill_blocks=14))
+        idle.heartbeat(WorkerLoad())
+        router.sync()
+        router.release(decision.request_id)  # the prefill finished; no heartbeat since
+        cluster.clock.advance(0.1)
+    # A later heartbeat that really shows load is still respected.
+    holder.heartbeat(WorkerLoad(pending_prefill_blocks=40))
+    router.sync()
+    assert router.route(system + tokens(300, 14 * 16)).prefill_worker == "p1"
