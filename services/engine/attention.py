@@ -1,7 +1,9 @@
 """Paged attention over the block-major KV cache.
 
 The model runner builds one ``AttentionMetadata`` per step; every layer reuses it. Rows of the
-step's flat token batch are ordered: single-token queries (decodes) first, then prefill chunks.
+step's flat token batch are ordered: decode batches first (sequences generating tokens, each
+with the same short query: one token, or one plus its speculative draft tokens), then prefill
+chunks.
 ``TorchAttention`` is the reference and the CPU backend: gather a sequence's blocks, then
 ``scaled_dot_product_attention``. Other backends (flash-attn, Triton) implement the same call.
 """
@@ -27,12 +29,30 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeBatch:
+    """``num_seqs`` sequences with ``query_len`` query rows each, from row ``start`` on.
+
+    Query row ``i`` of a sequence attends to its cached keys up to its own position. The mask
+    repeats a sequence's rows for every query head of a KV group (see the folding below); with
+    one query row it has a single row that broadcasts.
+    """
+
+    start: int
+    num_seqs: int
+    query_len: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    mask: torch.Tensor  # [num_seqs, 1, heads_per_kv_group * query_len | 1, max_keys] bool
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_seqs * self.query_len
+
+
+@dataclass
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id where each new token's k/v goes
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    num_decodes: int  # rows [0, num_decodes) are single-token queries
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decodes: list[DecodeBatch]
     prefills: list[PrefillSpan]
 
 
@@ -54,21 +74,24 @@ class TorchAttention:
         value_cache[meta.slot_blocks, meta.slot_offsets] = v
 
         out = torch.empty_like(q)
-        n = meta.num_decodes
-        if n:
-            assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        group = num_heads // num_kv_heads
+        for batch in meta.decodes:
+            n, length = batch.num_seqs, batch.query_len
             # Gathering k and v separately leaves each contiguous: the reshape and transpose
             # below are views, and SDPA reads the strided layout without another copy.
-            table = meta.decode_block_tables.flatten()
+            table = batch.block_tables.flatten()
             # index_select, not advanced indexing: ~25x faster on this strided view on CPU.
             keys = key_cache.index_select(0, table).view(n, -1, num_kv_heads, head_dim)
             values = value_cache.index_select(0, table).view(n, -1, num_kv_heads, head_dim)
-            # Fold each KV group's query heads into the query-length dim: one matmul per group.
-            group_q = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            # Fold each KV group's query heads (and query rows) into the query-length dim:
+            # one matmul per KV head instead of one per query head.
+            group_q = (q[batch.start:batch.end].view(n, length, num_kv_heads, group, head_dim)
+                       .permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * length, head_dim))
             attn = F.scaled_dot_product_attention(group_q, keys.transpose(1, 2),
-                                                  values.transpose(1, 2),
-                                                  attn_mask=meta.decode_mask)
-            out[:n] = attn.reshape(n, num_heads, head_dim)
+                                                  values.transpose(1, 2), attn_mask=batch.mask)
+            out[batch.start:batch.end] = (attn.view(n, num_kv_heads, group, length, head_dim)
+                                          .permute(0, 3, 1, 2, 4)
+                                          .reshape(n * length, num_heads, head_dim))
 
         for span in meta.prefills:
             q_span = q[span.start:span.end].transpose(0, 1)  # [Hq, len, D]

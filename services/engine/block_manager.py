@@ -100,6 +100,19 @@ class BlockManager:
             seq.block_ids.append(self._pop_free())
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the tail blocks ``seq`` holds beyond ``num_tokens`` tokens (KV of rejected
+        speculative tokens). Those blocks were never full of computed tokens, so no prefix-cache
+        entry points at them."""
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(seq.block_ids[keep:]):
+            block = self.blocks[block_id]
+            assert block.block_hash is None, "a trimmed block must not be in the prefix cache"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        del seq.block_ids[keep:]
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks go to the free queue first so a chain's prefix outlives its suffix.
         for block_id in reversed(seq.block_ids):

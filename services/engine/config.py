@@ -36,6 +36,48 @@ class ModelConfig:
             )
 
 
+SPEC_METHODS = ("none", "ngram", "draft", "self")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding on this engine (the decode role, or a colocated engine)."""
+
+    method: str = "none"  # none | ngram (prompt lookup) | draft (a small model) | self
+    k: int = 4  # draft tokens per step, at most; a request may ask for fewer
+    draft_model: str | None = None  # method "draft": .gguf or HF dir sharing the tokenizer
+    draft_kv_cache_memory_gb: float = 0.125  # the draft model's own paged KV cache
+    self_draft_layers: int | None = None  # method "self": None = a quarter of the layers
+    ngram_min: int = 1  # prompt lookup matches the last n tokens, n from ngram_max down
+    ngram_max: int = 4
+    # Load-adaptive policy: at most this many draft tokens per step across the batch (so k
+    # shrinks as the batch grows and speculation stops past it), and a request whose recent
+    # acceptance rate falls below min_acceptance pauses speculating for a while.
+    adaptive: bool = True
+    max_draft_tokens_per_step: int = 16
+    min_acceptance: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, "
+                             f"got {self.method!r}")
+        if not 1 <= self.k <= 16:
+            raise ValueError(f"spec k must be between 1 and 16, got {self.k}")
+        if self.self_draft_layers is not None and self.self_draft_layers < 1:
+            raise ValueError(f"self_draft_layers must be >= 1, got {self.self_draft_layers}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
+        if self.max_draft_tokens_per_step < 1:
+            raise ValueError("max_draft_tokens_per_step must be >= 1")
+        if not 0.0 <= self.min_acceptance < 1.0:
+            raise ValueError(f"min_acceptance must be in [0, 1), got {self.min_acceptance}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 @dataclass
 class EngineConfig:
     """How an engine runs a model. Defaults suit the built-in model on a small CPU."""
@@ -54,6 +96,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     attention_backend: str = "torch"
     seed: int = 0  # for requests that sample without their own seed
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,8 @@ from services.engine.sampler import Sampler, token_logprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
+from services.engine.speculative.policy import SpecPolicy
+from services.engine.speculative.proposer import Proposer, build_proposer
 
 
 class RequestError(ValueError):
@@ -79,10 +81,23 @@ class EngineStats:
     num_preemptions: int
     num_pinned: int = 0  # prefill-only requests holding their KV for a transfer
     num_importing: int = 0  # requests whose KV a transfer is filling
+    spec_draft_tokens: int = 0  # draft tokens the target verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_steps: int = 0  # (sequence, step) pairs that verified at least one draft token
+
+
+@dataclass
+class SpecStats:
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 draft: LoadedModel | None = None) -> None:
+        """``draft``: the speculative draft model, already loaded (else it is loaded from
+        ``config.speculative.draft_model``)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -105,6 +120,15 @@ class LLMEngine:
                            max_positions=self.max_model_len, device=config.device)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device)
         self.sampler = Sampler(config.seed)
+        spec = config.speculative
+        if draft is not None and spec.method == "draft":
+            from services.engine.speculative.draft import DraftModelProposer
+            self.proposer: Proposer | None = DraftModelProposer.load(draft, config, model)
+        else:
+            self.proposer = build_proposer(config, model)
+        self.spec_policy = SpecPolicy(spec)
+        self.spec_stats = SpecStats()
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.requests: dict[str, Sequence] = {}  # queued or running
         self.pinned: dict[str, Sequence] = {}  # prefill done, KV held until release_kv
         self.imports: dict[str, Sequence] = {}  # blocks reserved, KV being transferred in
@@ -130,7 +154,7 @@ class LLMEngine:
             return False
         self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ABORT
-        self.sampler.forget(request_id)
+        self._forget(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -233,40 +257,108 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         if not plan.scheduled:
             return []
         result = self.runner.execute(plan.scheduled)
+        reached_end = set(map(id, result.sampled))
         for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(item.seq)
+            if id(item.seq) not in reached_end:  # a prefill chunk short of the prompt's end
+                item.seq.num_computed_tokens += item.num_new_tokens
+                self.block_manager.cache_full_blocks(item.seq)
         if not result.sampled:
             return []
-        ids = [s.request_id for s in result.sampled]
-        tokens = self.sampler.sample(result.logits, ids, [s.sampling for s in result.sampled])
+        plain = [i for i, seq in enumerate(result.sampled) if not seq.spec_token_ids]
+        plain_tokens = self.sampler.sample(
+            result.logits[[result.first_rows[i] for i in plain]],
+            [result.sampled[i].request_id for i in plain],
+            [result.sampled[i].sampling for i in plain])
+        emitted: dict[int, list[int]] = dict(zip(plain, ([t] for t in plain_tokens),
+                                                 strict=True))
         outputs = []
-        for row, (seq, token) in enumerate(zip(result.sampled, tokens, strict=True)):
-            new_logprobs = []
-            if seq.sampling.logprobs is not None:
-                new_logprobs.append(token_logprobs(result.logits[row], token,
-                                                   seq.sampling.logprobs))
-                seq.logprobs.extend(new_logprobs)
-            seq.token_ids.append(token)
-            self._check_stop(seq, token)
-            kv = None
-            if seq.finish_reason is not None:
-                self._finish(seq)
-            elif seq.prefill_only:
-                kv = self._pin(seq)
-            outputs.append(RequestOutput(
-                request_id=seq.request_id, new_token_ids=[token], new_logprobs=new_logprobs,
-                finished=seq.is_finished, finish_reason=seq.finish_reason,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=seq.num_output_tokens,
-                num_cached_tokens=seq.num_cached_tokens, kv=kv,
-            ))
+        for i, (seq, row) in enumerate(zip(result.sampled, result.first_rows, strict=True)):
+            logits = result.logits[row:row + 1 + len(seq.spec_token_ids)]
+            tokens = emitted[i] if i in emitted else self._verify(seq, logits)
+            outputs.append(self._append_tokens(seq, tokens, logits))
         return outputs
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+        drafts = seq.spec_token_ids
+        probs = self._draft_probs.pop(seq.request_id, None)
+        if probs is not None:
+            probs = probs[:len(drafts)]  # the scheduler may have cut the drafts to its budget
+        tokens = self.sampler.verify(logits, seq.request_id, seq.sampling, drafts, probs)
+        accepted = len(tokens) - 1
+        self.spec_stats.draft_tokens += len(drafts)
+        self.spec_stats.accepted_tokens += accepted
+        self.spec_stats.steps += 1
+        self.spec_policy.observe(seq.request_id, len(drafts), accepted)
+        return tokens
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logits: torch.Tensor
+                       ) -> RequestOutput:
+        """Emit a step's tokens for ``seq`` (more than one when drafts were accepted), up to a
+        stop. Every real input token now has its KV, and so does each accepted draft."""
+        num_real = seq.num_tokens
+        num_accepted = len(tokens) - 1
+        emitted: list[int] = []
+        new_logprobs = []
+        for row, token in enumerate(tokens):
+            if seq.sampling.logprobs is not None:
+                new_logprobs.append(token_logprobs(logits[row], token, seq.sampling.logprobs))
+            seq.token_ids.append(token)
+            emitted.append(token)
+            self._check_stop(seq, token)
+            if seq.finish_reason is not None:
+                break
+        seq.logprobs.extend(new_logprobs)
+        seq.spec_token_ids = []
+        seq.num_computed_tokens = num_real + min(len(emitted), num_accepted)
+        self.block_manager.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
+        self.block_manager.cache_full_blocks(seq)
+        kv = None
+        if seq.finish_reason is not None:
+            self._finish(seq)
+        elif seq.prefill_only:
+            kv = self._pin(seq)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=emitted, new_logprobs=new_logprobs,
+            finished=seq.is_finished, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens, kv=kv,
+        )
+
+    # -- speculative decoding -------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Draft tokens for the running sequences that are generating."""
+        running = self.scheduler.running
+        candidates = [s for s in running if not s.prefill_only
+                      and s.num_computed_tokens == s.num_tokens - 1]
+        for seq in candidates:  # drafts left from a step that did not schedule the sequence
+            seq.spec_token_ids = []
+        lengths = self.spec_policy.draft_lengths(candidates, len(running))
+        requests = []
+        for seq in candidates:
+            # Every draft may be accepted and a bonus token follows: stay within max_tokens
+            # and the context (the last draft is an input at position num_tokens - 1 + k).
+            room = min(seq.sampling.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens)
+            k = min(lengths.get(seq.request_id, 0), room)
+            if k > 0:
+                requests.append((seq, k))
+        if not requests:
+            return
+        assert self.proposer is not None
+        proposals = self.proposer.propose(requests)
+        for seq, _ in requests:
+            proposal = proposals.get(seq.request_id)
+            if proposal is not None:
+                seq.spec_token_ids = proposal.token_ids
+                self._draft_probs[seq.request_id] = proposal.probs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[int]]:
@@ -291,6 +383,9 @@ class LLMEngine:
             kv_cache_usage=bm.usage, prefix_cache_queries=bm.stats.queries,
             prefix_cache_hits=bm.stats.hits, num_preemptions=self.num_preemptions,
             num_pinned=len(self.pinned), num_importing=len(self.imports),
+            spec_draft_tokens=self.spec_stats.draft_tokens,
+            spec_accepted_tokens=self.spec_stats.accepted_tokens,
+            spec_steps=self.spec_stats.steps,
         )
 
     # -- internals ------------------------------------------------------------------------
@@ -306,12 +401,21 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
-        self.sampler.forget(seq.request_id)
+        self._forget(seq)
         assert seq.status is SequenceStatus.FINISHED
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop per-request state kept outside the sequence (sampling, speculation)."""
+        self.sampler.forget(seq.request_id)
+        seq.spec_token_ids = []
+        self._draft_probs.pop(seq.request_id, None)
+        self.spec_policy.forget(seq.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq.request_id)
 
     def _pin(self, seq: Sequence) -> PinnedKV:
         self.scheduler.finish(seq, free_blocks=False)
         self.requests.pop(seq.request_id, None)
-        self.sampler.forget(seq.request_id)
+        self._forget(seq)
         self.pinned[seq.request_id] = seq
         return PinnedKV(seq.request_id, tuple(seq.block_ids), seq.num_computed_tokens)

@@ -7,6 +7,8 @@ so greedy output matches transformers on the same weights.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import torch
@@ -90,6 +92,14 @@ class LlamaModel(nn.Module):
         dtype = self.embed.dtype
         self.cos = emb.cos().to(dtype).to(device)
         self.sin = emb.sin().to(dtype).to(device)
+
+    def first_layers(self, num_layers: int) -> LlamaModel:
+        """A model of this one's first ``num_layers`` layers plus its final norm and head,
+        sharing every weight (the self-draft for speculative decoding)."""
+        draft = copy.copy(self)
+        draft.config = dataclasses.replace(self.config, num_layers=num_layers)
+        draft.layers = self.layers[:num_layers]
+        return draft
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

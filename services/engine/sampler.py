@@ -6,12 +6,22 @@ import torch
 
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import TokenLogprobs
+from services.engine.speculative.acceptance import (
+    AcceptanceRule,
+    accept_greedy,
+    rejection_sample,
+)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, acceptance_rule: AcceptanceRule = rejection_sample,
+                 stream: int = 0) -> None:
+        """``stream`` separates samplers that see the same seeded requests: a draft model's
+        random draws must be independent of the target's acceptance draws."""
         self._shared = torch.Generator().manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
+        self._stream = stream
+        self.acceptance_rule = acceptance_rule
 
     def forget(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
@@ -21,7 +31,8 @@ class Sampler:
             return self._shared
         gen = self._per_request.get(request_id)
         if gen is None:
-            gen = self._per_request[request_id] = torch.Generator().manual_seed(params.seed)
+            seed = (params.seed + self._stream * 0x9E3779B97F4A7C15) % 2**63
+            gen = self._per_request[request_id] = torch.Generator().manual_seed(seed)
         return gen
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
@@ -35,6 +46,26 @@ class Sampler:
                 gen = self._generator(request_id, p)
                 tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
         return tokens
+
+    def draw(self, logits: torch.Tensor, request_id: str, params: SamplingParams
+             ) -> tuple[int, torch.Tensor | None]:
+        """One token from one row of logits, with the distribution it came from (None when
+        greedy: the argmax)."""
+        if params.greedy:
+            return int(logits.argmax()), None
+        probs = probabilities(logits.cpu(), params)
+        gen = self._generator(request_id, params)
+        return int(torch.multinomial(probs, 1, generator=gen)), probs
+
+    def verify(self, logits: torch.Tensor, request_id: str, params: SamplingParams,
+               draft_tokens: list[int], draft_probs: torch.Tensor | None) -> list[int]:
+        """The tokens a step emits for a sequence that verified ``draft_tokens``: the accepted
+        drafts, then one from the target. ``logits`` has one row more than the drafts."""
+        if params.greedy:
+            return accept_greedy(logits.argmax(dim=-1).tolist(), draft_tokens)
+        target = torch.stack([probabilities(row, params) for row in logits.cpu()])
+        return self.acceptance_rule(target, draft_tokens, draft_probs,
+                                    self._generator(request_id, params))
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

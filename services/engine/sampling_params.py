@@ -15,6 +15,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+    speculative: bool = True  # use the engine's speculative decoding, if it has one
+    num_speculative_tokens: int | None = None  # cap on draft tokens per step; None: engine's
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -27,6 +29,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be between 1 and 16, got "
+                             f"{self.num_speculative_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

@@ -1,10 +1,11 @@
 """Iteration-level scheduler: continuous batching with chunked prefill.
 
-Each step spends a token budget: running sequences first (one decode token each, or the next
-chunk of an unfinished prompt), then waiting prompts in arrival order. A long prompt is cut to
-what is left of the budget, so it never holds up running sequences for more than one chunk.
-When blocks run out, the newest running sequence is preempted: its blocks are freed and it is
-recomputed later (its full blocks usually come back from the prefix cache).
+Each step spends a token budget: running sequences first (one decode token each, plus any
+speculative draft tokens to verify, or the next chunk of an unfinished prompt), then waiting
+prompts in arrival order. A long prompt is cut to what is left of the budget, so it never holds
+up running sequences for more than one chunk. When blocks run out, the newest running sequence
+is preempted: its blocks are freed and it is recomputed later (its full blocks usually come
+back from the prefix cache).
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if seq.spec_token_ids:  # verify as many draft tokens as the budget allows
+                del seq.spec_token_ids[max(0, budget - num_new):]
+                num_new += len(seq.spec_token_ids)
+            num_new = min(num_new, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -105,6 +110,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -48,6 +48,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prefill_only: bool = False  # prefill role: stop after the first token and pin the prompt KV
+    # Speculative draft tokens for this step, verified after the last real token; never part
+    # of token_ids until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

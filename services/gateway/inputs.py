@@ -34,6 +34,8 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+    speculative: bool = True  # speculative decoding, where the server runs it
+    num_speculative_tokens: int | None = None  # cap on draft tokens per step
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
             seed=options.seed,
             ignore_eos=options.ignore_eos,
             logprobs=options.logprobs,
+            speculative=options.speculative,
+            num_speculative_tokens=options.num_speculative_tokens,
         )
     except ValueError as exc:  # SamplingParams names the field first in its messages
         field_name = str(exc).split(" ", 1)[0]

@@ -36,6 +36,9 @@ class _CommonRequest(_Body):
     user: str | None = None  # accepted, not used: end users may share cached prefixes
     cache_salt: str | None = None  # extension: per-tenant prefix-cache isolation
     ignore_eos: bool = False  # extension
+    # Extensions: speculative decoding (when the server runs it) per request.
+    speculative: bool = True  # false: decode this request without drafts
+    num_speculative_tokens: int | None = Field(None, ge=1, le=16)  # cap on drafts per step
     return_token_ids: bool = False  # extension: token ids in every choice (and the prompt's)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -114,7 +117,8 @@ class ChatCompletionRequest(_CommonRequest):
             max_tokens=self.max_completion_tokens or self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop_strings(), ignore_eos=self.ignore_eos,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens)
 
 
 class CompletionRequest(_CommonRequest):
@@ -147,4 +151,5 @@ class CompletionRequest(_CommonRequest):
         return SamplingOptions(
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=self.stop_strings(),
-            ignore_eos=self.ignore_eos, logprobs=self.logprobs)
+            ignore_eos=self.ignore_eos, logprobs=self.logprobs, speculative=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens)

@@ -57,6 +57,10 @@ def test_invalid_json(server: ServeAddresses, client: openai.OpenAI, gateway: Ga
     ({"n": 3}, "n", "n=3"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"extra_body": {"top_k": -5}}, "top_k", "greater than or equal to -1"),
+    ({"extra_body": {"num_speculative_tokens": 0}}, "num_speculative_tokens",
+     "greater than or equal to 1"),
+    ({"extra_body": {"num_speculative_tokens": 17}}, "num_speculative_tokens",
+     "less than or equal to 16"),
 ])
 def test_invalid_values_are_400(client: openai.OpenAI, gateway: Gateway,
                                 kwargs: dict[str, object], param: str, words: str) -> None:
@@ -189,6 +193,9 @@ def test_full_queue_is_429_with_retry_after(make_engine, loaded_model: LoadedMod
             assert refused.status_code == 429
             assert refused.headers["retry-after"] == "3"
             assert "overloaded" in str(error_of(refused)["message"])
+            assert gateway.metrics.registry.get_sample_value(
+                "tandem_request_failures_total",
+                {"model_name": gateway.model_name, "reason": "rejected"}) == 1
         # Closing the running stream aborts it; the waiting request then runs.
         thread.join(60)
         assert waiting and waiting[0].status_code == 200
