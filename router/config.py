@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from services.engine.block_hash import HashSettings
+
+# Routing policies. prefix: cache affinity weighed against load (what the rest of these options
+# tune). round_robin: prefill workers in turn, blind to caches and load (the baseline prefix-aware
+# routing is measured against); decode is chosen by load under both.
+PREFIX_AWARE: Final = "prefix"
+ROUND_ROBIN: Final = "round_robin"
+POLICIES: Final = (PREFIX_AWARE, ROUND_ROBIN)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     settings: HashSettings
+    policy: str = PREFIX_AWARE
     # Prefill cost = miss_weight * uncached prompt blocks + load_weight * pending prefill blocks.
     # With both at 1 the cost is the blocks a worker must compute before this prompt is done.
     miss_weight: float = 1.0
@@ -32,6 +41,9 @@ class RouterConfig:
     memo_blocks: int = 1 << 17
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, "
+                             f"got {self.policy!r}")
         if self.miss_weight < 0 or self.load_weight < 0:
             raise ValueError("weights must be >= 0")
         if self.fallback_prefix_blocks < 1:

@@ -12,6 +12,7 @@ PREFIX: Final = "prefix"  # the chosen prefill worker holds the longest cached p
 LOAD: Final = "load"
 FALLBACK: Final = "fallback"  # no usable index: rendezvous hashing of the first blocks
 SKIP_PREFILL: Final = "skip_prefill"  # decode computes the prompt itself
+ROUND_ROBIN: Final = "round_robin"  # policy round_robin: the prefill workers' turn
 
 # Details for SKIP_PREFILL and FALLBACK
 SHORT_PROMPT: Final = "short_prompt"

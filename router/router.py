@@ -16,12 +16,13 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router import decision as d
 from router.bus import EventBus, EventSubscription
-from router.config import RouterConfig
+from router.config import ROUND_ROBIN, RouterConfig
 from router.decision import RoutingDecision
 from router.errors import (
     BusReset,
@@ -35,6 +36,7 @@ from router.index import PrefixIndex
 from router.inflight import InFlight
 from router.registry import Clock, WorkerRecord, WorkerRegistry, settings_mismatch
 from router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
+from router.round_robin import RoundRobin
 from router.scoring import decode_score, lowest, power_of_two, prefill_cost
 from services.engine.block_hash import BlockHash
 
@@ -55,6 +57,8 @@ class RouterStatus:
     events_applied: int = 0
     decisions: int = 0
     fallback_decisions: int = 0
+    # Decisions per (reason, detail), as on RoutingDecision.
+    decisions_by_reason: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def default_replica_id() -> str:
@@ -80,6 +84,7 @@ class Router:
         self._index = PrefixIndex(config.settings.block_size, config.provisional_ttl_s)
         self._inflight = InFlight(config.inflight_max_age_s)
         self._rng = random.Random(config.seed)
+        self._round_robin = RoundRobin()
         self._lock = threading.RLock()
 
         self._subscription: EventSubscription | None = (
@@ -98,6 +103,7 @@ class Router:
         self._events_applied = 0
         self._decisions = 0
         self._fallbacks = 0
+        self._by_reason: Counter[tuple[str, str]] = Counter()
 
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -279,6 +285,9 @@ class Router:
         if not prefill and not decode:
             raise NoHealthyWorkers("no live prefill or decode worker is registered")
         prompt_blocks = -(-num_tokens // cfg.settings.block_size)
+        if cfg.policy == ROUND_ROBIN:
+            return self._decide_round_robin(prefill, decode, num_tokens, prompt_blocks,
+                                            request_id, now)
         unusable = self._index_problem()
         lengths = (
             {} if unusable else self._index.prefix_lengths(hashes, prefill + decode, now)
@@ -332,6 +341,28 @@ class Router:
         return self._decision(request_id, chosen, decode_choice, reason, detail, num_tokens,
                               prompt_blocks, cached, scores, decode_scores)
 
+    def _decide_round_robin(
+        self, prefill: list[str], decode: list[str], num_tokens: int, prompt_blocks: int,
+        request_id: str, now: float,
+    ) -> RoutingDecision:
+        """Prefill workers in turn, never consulting the prefix index or their load; decode by
+        load as under the prefix policy, so that a comparison isolates the prefill choice."""
+        self._decisions += 1
+        decode_scores = {w: self._decode_load(w) for w in decode}
+        decode_choice = power_of_two(decode_scores, self._rng) if decode else None
+        if decode_choice is not None:
+            self._inflight.add(request_id, decode_choice, prompt_blocks, now)
+        short = bool(decode) and num_tokens < self.config.short_prompt_tokens
+        skip_detail = (d.NO_PREFILL_WORKERS if not prefill else d.SHORT_PROMPT if short
+                       else None)
+        if skip_detail is not None:
+            return self._decision(request_id, None, decode_choice, d.SKIP_PREFILL, skip_detail,
+                                  num_tokens, prompt_blocks, 0, {}, decode_scores)
+        chosen = self._round_robin.next(prefill)
+        self._inflight.add(request_id, chosen, prompt_blocks, now)
+        return self._decision(request_id, chosen, decode_choice, d.ROUND_ROBIN, "", num_tokens,
+                              prompt_blocks, 0, {}, decode_scores)
+
     def _index_problem(self) -> str | None:
         """Why the index cannot be trusted right now, or None if it can."""
         if self.bus is None or not self._bus_ok:
@@ -360,6 +391,7 @@ class Router:
         num_tokens: int, prompt_blocks: int, cached: int, prefill_scores: dict[str, float],
         decode_scores: dict[str, float],
     ) -> RoutingDecision:
+        self._by_reason[reason, detail] += 1
         return RoutingDecision(
             request_id=request_id,
             prefill_worker=prefill,
@@ -404,6 +436,7 @@ class Router:
                 events_applied=self._events_applied,
                 decisions=self._decisions,
                 fallback_decisions=self._fallbacks,
+                decisions_by_reason=dict(self._by_reason),
             )
 
     def start(self, poll_s: float = 0.05, registry_every_s: float = 0.25,

@@ -7,6 +7,8 @@
         --workload mix --concurrency 4 --rounds 2 --out results/
 
 Wiring into another argparse CLI: ``add_parser(subparsers)``, then call ``args.func(args)``.
+Drivers that start their own servers (``loadtest/experiments.py``) reuse the argument groups
+(``add_workload_arguments`` ...), ``plan_for``, ``execute`` and ``write_outputs``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from loadtest.bench.plots import write_plots
 from loadtest.bench.prompts import PromptMaker
 from loadtest.bench.report import render_report, write_report
 from loadtest.bench.results import Cell, pool, results_document, write_results
+from loadtest.bench.server_metrics import CacheProbe, metrics_url
 from loadtest.bench.session import run_session
 from loadtest.bench.tokenizer import load_tokenizer
 from loadtest.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec
@@ -89,7 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bearer token (default: $OPENAI_API_KEY)")
     where.add_argument("--tokenizer", help="the target model's tokenizer: a .gguf file or a "
                        "Hugging Face directory (default: the built-in model's)")
+    where.add_argument("--server-metrics", action="store_true",
+                       help="Tandem targets over HTTP: read the engines' prefix-cache counters "
+                            "from /metrics before and after every run")
+    add_workload_arguments(parser)
+    add_load_arguments(parser)
+    add_output_arguments(parser)
 
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", choices=WORKLOADS, default="random")
     work.add_argument("--num-requests", type=_positive(int), default=100)
@@ -114,8 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       metavar="N|LOW:HIGH", help="mix: default --output-len")
     work.add_argument("--seed", type=int, default=0)
 
+
+def add_load_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     load = parser.add_argument_group("load (one of; a comma-separated list sweeps)")
-    loads = load.add_mutually_exclusive_group(required=True)
+    loads = load.add_mutually_exclusive_group(required=required)
     loads.add_argument("--concurrency", type=_list_of(parse_concurrency), metavar="C[,C...]",
                        help="requests kept in flight")
     loads.add_argument("--request-rate", type=_list_of(parse_rate), metavar="R[,R...]",
@@ -125,6 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--rounds", type=_positive(int), default=1,
                       help="passes per target and load (alternating between targets)")
 
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("limits and outputs")
     limits.add_argument("--timeout", type=_positive(float), default=600.0,
                         help="deadline in seconds for each run (target x load x round)")
@@ -157,6 +172,59 @@ class Plan:
     loads: list[Load]
     slo: SLO
     options: ClientOptions
+    seed: int = 0
+    rounds: int = 1
+    deadline_s: float = 600.0
+    progress: bool = True
+    tokenizer: str | None = None  # path; None: the built-in model's
+    server_metrics: bool = False
+    # Two scrapes this far apart must agree (Tandem's gateway polls its workers every 0.5 s).
+    settle_s: float = 1.0
+
+
+@dataclass
+class Outcome:
+    cells: list[Cell]
+    comparison: list[dict[str, Any]] | None
+    targets: list[dict[str, Any]]  # label, protocol, address, model
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The workload from the ``add_workload_arguments`` flags (checked)."""
+    endpoint = args.endpoint or ("chat" if args.workload == "chat" else "completions")
+    spec = WorkloadSpec(
+        name=args.workload, endpoint=endpoint, num_requests=args.num_requests,
+        input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len,
+        num_tenants=args.num_tenants, zipf_s=args.zipf_s, num_turns=args.num_turns,
+        long_fraction=args.long_fraction, long_input_len=args.long_input_len,
+        long_output_len=args.long_output_len)
+    spec.check()
+    return spec
+
+
+def loads_of(args: argparse.Namespace) -> list[Load]:
+    if args.concurrency is not None:
+        return [Load("concurrency", c) for c in args.concurrency]
+    return [Load("rate", r, args.burstiness) for r in args.request_rate]
+
+
+def plan_for(args: argparse.Namespace, targets: list[Target], *, model: str | None = None,
+             api_key: str | None = None, tokenizer: str | None = None,
+             server_metrics: bool = False) -> Plan:
+    """A plan from the workload, load and output flags, against ``targets``."""
+    labels = [t.label for t in targets]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"target labels must differ: {labels}")
+    if server_metrics and any(t.protocol != "http" for t in targets):
+        raise ValueError("--server-metrics reads /metrics over HTTP: give http:// targets")
+    spec = workload_spec(args)
+    options = ClientOptions(endpoint=spec.endpoint, model=model, api_key=api_key,
+                            ignore_eos=args.ignore_eos, temperature=args.temperature,
+                            request_timeout_s=args.request_timeout)
+    return Plan(targets, spec, loads_of(args), SLO(args.slo_ttft_ms, args.slo_tpot_ms), options,
+                seed=args.seed, rounds=args.rounds, deadline_s=args.timeout,
+                progress=not args.no_progress, tokenizer=tokenizer,
+                server_metrics=server_metrics)
 
 
 def _plan(args: argparse.Namespace) -> Plan:
@@ -170,25 +238,8 @@ def _plan(args: argparse.Namespace) -> Plan:
                              f"`{PROG} compare --target A=URL --target B=URL`)")
         given = f"{args.label}={args.base_url}" if args.label else args.base_url
         targets = [Target.parse(given, args.protocol)]
-    labels = [t.label for t in targets]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"target labels must differ: {labels}")
-    endpoint = args.endpoint or ("chat" if args.workload == "chat" else "completions")
-    spec = WorkloadSpec(
-        name=args.workload, endpoint=endpoint, num_requests=args.num_requests,
-        input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len,
-        num_tenants=args.num_tenants, zipf_s=args.zipf_s, num_turns=args.num_turns,
-        long_fraction=args.long_fraction, long_input_len=args.long_input_len,
-        long_output_len=args.long_output_len)
-    spec.check()
-    if args.concurrency is not None:
-        loads = [Load("concurrency", c) for c in args.concurrency]
-    else:
-        loads = [Load("rate", r, args.burstiness) for r in args.request_rate]
-    options = ClientOptions(endpoint=endpoint, model=args.model, api_key=args.api_key,
-                            ignore_eos=args.ignore_eos, temperature=args.temperature,
-                            request_timeout_s=args.request_timeout)
-    return Plan(targets, spec, loads, SLO(args.slo_ttft_ms, args.slo_tpot_ms), options)
+    return plan_for(args, targets, model=args.model, api_key=args.api_key,
+                    tokenizer=args.tokenizer, server_metrics=args.server_metrics)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,49 +247,60 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = _plan(args)
         args.out.mkdir(parents=True, exist_ok=True)
-        return asyncio.run(_bench(args, plan))
+        outcome = asyncio.run(execute(plan))
+        write_outputs(args.out, settings_of(plan), plan.slo, outcome)
     except (ValueError, TargetError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    print_summary(outcome.cells, args.out)
+    return 0 if any(c.summary.completed for c in outcome.cells) else 1
 
 
 @functools.lru_cache(maxsize=4)
-def _prompt_maker(tokenizer_path: str | None) -> PromptMaker:
+def prompt_maker(tokenizer_path: str | None) -> PromptMaker:
     # Cached so that repeated in-process runs (tests, scripts) read the vocabulary once.
     return PromptMaker(load_tokenizer(tokenizer_path))
 
 
-async def _bench(args: argparse.Namespace, plan: Plan) -> int:
-    maker = _prompt_maker(args.tokenizer)
+async def execute(plan: Plan) -> Outcome:
+    """Check every target answers, then run the session and pool its runs."""
+    maker = prompt_maker(plan.tokenizer)
     tokenizer = maker.tokenizer
     options = replace(plan.options, count_tokens=lambda text: len(
         tokenizer.encode(text, add_special_tokens=False)))
     clients: list[tuple[str, Client]] = []
+    probe = (CacheProbe({t.label: metrics_url(t.address) for t in plan.targets}, plan.settle_s)
+             if plan.server_metrics else None)
     try:
         for target in plan.targets:
             clients.append((target.label, make_client(target, options)))
         models = await asyncio.gather(*(client.preflight() for _, client in clients))
-        runs = await run_session(clients, plan.loads, plan.spec, maker, seed=args.seed,
-                                 rounds=args.rounds, deadline_s=args.timeout,
-                                 progress=not args.no_progress)
+        runs = await run_session(clients, plan.loads, plan.spec, maker, seed=plan.seed,
+                                 rounds=plan.rounds, deadline_s=plan.deadline_s,
+                                 progress=plan.progress, cache_probe=probe)
     finally:
         await asyncio.gather(*(client.aclose() for _, client in clients))
-
+        if probe is not None:
+            await probe.aclose()
     cells = pool(runs, plan.slo)
     ratios = comparison(cells) if len(plan.targets) > 1 else None
     targets = [{"label": t.label, "protocol": t.protocol, "address": t.address, "model": m}
                for t, m in zip(plan.targets, models, strict=True)]
-    settings = _settings(args, plan)
-    write_results(args.out / "results.json",
-                  results_document({**settings, "targets": targets}, plan.slo, cells, ratios))
-    report = render_report(settings, targets, plan.slo, cells, ratios)
-    write_report(args.out / "report.md", report)
-    write_plots(args.out, cells)
-    _print_summary(cells, args.out)
-    return 0 if any(c.summary.completed for c in cells) else 1
+    return Outcome(cells, ratios, targets)
 
 
-def _settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
+def write_outputs(out: Path, settings: dict[str, Any], slo: SLO, outcome: Outcome, *,
+                  extra: dict[str, Any] | None = None, preface: str = "") -> None:
+    """results.json (with ``extra`` keys added), report.md (after ``preface``) and the plots."""
+    document = results_document({**settings, "targets": outcome.targets}, slo, outcome.cells,
+                                outcome.comparison)
+    write_results(out / "results.json", {**document, **(extra or {})})
+    report = render_report(settings, outcome.targets, slo, outcome.cells, outcome.comparison)
+    write_report(out / "report.md", preface + report)
+    write_plots(out, outcome.cells)
+
+
+def settings_of(plan: Plan) -> dict[str, Any]:
     spec = plan.spec
     workload: dict[str, Any] = {"workload": spec.name, "endpoint": spec.endpoint,
                                 "num_requests": spec.num_requests,
@@ -254,12 +316,12 @@ def _settings(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
                      "long_input_len": str(spec.long_input_len),
                      "long_output_len": str(spec.long_output_len or spec.output_len)}
     return {**workload, "loads": ", ".join(load.label for load in plan.loads),
-            "rounds": args.rounds, "seed": args.seed, "ignore_eos": args.ignore_eos,
-            "temperature": args.temperature, "tokenizer": args.tokenizer or "built-in",
-            "deadline_s": args.timeout}
+            "rounds": plan.rounds, "seed": plan.seed, "ignore_eos": plan.options.ignore_eos,
+            "temperature": plan.options.temperature, "tokenizer": plan.tokenizer or "built-in",
+            "deadline_s": plan.deadline_s}
 
 
-def _print_summary(cells: list[Cell], out: Path) -> None:
+def print_summary(cells: list[Cell], out: Path) -> None:
     for cell in cells:
         s = cell.summary
         ttft = "-" if s.ttft is None else f"{s.ttft.p50:.1f}/{s.ttft.p99:.1f}"

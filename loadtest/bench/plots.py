@@ -18,19 +18,38 @@ PLOT_FILES = ("ttft_cdf.png", "itl_cdf.png", "goodput_vs_rate.png", "p99_vs_rate
 _DPI = 110
 
 
+def kind_plot_files(cells: list[Cell]) -> list[str]:
+    """TTFT and ITL CDFs of each kind of request, when the workload mixes kinds."""
+    kinds = sorted({kind for c in cells for kind in c.by_kind})
+    return [f"{metric}_cdf_{kind}.png" for kind in kinds for metric in ("ttft", "itl")]
+
+
 def write_plots(out: Path, cells: list[Cell]) -> list[Path]:
     paths = [out / name for name in PLOT_FILES]
-    _cdf(paths[0], cells, "TTFT", lambda c: [r.ttft for run in c.runs for r in run.records
-                                             if r.ok])
-    _cdf(paths[1], cells, "ITL", lambda c: [g for run in c.runs for r in run.records if r.ok
-                                            for g in r.itls])
+    _cdf(paths[0], cells, "TTFT", _ttfts())
+    _cdf(paths[1], cells, "ITL", _itls())
     _goodput(paths[2], cells)
     _p99(paths[3], cells)
+    for name in kind_plot_files(cells):
+        metric, _, kind = name.removesuffix(".png").split("_", 2)
+        values = _ttfts(kind) if metric == "ttft" else _itls(kind)
+        paths.append(out / name)
+        _cdf(paths[-1], cells, metric.upper(), values, f" of {kind} requests")
     return paths
 
 
+def _ttfts(kind: str | None = None) -> Callable[[Cell], list[float]]:
+    return lambda c: [r.ttft for run in c.runs for r in run.records
+                      if r.ok and kind in (None, r.kind)]
+
+
+def _itls(kind: str | None = None) -> Callable[[Cell], list[float]]:
+    return lambda c: [g for run in c.runs for r in run.records
+                      if r.ok and kind in (None, r.kind) for g in r.itls]
+
+
 def _cdf(path: Path, cells: list[Cell], name: str,
-         values_of: Callable[[Cell], list[float]]) -> None:
+         values_of: Callable[[Cell], list[float]], title_suffix: str = "") -> None:
     fig = Figure(figsize=(7, 4.5), dpi=_DPI)
     ax = fig.add_subplot()
     for cell in cells:
@@ -41,7 +60,7 @@ def _cdf(path: Path, cells: list[Cell], name: str,
     ax.set_xlabel(f"{name} (ms)")
     ax.set_ylabel("fraction of " + ("requests" if name == "TTFT" else "inter-token gaps"))
     ax.set_ylim(0, 1.02)
-    ax.set_title(f"{name} CDF")
+    ax.set_title(f"{name} CDF{title_suffix}")
     ax.grid(alpha=0.3)
     if ax.has_data():
         ax.legend(fontsize="small")

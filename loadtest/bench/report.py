@@ -8,7 +8,7 @@ from typing import Any
 
 from loadtest.bench.compare import METRICS
 from loadtest.bench.metrics import SLO, Distribution, Summary
-from loadtest.bench.plots import PLOT_FILES
+from loadtest.bench.plots import PLOT_FILES, kind_plot_files
 from loadtest.bench.results import Cell
 
 _LATENCIES = (("ttft", "TTFT: time to first token"),
@@ -25,6 +25,10 @@ def _table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
 
 def _f(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _ratio(value: float | None) -> str:
@@ -45,6 +49,12 @@ def render_report(settings: dict[str, Any], targets: list[dict[str, str]], slo: 
          "output tok/s", "total tok/s", "input tokens", "output tokens", "cached tokens",
          "prefix hit rate"],
         ([c.label, c.load.label, *_throughput_cells(c.summary)] for c in cells))
+    if any(c.server_cache for c in cells):
+        lines += ["## Server prefix cache (engine counters from /metrics, prompt tokens)", ""]
+        lines += _table(["target", "load", "role", "queried", "hits", "hit rate"],
+                        ([c.label, c.load.label, role, f"{n.queries:.0f}", f"{n.hits:.0f}",
+                          _percent(n.hit_rate)]
+                         for c in cells for role, n in (c.server_cache or {}).items()))
     for key, title in _LATENCIES:
         lines += [f"## {title} (ms)", ""]
         lines += _table(["target", "load", "n", "mean", "p50", "p90", "p99", "max"],
@@ -68,7 +78,7 @@ def render_report(settings: dict[str, Any], targets: list[dict[str, str]], slo: 
                          for row in comparison))
     lines += _notes(cells)
     lines += ["## Plots", ""]
-    lines += [f"![{name}]({name})" for name in PLOT_FILES]
+    lines += [f"![{name}]({name})" for name in (*PLOT_FILES, *kind_plot_files(cells))]
     return "\n".join(lines) + "\n"
 
 
@@ -77,8 +87,7 @@ def _throughput_cells(s: Summary) -> list[str]:
     return [f"{s.completed}/{s.requests}", str(s.failed), _f(s.duration_s, 2),
             _f(s.request_throughput, 2), _f(s.goodput, 2), _f(s.output_throughput),
             _f(s.total_token_throughput), str(s.input_tokens), str(s.output_tokens),
-            "-" if s.cached_tokens is None else str(s.cached_tokens),
-            "-" if hit is None else f"{100 * hit:.1f}%"]
+            "-" if s.cached_tokens is None else str(s.cached_tokens), _percent(hit)]
 
 
 def _dist_cells(dist: Distribution | None) -> list[str]:

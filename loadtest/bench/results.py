@@ -12,6 +12,7 @@ from typing import Any
 from loadtest.bench.arrivals import Load
 from loadtest.bench.metrics import SLO, Summary, summarize
 from loadtest.bench.runner import RunResult
+from loadtest.bench.server_metrics import RoleCounters, add
 
 RESULTS_VERSION = 1
 
@@ -26,6 +27,7 @@ class Cell:
     runs: list[RunResult]
     summary: Summary
     by_kind: dict[str, Summary]  # only when the workload mixes kinds of request
+    server_cache: RoleCounters | None = None  # summed over runs; None unless every run has it
 
 
 def pool(runs: list[RunResult], slo: SLO) -> list[Cell]:
@@ -41,8 +43,25 @@ def pool(runs: list[RunResult], slo: SLO) -> list[Cell]:
         kinds = sorted({r.kind for r in records})
         by_kind = ({k: summarize([r for r in records if r.kind == k], duration, slo)
                     for k in kinds} if len(kinds) > 1 else {})
-        cells.append(Cell(label, load, group, summarize(records, duration, slo, due), by_kind))
+        cells.append(Cell(label, load, group, summarize(records, duration, slo, due), by_kind,
+                          _server_cache(group)))
     return cells
+
+
+def _server_cache(runs: list[RunResult]) -> RoleCounters | None:
+    total: RoleCounters = {}
+    for run in runs:
+        if run.server_cache is None:
+            return None
+        total = add(total, run.server_cache)
+    return total
+
+
+def server_cache_json(counters: RoleCounters | None) -> dict[str, Any] | None:
+    if counters is None:
+        return None
+    return {role: {"queries": c.queries, "hits": c.hits, "hit_rate": c.hit_rate}
+            for role, c in counters.items()}
 
 
 def summary_json(summary: Summary) -> dict[str, Any]:
@@ -63,8 +82,10 @@ def results_document(config: dict[str, Any], slo: SLO, cells: list[Cell],
             "load": dataclasses.asdict(cell.load),
             "summary": summary_json(cell.summary),
             "by_kind": {k: summary_json(s) for k, s in cell.by_kind.items()},
+            "server_cache": server_cache_json(cell.server_cache),
             "runs": [{"round": run.round, "duration_s": run.duration_s,
                       "not_sent": run.not_sent, "deadline_hit": run.deadline_hit,
+                      "server_cache": server_cache_json(run.server_cache),
                       "records": [r.to_json() for r in run.records]} for run in cell.runs],
         } for cell in cells],
         "comparison": comparison,

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from loadtest.bench.arrivals import Load, arrival_offsets
 from loadtest.bench.clients import Client
 from loadtest.bench.records import CUT_OFF, RequestRecord
+from loadtest.bench.server_metrics import RoleCounters
 from loadtest.bench.workloads import BenchRequest
 
 
@@ -26,6 +27,8 @@ class RunResult:
     records: list[RequestRecord] = field(default_factory=list)
     not_sent: int = 0  # requests the deadline left unsent
     deadline_hit: bool = False
+    # The server's prefix-cache counters over the run, per worker role (--server-metrics).
+    server_cache: RoleCounters | None = None
 
 
 async def run_workload(client: Client, requests: list[BenchRequest], load: Load, *,

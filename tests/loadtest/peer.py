@@ -5,6 +5,8 @@ and report run against real HTTP and SSE on 127.0.0.1. It tokenizes prompts with
 tokenizer, so its usage.prompt_tokens is the true count, and streams ``max_tokens`` tokens in
 chunks of one or two tokens (so chunk counts differ from token counts and only the usage field
 gives the right answer). Every usage it sends is logged for the tests to compare against.
+``/metrics`` serves Tandem's prefix-cache counters (one worker, role ``prefill``): the prompt
+tokens of finished streams as queries, ``cache_hit_fraction`` of them as hits.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -35,12 +41,30 @@ class PeerBehaviour:
     fail_every: int = 0  # every n-th request answers HTTP 500 (0: never)
     stall: bool = False  # never finish a stream (for deadline tests)
     api_key: str | None = None
+    cache_hit_fraction: float = 0.0  # of prompt tokens, as /metrics reports them
 
 
 @dataclass
 class PeerLog:
     usages: list[dict[str, Any]] = field(default_factory=list)  # one per finished stream
     requests: int = 0
+    arrivals: list[float] = field(default_factory=list)  # time.monotonic() of each generation
+    prompt_tokens: int = 0  # over finished streams
+
+
+class _CacheCounters(Collector):
+    def __init__(self, behaviour: PeerBehaviour, log: PeerLog) -> None:
+        self.behaviour, self.log = behaviour, log
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "worker"]
+        queries = CounterMetricFamily("tandem_prefix_cache_queries", "q", labels=labels)
+        queries.add_metric([MODEL, "peer"], self.log.prompt_tokens)
+        hits = CounterMetricFamily("tandem_prefix_cache_hits", "h", labels=labels)
+        hits.add_metric([MODEL, "peer"], self.log.prompt_tokens * self.behaviour.cache_hit_fraction)
+        blocks = GaugeMetricFamily("tandem_kv_cache_blocks", "b", labels=[*labels, "role"])
+        blocks.add_metric([MODEL, "peer", "prefill"], 100)
+        yield from (queries, hits, blocks)
 
 
 def _chunk_sizes(n: int) -> list[int]:
@@ -70,6 +94,7 @@ def create_app(tokenizer: Tokenizer, behaviour: PeerBehaviour, log: PeerLog) -> 
             return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
         body = await request.json()
         log.requests += 1
+        log.arrivals.append(time.monotonic())
         if behaviour.fail_every and log.requests % behaviour.fail_every == 0:
             return JSONResponse({"error": {"message": "peer failure"}}, status_code=500)
         chat = request.url.path.endswith("/chat/completions")
@@ -106,11 +131,19 @@ def create_app(tokenizer: Tokenizer, behaviour: PeerBehaviour, log: PeerLog) -> 
             if include_usage:
                 yield event({"object": obj, "choices": [], "usage": usage})
             log.usages.append(usage)
+            log.prompt_tokens += prompt_tokens
             yield event("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    registry = CollectorRegistry()
+    registry.register(_CacheCounters(behaviour, log))
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type="text/plain")
+
     return Starlette(routes=[
+        Route("/metrics", metrics),
         Route("/v1/models", models),
         Route("/v1/completions", generate, methods=["POST"]),
         Route("/v1/chat/completions", generate, methods=["POST"]),

@@ -127,6 +127,33 @@ def test_compare_sweeps_rates_alternating_targets_and_reports_ratios(
     report = (tmp_path / "report.md").read_text()
     assert "## Comparison against fast" in report and "| short |" in report
     assert_outputs_written(tmp_path)
+    for name in ("ttft_cdf_short.png", "itl_cdf_short.png", "ttft_cdf_long.png",
+                 "itl_cdf_long.png"):  # per kind of request, linked from the report
+        assert matplotlib.image.imread(tmp_path / name).shape[0] > 100
+        assert f"![{name}]({name})" in report
+
+
+def test_server_metrics_credit_each_run_with_its_own_prefix_cache_counters(
+        tokenizer: Tokenizer, tmp_path: Path) -> None:
+    with serve_peer(tokenizer, PeerBehaviour(cache_hit_fraction=0.5)) as (url, log):
+        code = cli.main(["--base-url", url, "--label", "peer", "--server-metrics",
+                         "--num-requests", "3", "--concurrency", "1", "--rounds", "2",
+                         "--out", str(tmp_path), *COMMON])
+    assert code == 0
+    cell = load_results(tmp_path)["cells"][0]
+    per_run = [run["server_cache"]["prefill"]["queries"] for run in cell["runs"]]
+    assert per_run == [sum(r["server_prompt_tokens"] for r in run["records"])
+                       for run in cell["runs"]]
+    assert cell["server_cache"]["prefill"] == {"queries": log.prompt_tokens,
+                                               "hits": log.prompt_tokens / 2, "hit_rate": 0.5}
+    assert "| peer | concurrency 1 | prefill |" in (tmp_path / "report.md").read_text()
+
+
+def test_server_metrics_need_http_targets(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--base-url", "grpc://127.0.0.1:1", "--server-metrics", "--concurrency",
+                     "1", "--out", str(tmp_path), *COMMON]) == 2
+    assert "--server-metrics reads /metrics over HTTP" in capsys.readouterr().err
 
 
 def test_failed_and_cut_off_requests_are_reported(tokenizer: Tokenizer, tmp_path: Path
