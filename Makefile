@@ -1,7 +1,7 @@
 # Two entry points on a fresh machine: `make up` and `make test` (both set up .venv first).
 PY := .venv/bin/python
 
-.PHONY: setup up run test lint bench
+.PHONY: setup up run test lint bench helm-check
 
 setup:
 	bash .ci/setup
@@ -20,3 +20,7 @@ test: setup lint
 
 bench: setup
 	$(PY) -m loadtest.engine_bench
+
+# The Helm chart and Dockerfile checks alone (real helm, Kubernetes and KubeRay schemas, hadolint).
+helm-check: setup
+	.venv/bin/pytest -q tests/deploy

@@ -7,9 +7,14 @@
 Replica choice for the workers goes through ``TandemRequestRouter``, which sends each call to
 the replica the gateway's prefix-/load-aware router picked. ``config.colocated`` deploys the
 gateway alone, with one engine doing both phases.
+
+``app_builder`` is the same application for a Serve config file (KubeRay's ``serveConfigV2``):
+``import_path: services.app:app_builder`` with the ``AppConfig`` settings as ``args``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -19,7 +24,7 @@ from services.serving.config import AppConfig, ConfigError
 from services.serving.gateway import GatewayIngress
 from services.serving.workers import DecodeReplica, PrefillReplica
 
-__all__ = ["AppConfig", "ConfigError", "build_app"]
+__all__ = ["AppConfig", "ConfigError", "app_builder", "build_app"]
 
 # Serve's own queue limit per replica; the engines' admission control (max_waiting) is the
 # real one, so this only has to be above it.
@@ -43,3 +48,9 @@ def build_app(config: AppConfig) -> Application:
             max_ongoing_requests=_MAX_ONGOING, request_router_config=router,
             graceful_shutdown_timeout_s=5).bind(config)
     return gateway.bind(config, workers["prefill"], workers["decode"])
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve's application builder: ``args`` are ``AppConfig`` settings, loaded as `tandem up`
+    loads its YAML file."""
+    return build_app(AppConfig.from_dict(args, "serveConfigV2"))

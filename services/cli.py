@@ -7,6 +7,8 @@ import sys
 import time
 
 from loadtest.bench import cli as bench_cli
+from router.config import POLICIES as ROUTING_POLICIES
+from services.engine.config import SPEC_METHODS
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,16 +20,33 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="per-step token budget (the prefill chunk size)")
+    _add_spec_args(parser, defaults=True)
+
+
+def _add_spec_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """--spec, --spec-k, --draft-model; without defaults (tandem up) unset flags leave the
+    config file's values alone."""
+    parser.add_argument("--spec", choices=list(SPEC_METHODS), default="none" if defaults
+                        else argparse.SUPPRESS,
+                        help="speculative decoding: ngram (prompt lookup), draft (a small "
+                             "model, see --draft-model), self (the model's first layers), none")
+    parser.add_argument("--spec-k", type=int, default=4 if defaults else argparse.SUPPRESS,
+                        help="draft tokens per step, at most (4)")
+    parser.add_argument("--draft-model", default=None if defaults else argparse.SUPPRESS,
+                        help="--spec draft: a .gguf file or Hugging Face directory sharing the "
+                             "model's tokenizer")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.engine.config import EngineConfig
+    from services.engine.config import EngineConfig, SpeculativeConfig
     from services.engine.engine import LLMEngine
     from services.engine.sampling_params import SamplingParams
 
+    spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                                     block_size=args.block_size,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    speculative=spec))
     tok = engine.tokenizer
     prompt = (tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat
               else tok.encode(args.prompt))
@@ -45,18 +64,23 @@ def _generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 printed = text
     elapsed = time.perf_counter() - start
-    print(f"\n[{len(prompt)} prompt tokens, {len(emitted)} generated in {elapsed:.2f}s]",
-          file=sys.stderr)
+    stats = engine.stats
+    accepted = (f", {stats.spec_accepted_tokens}/{stats.spec_draft_tokens} draft tokens accepted"
+                if stats.spec_draft_tokens else "")
+    print(f"\n[{len(prompt)} prompt tokens, {len(emitted)} generated in {elapsed:.2f}s"
+          f"{accepted}]", file=sys.stderr)
     return 0
 
 
 # `tandem up` flag -> AppConfig field; only flags given on the command line override --config.
-_UP_FLAGS = {"model": "model", "dtype": "dtype", "prefill": "prefill_replicas",
+_UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device", "prefill": "prefill_replicas",
              "decode": "decode_replicas", "colocated": "colocated", "host": "host",
              "port": "port", "grpc_port": "grpc_port", "redis_url": "redis_url",
              "kv_transport": "kv_transport", "block_size": "block_size",
+             "routing_policy": "routing_policy",
              "threads": "threads_per_worker",
-             "max_num_batched_tokens": "max_num_batched_tokens"}
+             "max_num_batched_tokens": "max_num_batched_tokens",
+             "spec": "spec", "spec_k": "spec_k", "draft_model": "draft_model"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -66,6 +90,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--model", help="a .gguf file or a Hugging Face directory (default: "
                                     "built-in SmolLM2-135M-Instruct)")
     up.add_argument("--dtype", choices=["float32", "bfloat16"])
+    up.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                    help="where engines run (auto: cuda when a worker sees a GPU)")
     up.add_argument("--prefill", type=int, metavar="N", help="prefill worker replicas (1)")
     up.add_argument("--decode", type=int, metavar="M", help="decode worker replicas (1)")
     up.add_argument("--colocated", action="store_true",
@@ -75,10 +101,14 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--grpc-port", type=int, help="gRPC port (50051)")
     up.add_argument("--redis-url", help="prefix index over Redis Streams (default: in-process)")
     up.add_argument("--kv-transport", choices=["nixl", "tcp", "auto"])
+    up.add_argument("--routing-policy", choices=ROUTING_POLICIES,
+                    help="prefill choice: prefix (cache affinity + load, default) or "
+                         "round_robin (in turn; a baseline)")
     up.add_argument("--block-size", type=int)
     up.add_argument("--threads", type=int, help="torch threads per worker engine (1)")
     up.add_argument("--max-num-batched-tokens", type=int,
                     help="per-step token budget (the prefill chunk size)")
+    _add_spec_args(up, defaults=False)
     up.set_defaults(func=_up)
 
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from services import tracing
 from services.control.rpc import Handler, RpcServer
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
@@ -79,12 +80,14 @@ async def run_worker(spec: WorkerSpec, build: Callable[[LLMEngine, KVTransport, 
     transport = make_transport(spec.transport, spec.worker_id, TransferFaults(**spec.faults),
                                spec.host)
     worker = build(engine, transport, spec)
+    tracing.configure(str(getattr(worker, "role", "worker")))
     await worker.start()
     try:
         await serve_until_signalled(RpcServer(handlers(worker), spec.host, spec.port),
                                     {"worker_id": spec.worker_id, "transport": transport.kind})
     finally:
         await worker.close()
+        tracing.flush()
 
 
 async def serve_until_signalled(server: RpcServer, ready_info: dict[str, Any]) -> None:

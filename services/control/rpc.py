@@ -1,5 +1,7 @@
 """JSON RPC over TCP: ``{"id", "method", "params"}`` in, ``{"id", "result"}`` or
 ``{"id", "error": {"type", "message"}}`` out, one frame each (see kv_transfer.framing).
+A call made inside a trace also carries ``"trace": {"traceparent": ...}``; the server then runs
+the handler in a ``control.<method>`` span under it.
 
 A connection carries one call at a time; the client keeps a pool for concurrent calls. When
 a client drops a connection mid-call, the server cancels that call (a closed stream aborts).
@@ -13,6 +15,9 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from opentelemetry.trace import SpanKind, use_span
+
+from services import tracing
 from services.kv_transfer.framing import FrameError, encode_frame, read_frame
 
 log = logging.getLogger(__name__)
@@ -76,7 +81,7 @@ class RpcServer:
             return _error(call_id, "RpcError", f"unknown method {method!r}")
         if not isinstance(params, dict):
             return _error(call_id, "RpcError", "params must be a JSON object")
-        call = asyncio.create_task(handler(params))
+        call = asyncio.create_task(_traced(method, handler, params, request.get("trace")))
         hangup = asyncio.create_task(reader.read(1))  # only EOF can come while a call runs
         try:
             await asyncio.wait({call, hangup}, return_when=asyncio.FIRST_COMPLETED)
@@ -96,6 +101,15 @@ class RpcServer:
                 log.exception("RPC %s failed", method, exc_info=exc)
             return _error(call_id, type(exc).__name__, str(exc))
         return {"id": call_id, "result": call.result()}
+
+
+async def _traced(method: str, handler: Handler, params: dict[str, Any], carrier: Any) -> Any:
+    context = tracing.extract(carrier)
+    if context is None:
+        return await handler(params)
+    span = tracing.start_span(f"control.{method}", context, SpanKind.SERVER)
+    with use_span(span, end_on_exit=True):
+        return await handler(params)
 
 
 def _error(call_id: object, error_type: str, message: str) -> dict[str, Any]:
@@ -119,10 +133,12 @@ class RpcClient:
         self._next_id += 1
         call_id = self._next_id
         reusable = False
+        frame = {"id": call_id, "method": method, "params": dict(params or {})}
+        if (carrier := tracing.inject()) is not None:
+            frame["trace"] = carrier
         try:
             async with asyncio.timeout(timeout_s):
-                conn[1].write(encode_frame({"id": call_id, "method": method,
-                                            "params": dict(params or {})}))
+                conn[1].write(encode_frame(frame))
                 await conn[1].drain()
                 reply = await read_frame(conn[0])
             if reply is None or reply.get("id") != call_id:

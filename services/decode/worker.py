@@ -20,10 +20,14 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.trace import INVALID_SPAN, Span, use_span
+
+from services import tracing
 from services.decode.config import DecodeConfig
 from services.decode.errors import DecodeRejectedError, KVTransferFailedError
 from services.decode.metrics import DecodeMetrics
 from services.decode.peers import PeerLink, PrefillPeer
+from services.decode.trace import DecodeTrace
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import (
     EngineOverloadedError,
@@ -57,20 +61,36 @@ class DecodeStream:
     outputs: AsyncGenerator[RequestOutput, None]
     abort: Callable[[], None]  # abort the request in the engine
     _started: bool = False
+    trace: DecodeTrace | None = None  # None when tracing is off
 
     def __aiter__(self) -> DecodeStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
         self._started = True
-        return await anext(self.outputs)
+        if self.trace is None:
+            return await anext(self.outputs)
+        try:
+            out = await anext(self.outputs)
+        except StopAsyncIteration:
+            self.trace.end("abort")  # ended without a finished output
+            raise
+        except BaseException as exc:
+            self.trace.fail(exc)
+            raise
+        self.trace.output(out)
+        return out
 
     async def aclose(self) -> None:
         """Stop early: aborts the request (if it has not finished) and frees its blocks."""
-        if self._started:
-            await self.outputs.aclose()  # aborts unless the stream finished
-        else:
-            self.abort()
+        try:
+            if self._started:
+                await self.outputs.aclose()  # aborts unless the stream finished
+            else:
+                self.abort()
+        finally:
+            if self.trace is not None:
+                self.trace.end("abort")  # nothing if it finished
 
 
 @dataclass(frozen=True)
@@ -162,14 +182,24 @@ class DecodeWorker:
         Raises ``DecodeRejectedError`` when this worker will not take the request,
         ``KVTransferFailedError`` when the pull failed and ``on_transfer_failure`` is "fail",
         ``RequestError`` for an invalid request. Cancelling it aborts the request and rejects
-        the lease.
+        the lease. The ``decode`` span starts here, under the current trace context.
         """
-        prompt = list(prompt_token_ids)
+        trace = DecodeTrace(request_id, self.worker_id, len(prompt_token_ids))
+        try:
+            return await self._submit(request_id, list(prompt_token_ids), params, prefill,
+                                      cache_salt, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+
+    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      prefill: PrefillResult | None, cache_salt: str | None,
+                      trace: DecodeTrace) -> DecodeStream:
         if prefill is None:
             if not self.accepting:
                 raise DecodeRejectedError(f"decode worker {self.worker_id} is shutting down")
             return self._stream(request_id, KVSource.LOCAL, lambda e: e.add_request(
-                request_id, prompt, params, cache_salt))
+                request_id, prompt, params, cache_salt), trace)
         kv = prefill.kv
         if kv is None:
             raise RequestError(f"request {request_id!r} finished at its first token "
@@ -187,9 +217,13 @@ class DecodeWorker:
 
         self._phases[request_id] = "allocating"
         try:
-            slot = await self._reserve(request_id, prompt, prefill.first_token, params,
-                                       cache_salt, link, kv)
-            failure = await self._pull(request_id, link, kv, slot)
+            # Current while it runs: the lease release on P becomes its child.
+            with use_span(trace.transfer(), end_on_exit=True) as span:
+                slot = await self._reserve(request_id, prompt, prefill.first_token, params,
+                                           cache_salt, link, kv)
+                failure = await self._pull(request_id, link, kv, slot, span)
+                if failure is not None:
+                    tracing.mark_failed(span, failure)
         except asyncio.CancelledError:
             await asyncio.shield(self._abandon(request_id, link, kv))
             raise
@@ -209,15 +243,17 @@ class DecodeWorker:
                         request_id, failure)
             self.metrics.recomputes += 1
             start, source = (lambda e: e.recompute_import(request_id)), KVSource.RECOMPUTE
-        return self._stream(request_id, source, start)
+        return self._stream(request_id, source, start, trace)
 
     # -- internals ------------------------------------------------------------------------
 
-    def _stream(self, request_id: str, source: KVSource,
-                start: Callable[[LLMEngine], None]) -> DecodeStream:
+    def _stream(self, request_id: str, source: KVSource, start: Callable[[LLMEngine], None],
+                trace: DecodeTrace) -> DecodeStream:
+        trace.queued(str(source))
         outputs = self.engine.stream(request_id, start)
         assert isinstance(outputs, AsyncGenerator)
-        return DecodeStream(request_id, source, outputs, lambda: self.engine.abort(request_id))
+        return DecodeStream(request_id, source, outputs, lambda: self.engine.abort(request_id),
+                            trace=trace if trace.recording else None)
 
     async def _reserve(self, request_id: str, prompt: list[int], first_token: int,
                        params: SamplingParams, cache_salt: str | None, link: PeerLink | None,
@@ -234,10 +270,17 @@ class DecodeWorker:
             raise
 
     async def _pull(self, request_id: str, link: PeerLink | None, kv: KVHandle,
-                    slot: ImportSlot) -> KVTransferError | None:
+                    slot: ImportSlot, span: Span = INVALID_SPAN) -> KVTransferError | None:
         """Fill the import's blocks and confirm the lease; the failure, if any."""
         skip = slot.num_cached_blocks
         self.metrics.blocks_reused += skip
+        if span.is_recording():
+            span.set_attributes({"tandem.request_id": request_id,
+                                 "tandem.kv.source_worker": kv.worker_id,
+                                 "tandem.kv.transport": self.transport.kind,
+                                 "tandem.kv.blocks": len(kv.block_ids),
+                                 "tandem.kv.blocks_reused": skip,
+                                 "tandem.kv.blocks_pulled": 0, "tandem.kv.bytes": 0})
         try:
             if link is None:
                 raise KVTransferError(f"not paired with prefill worker {kv.worker_id!r}")
@@ -247,10 +290,14 @@ class DecodeWorker:
                 nbytes = await self.transport.read_blocks(
                     kv.worker_id, kv.block_ids[skip:], slot.block_ids[skip:],
                     self.config.transfer_timeout_s)
-                self.metrics.transfer_seconds += time.perf_counter() - start
+                self.metrics.observe_transfer(time.perf_counter() - start)
                 self.metrics.bytes_moved += nbytes
                 self.metrics.blocks_pulled += len(kv.block_ids) - skip
                 self.metrics.transfers += 1
+                if span.is_recording():
+                    span.add_event("blocks_read")
+                    span.set_attributes({"tandem.kv.blocks_pulled": len(kv.block_ids) - skip,
+                                         "tandem.kv.bytes": nbytes})
                 if self.config.verify_checksums and kv.checksums is not None:
                     self._verify(kv, slot, skip)
         except KVTransferError as exc:
@@ -269,6 +316,8 @@ class DecodeWorker:
             self.metrics.transfer_failures += 1
             return KVTransferError(f"could not confirm lease {kv.lease_id} with "
                                    f"{kv.worker_id!r}: {exc!r}")
+        if span.is_recording():
+            span.add_event("lease_released", {"tandem.kv.lease_held": held})
         if not held and skip < len(kv.block_ids):
             self.metrics.transfer_failures += 1
             return KVTransferError(f"{kv.worker_id!r} no longer held lease {kv.lease_id} "

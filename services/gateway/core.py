@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -15,6 +16,7 @@ from services.gateway.errors import model_not_found, unauthorized
 from services.gateway.inputs import GenerationRequest, SamplingOptions, build_request
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Delta, generate_deltas
+from services.gateway.request_trace import RequestTrace
 
 
 class Gateway:
@@ -59,17 +61,25 @@ class Gateway:
                              cache_salt, self.config.default_max_tokens, arrival_time,
                              prompt_param)
 
-    async def start(self, request: GenerationRequest) -> Generation:
-        """Submit the request and wait for its first step (rejections raise ``GatewayError``)."""
+    async def start(self, request: GenerationRequest, trace: RequestTrace | None = None
+                    ) -> Generation:
+        """Submit the request and wait for its first step (rejections raise ``GatewayError``).
+        ``trace`` (the request's span) ends with the generation."""
         timer = self.metrics.start_request(request.arrival_time)
         deltas = generate_deltas(self.backend, self.tokenizer, request, timer,
                                  self.config.retry_after_s)
+        if trace is not None:
+            trace.request(request)
         try:
-            first = await anext(deltas)
+            # The backend starts its work, and its spans, in this first step.
+            with trace.active() if trace is not None else contextlib.nullcontext():
+                first = await anext(deltas)
         except BaseException:
             await deltas.aclose()
             raise
-        return Generation(request, first, deltas)
+        if trace is not None:
+            trace.first_token()
+        return Generation(request, first, deltas, trace)
 
     def _worker_stats(self) -> Mapping[str, EngineStats]:
         if isinstance(self.backend, MultiWorkerStats):
@@ -84,15 +94,32 @@ class Generation:
     request: GenerationRequest
     first: Delta
     rest: AsyncGenerator[Delta, None]
+    trace: RequestTrace | None = None
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        yield self.first
-        if self.first.finish_reason is None:
-            async for delta in self.rest:
-                yield delta
+        try:
+            delta = self.first
+            self._note(delta)
+            yield delta
+            if delta.finish_reason is None:
+                async for delta in self.rest:
+                    self._note(delta)
+                    yield delta
+        except Exception as exc:
+            if self.trace is not None:
+                self.trace.fail(exc)
+            raise
+
+    def _note(self, delta: Delta) -> None:
+        if self.trace is not None and delta.finish_reason is not None:
+            self.trace.finish(delta)
 
     async def aclose(self) -> None:
-        await self.rest.aclose()
+        try:
+            await self.rest.aclose()
+        finally:
+            if self.trace is not None:
+                self.trace.end()
 
     async def collect(self) -> Delta:
         """Run to the end and merge every delta into one."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +23,7 @@ from services.gateway.inputs import (
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.pipeline import Delta
+from services.gateway.request_trace import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +49,28 @@ def status_code(error: GatewayError) -> grpc.StatusCode:
 
 
 async def generate_responses(gateway: Gateway, request: pb.GenerateRequest,
-                             authorization: str | None = None
+                             authorization: str | None = None,
+                             metadata: Mapping[str, str] | None = None
                              ) -> AsyncIterator[pb.GenerateResponse]:
     """The call's messages; rejections raise ``GatewayError`` before the first one.
 
     Transport-free, so a Ray Serve gRPC deployment can reuse it with its own context.
+    ``metadata`` may carry the caller's W3C ``traceparent``.
     """
     arrival = time.monotonic()
-    gateway.check_api_key(authorization)
-    gateway.check_model(request.model)
-    prompt = _prompt_token_ids(gateway, request)
-    greq = gateway.build_request(request.request_id or new_request_id("gen"), prompt,
-                                 _sampling_options(request), request.cache_salt or None,
-                                 arrival, prompt_param=request.WhichOneof("input") or "prompt")
-    generation = await gateway.start(greq)
+    trace = RequestTrace("grpc", "Generate", metadata)
+    with trace.guard():
+        with trace.phase("gateway.parse"):
+            gateway.check_api_key(authorization)
+            gateway.check_model(request.model)
+            options = _sampling_options(request)
+        with trace.phase("gateway.tokenize") as span:
+            prompt = _prompt_token_ids(gateway, request)
+            span.set_attribute("tandem.prompt_tokens", len(prompt))
+        greq = gateway.build_request(request.request_id or new_request_id("gen"), prompt,
+                                     options, request.cache_salt or None, arrival,
+                                     prompt_param=request.WhichOneof("input") or "prompt")
+        generation = await gateway.start(greq, trace)
     try:
         async for delta in generation:
             yield _response(greq.request_id, delta)
@@ -75,10 +84,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        metadata = {key: _as_str(value) or "" for key, value in
+                    context.invocation_metadata() or () if not key.endswith("-bin")}
         try:
             async for response in generate_responses(self.gateway, request,
-                                                      _as_str(authorization)):
+                                                      metadata.get("authorization"), metadata):
                 yield response
         except GatewayError as exc:
             trailers: Sequence[tuple[str, str]] = ()
@@ -155,6 +165,9 @@ def _sampling_options(request: pb.GenerateRequest) -> SamplingOptions:
         stop=tuple(s.stop),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        speculative=s.speculative if s.HasField("speculative") else True,
+        num_speculative_tokens=(s.num_speculative_tokens if s.HasField("num_speculative_tokens")
+                                else None),
     )
 
 

@@ -29,6 +29,7 @@ from services.gateway.inputs import (
 from services.gateway.openai_format import SSE_DONE, ResponseContext, sse
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.pipeline import Delta
+from services.gateway.request_trace import RequestTrace
 from services.gateway.token_text import TokenText
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,10 @@ class ClientDisconnected(Exception):
 
 def create_http_app(gateway: Gateway) -> FastAPI:
     """Build the ASGI app around a gateway (serve it with uvicorn, or as a Ray Serve ingress)."""
-    app = FastAPI(title="Tandem", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own request spans stay off: the gateway.request span (request_trace.py) is the
+    # HTTP and gRPC server span alike, and probes of /health and /metrics are not traced.
+    app = FastAPI(title="Tandem", version="1", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False})
     app.state.gateway = gateway
     app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes)
     token_text = TokenText(gateway.tokenizer)
@@ -97,43 +101,55 @@ def create_http_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
-        gateway.check_api_key(request.headers.get("authorization"))
-        body = await _parse(request, ChatCompletionRequest)
-        gateway.check_model(body.model)
-        if error := body.unsupported_fields():
-            raise error
-        prompt = tokenize_chat(gateway.tokenizer, body.chat_messages())
-        greq = gateway.build_request(new_request_id("chatcmpl"), prompt, body.sampling_options(),
-                                     body.salt(), arrival, prompt_param="messages")
-        ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name, token_text,
-                              body.return_token_ids)
-        if body.stream:
-            generation = await _unless_disconnected(request, gateway.start(greq))
-            return _event_stream(generation, _chat_events(generation, ctx, body))
-        merged = await _unless_disconnected(request, _run(gateway, greq))
-        return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt))
+        trace = RequestTrace("http", "chat.completions", request.headers)
+        with trace.guard(aborts=(ClientDisconnected,)):
+            with trace.phase("gateway.parse"):
+                gateway.check_api_key(request.headers.get("authorization"))
+                body = await _parse(request, ChatCompletionRequest)
+                gateway.check_model(body.model)
+                if error := body.unsupported_fields():
+                    raise error
+            with trace.phase("gateway.tokenize") as span:
+                prompt = tokenize_chat(gateway.tokenizer, body.chat_messages())
+                span.set_attribute("tandem.prompt_tokens", len(prompt))
+            greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
+                                         body.sampling_options(), body.salt(), arrival,
+                                         prompt_param="messages")
+            ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
+                                  token_text, body.return_token_ids)
+            if body.stream:
+                generation = await _unless_disconnected(request, gateway.start(greq, trace))
+                return _event_stream(generation, _chat_events(generation, ctx, body))
+            merged = await _unless_disconnected(request, _run(gateway, greq, trace))
+            return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        gateway.check_api_key(request.headers.get("authorization"))
-        body = await _parse(request, CompletionRequest)
-        gateway.check_model(body.model)
-        if error := body.unsupported_fields():
-            raise error
-        prompt_in = body.single_prompt()
-        prompt = (tokenize_prompt(gateway.tokenizer, prompt_in) if isinstance(prompt_in, str)
-                  else check_token_ids(prompt_in, gateway.tokenizer.vocab_size))
-        greq = gateway.build_request(new_request_id("cmpl"), prompt, body.sampling_options(),
-                                     body.salt(), arrival)
-        ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name, token_text,
-                              body.return_token_ids)
-        want_logprobs = body.logprobs is not None
-        if body.stream:
-            generation = await _unless_disconnected(request, gateway.start(greq))
-            return _event_stream(generation, _completion_events(generation, ctx, body))
-        merged = await _unless_disconnected(request, _run(gateway, greq))
-        return JSONResponse(ctx.completion(merged, want_logprobs, prompt))
+        trace = RequestTrace("http", "completions", request.headers)
+        with trace.guard(aborts=(ClientDisconnected,)):
+            with trace.phase("gateway.parse"):
+                gateway.check_api_key(request.headers.get("authorization"))
+                body = await _parse(request, CompletionRequest)
+                gateway.check_model(body.model)
+                if error := body.unsupported_fields():
+                    raise error
+                prompt_in = body.single_prompt()
+            with trace.phase("gateway.tokenize") as span:
+                prompt = (tokenize_prompt(gateway.tokenizer, prompt_in)
+                          if isinstance(prompt_in, str)
+                          else check_token_ids(prompt_in, gateway.tokenizer.vocab_size))
+                span.set_attribute("tandem.prompt_tokens", len(prompt))
+            greq = gateway.build_request(new_request_id("cmpl"), prompt, body.sampling_options(),
+                                         body.salt(), arrival)
+            ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
+                                  token_text, body.return_token_ids)
+            want_logprobs = body.logprobs is not None
+            if body.stream:
+                generation = await _unless_disconnected(request, gateway.start(greq, trace))
+                return _event_stream(generation, _completion_events(generation, ctx, body))
+            merged = await _unless_disconnected(request, _run(gateway, greq, trace))
+            return JSONResponse(ctx.completion(merged, want_logprobs, prompt))
 
     return app
 
@@ -165,8 +181,9 @@ def _validation_error(exc: ValidationError) -> GatewayError:
     return bad_request("Invalid request: " + "; ".join(messages) + more, param=param)
 
 
-async def _run(gateway: Gateway, request: GenerationRequest) -> Delta:
-    return await (await gateway.start(request)).collect()
+async def _run(gateway: Gateway, request: GenerationRequest, trace: RequestTrace | None = None
+               ) -> Delta:
+    return await (await gateway.start(request, trace)).collect()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -14,8 +14,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from services.engine.engine import EngineStats
+from services.engine.sequence import FinishReason
 
 # vLLM's buckets, so dashboards and SLO queries carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -24,6 +26,20 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = ITL_BUCKETS
+
+# Goodput needs TTFT and TPOT of the same request, which two histograms cannot tell. A finished
+# request counts in every cell (ttft_le, tpot_le) of this grid whose limits it meets, so the
+# goodput for any pair of targets on the grid is one counter series. The limits are bucket
+# bounds of the TTFT and TPOT histograms, so one target reads the same in every panel.
+GOODPUT_TTFT_LIMITS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+GOODPUT_TPOT_LIMITS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5)
+
+# Reasons of tandem_request_failures_total.
+REJECTED = "rejected"  # the backend was full: 429 with Retry-After
+INVALID = "invalid"  # the backend refused the request as invalid: 400
+ERROR = "error"  # anything else: the request failed inside Tandem
+FAILURE_REASONS = (REJECTED, INVALID, ERROR)
 
 StatsSource = Callable[[], Mapping[str, EngineStats]]
 
@@ -50,6 +66,24 @@ class GatewayMetrics:
         self.generation_tokens = Counter("tandem_generation_tokens",
                                          "Tokens generated (and sent) by ended requests.",
                                          labels, registry=self.registry)
+        self.tpot = Histogram("tandem_request_time_per_output_token_seconds",
+                              "Per finished request: (E2E - TTFT) / (output tokens - 1).",
+                              labels, buckets=TPOT_BUCKETS, registry=self.registry)
+        self.within_slo = Counter("tandem_request_within_slo",
+                                  "Finished requests (stop or length) whose TTFT <= ttft_le and "
+                                  "TPOT <= tpot_le (goodput).",
+                                  [*labels, "ttft_le", "tpot_le"], registry=self.registry)
+        self.failures = Counter("tandem_request_failures",
+                                "Requests that failed: rejected (overloaded, 429), invalid "
+                                "(refused by the backend, 400), error (internal).",
+                                [*labels, "reason"], registry=self.registry)
+        # Every series from the start, so that rate() sees the first request of each.
+        for ttft_le, tpot_le in goodput_cells():
+            self.within_slo.labels(model_name, ttft_le, tpot_le)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(model_name, reason)
+        for finish in FinishReason:
+            self.success.labels(model_name, str(finish))
         self.registry.register(_EngineStatsCollector(model_name, stats_source))
 
     def start_request(self, arrival_time: float | None = None) -> RequestTimer:
@@ -60,10 +94,18 @@ class GatewayMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+def goodput_cells(ttft: float = 0.0, tpot: float = 0.0) -> list[tuple[str, str]]:
+    """(ttft_le, tpot_le) label values, as Prometheus writes bounds, of the goodput cells that a
+    request with this TTFT and TPOT meets (by default all of them)."""
+    return [(floatToGoString(t), floatToGoString(p))
+            for t in GOODPUT_TTFT_LIMITS if ttft <= t for p in GOODPUT_TPOT_LIMITS if tpot <= p]
+
+
 @dataclass
 class RequestTimer:
     metrics: GatewayMetrics
     arrival_time: float  # time.monotonic()
+    first_token_time: float | None = None
     last_token_time: float | None = None
     ended: bool = field(default=False)
 
@@ -75,6 +117,7 @@ class RequestTimer:
         name = self.metrics.model_name
         if self.last_token_time is None:
             self.metrics.ttft.labels(name).observe(now - self.arrival_time)
+            self.first_token_time = now
             count -= 1
         else:
             gap = (now - self.last_token_time) / count
@@ -82,15 +125,33 @@ class RequestTimer:
                 self.metrics.itl.labels(name).observe(gap)
         self.last_token_time = now
 
-    def end(self, finished_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+    def end(self, finished_reason: str, prompt_tokens: int, generation_tokens: int,
+            now: float | None = None) -> None:
         if self.ended:
             return
         self.ended = True
         name = self.metrics.model_name
-        self.metrics.e2e.labels(name).observe(time.monotonic() - self.arrival_time)
+        now = time.monotonic() if now is None else now
+        self.metrics.e2e.labels(name).observe(now - self.arrival_time)
         self.metrics.success.labels(name, finished_reason).inc()
         self.metrics.prompt_tokens.labels(name).inc(prompt_tokens)
         self.metrics.generation_tokens.labels(name).inc(generation_tokens)
+        if finished_reason == "abort" or self.first_token_time is None:
+            return
+        ttft = self.first_token_time - self.arrival_time
+        tpot = 0.0  # a single token has no gaps, so it meets any TPOT target (as vLLM counts it)
+        if generation_tokens > 1:
+            tpot = (now - self.first_token_time) / (generation_tokens - 1)
+            self.metrics.tpot.labels(name).observe(tpot)
+        for ttft_le, tpot_le in goodput_cells(ttft, tpot):
+            self.metrics.within_slo.labels(name, ttft_le, tpot_le).inc()
+
+    def fail(self, reason: str) -> None:
+        """The request failed (one of ``FAILURE_REASONS``); it counts here, not as ended."""
+        if self.ended:
+            return
+        self.ended = True
+        self.metrics.failures.labels(self.metrics.model_name, reason).inc()
 
 
 class _EngineStatsCollector(Collector):
@@ -118,6 +179,16 @@ class _EngineStatsCollector(Collector):
              lambda s: s.prefix_cache_hits),
             (CounterMetricFamily("tandem_num_preemptions", "Sequences preempted (recomputed).",
                                  labels=labels), lambda s: s.num_preemptions),
+            (CounterMetricFamily("tandem_spec_decode_draft_tokens",
+                                 "Speculative draft tokens the target model verified.",
+                                 labels=labels), lambda s: s.spec_draft_tokens),
+            (CounterMetricFamily("tandem_spec_decode_accepted_tokens",
+                                 "Speculative draft tokens accepted.", labels=labels),
+             lambda s: s.spec_accepted_tokens),
+            (CounterMetricFamily("tandem_spec_decode_steps",
+                                 "Verification steps (per sequence) with at least one draft "
+                                 "token; accepted/steps is the mean accepted length.",
+                                 labels=labels), lambda s: s.spec_steps),
         ]
         stats = self._source()
         for family, value in families:

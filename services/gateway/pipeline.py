@@ -18,7 +18,7 @@ from services.gateway.backend import GenerationBackend
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import from_backend
 from services.gateway.inputs import GenerationRequest
-from services.gateway.metrics import RequestTimer
+from services.gateway.metrics import ERROR, INVALID, REJECTED, RequestTimer
 from services.gateway.stop_strings import StopStringMatcher
 
 
@@ -67,6 +67,7 @@ async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
                 except (RequestError, EngineOverloadedError) as exc:
                     error = from_backend(exc, retry_after_s)
                     assert error is not None
+                    timer.fail(REJECTED if error.status == 429 else INVALID)
                     raise error from exc
                 started = True
                 delta = Delta()
@@ -86,6 +87,9 @@ async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
                     delta.usage = Usage(num_prompt, num_output, num_cached)
                 if delta.token_ids or delta.text or finish is not None:
                     yield delta
+    except Exception:
+        timer.fail(ERROR)  # a no-op after the failures counted above
+        raise
     finally:
         if started:  # ended early: the client left or the call was cancelled
             timer.end("abort", num_prompt, num_output)

@@ -25,6 +25,7 @@ from services.prefill.config import PrefillConfig
 from services.prefill.leases import Clock, Lease, LeaseTable
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.result import PrefillResult
+from services.prefill.trace import PrefillTrace
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,28 @@ class PrefillWorker:
                       params: SamplingParams, cache_salt: str | None = None) -> PrefillResult:
         """Prefill the prompt and sample its first token; unless that ends the request, the
         prompt's blocks stay pinned under a lease until released, rejected or expired."""
+        prompt = list(prompt_token_ids)
+        trace = PrefillTrace(request_id, self.worker_id, len(prompt))
+        try:
+            result = await self._prefill(request_id, prompt, params, cache_salt, trace)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        trace.finish(result)
+        return result
+
+    async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       cache_salt: str | None, trace: PrefillTrace) -> PrefillResult:
+        def start(engine: LLMEngine) -> None:
+            if trace.recording:
+                trace.admitted(engine)
+            engine.add_request(request_id, prompt, params, cache_salt, prefill_only=True)
+
         last: RequestOutput | None = None
-        async for out in self.engine.generate(request_id, prompt_token_ids, params, cache_salt,
-                                              prefill_only=True):
+        async for out in self.engine.stream(request_id, start):
             last = out
         assert last is not None and last.finished
+        trace.first_token(last, self.engine.engine.config.max_num_batched_tokens)
         self.metrics.prefills += 1
         handle = None
         if last.kv is not None:

@@ -13,10 +13,13 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from router import Router
+from router import Router, RoutingDecision
+from services import tracing
 from services.control.codec import logprobs_from_dict, params_to_dict
 from services.decode.errors import DecodeRejectedError
 from services.engine.engine import EngineOverloadedError, EngineStats, RequestError, RequestOutput
@@ -57,11 +60,19 @@ class DisaggBackend:
     def snapshots(self) -> list[WorkerSnapshot]:
         return list(self.view.workers.values())
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        prompt = list(prompt_token_ids)
-        decision = self.router.route(prompt, cache_salt=cache_salt, request_id=request_id)
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 params: SamplingParams, cache_salt: str | None = None
+                 ) -> AsyncIterator[RequestOutput]:
+        # The caller's trace context now (the gateway's request span) parents the router's and
+        # the workers' spans, whichever task later iterates the stream.
+        parent = otel_context.get_current() if tracing.enabled() else None
+        return self._generate(request_id, list(prompt_token_ids), params, cache_salt, parent)
+
+    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                        cache_salt: str | None, parent: Context | None
+                        ) -> AsyncIterator[RequestOutput]:
+        decision = self._route(request_id, prompt, cache_salt, parent)
+        carrier = tracing.inject(parent)
         wire_params = params_to_dict(params)
         first: PrefillResult | None = None
         address = None
@@ -69,7 +80,7 @@ class DisaggBackend:
             try:
                 reply = await _call(self.prefill.prefill.remote(
                     request_id, prompt, wire_params, cache_salt,
-                    route_to=decision.prefill_worker))
+                    route_to=decision.prefill_worker, trace=carrier))
             finally:
                 self.router.release(request_id)
             self.view.ingest(reply)
@@ -85,16 +96,29 @@ class DisaggBackend:
             if first.finished:
                 return
         async for output in self._decode(request_id, prompt, wire_params, first, address,
-                                         cache_salt, decision.decode_worker):
+                                         cache_salt, decision.decode_worker, carrier):
             yield output
+
+    def _route(self, request_id: str, prompt: list[int], cache_salt: str | None,
+               parent: Context | None) -> RoutingDecision:
+        span = tracing.start_span("router.decision", parent)
+        try:
+            decision = self.router.route(prompt, cache_salt=cache_salt, request_id=request_id)
+        except BaseException as exc:
+            tracing.end_with_error(span, exc)
+            raise
+        if span.is_recording():
+            span.set_attributes(decision_attributes(decision))
+        span.end()
+        return decision
 
     async def _decode(self, request_id: str, prompt: list[int], params: dict[str, Any],
                       first: PrefillResult | None, address: str | None,
-                      cache_salt: str | None, decode_worker: str | None
-                      ) -> AsyncIterator[RequestOutput]:
+                      cache_salt: str | None, decode_worker: str | None,
+                      carrier: dict[str, str] | None) -> AsyncIterator[RequestOutput]:
         stream = self.decode.generate.remote(
             request_id, prompt, params, None if first is None else first.to_dict(), address,
-            cache_salt, route_to=decode_worker)
+            cache_salt, route_to=decode_worker, trace=carrier)
         cached = 0 if first is None else first.num_cached_tokens
         finished = False
         try:
@@ -126,6 +150,29 @@ class DisaggBackend:
         for task in list(self._background):
             with contextlib.suppress(Exception):
                 await task
+
+
+# Candidates named on a router span, at most: enough to see a choice, bounded for big clusters.
+MAX_TRACED_CANDIDATES = 16
+
+
+def decision_attributes(decision: RoutingDecision) -> dict[str, Any]:
+    """The router's choice, its reason and the candidates' scores, as span attributes."""
+    attributes: dict[str, Any] = {
+        "tandem.request_id": decision.request_id,
+        "tandem.router.reason": decision.reason,
+        "tandem.router.detail": decision.detail,
+        "tandem.router.prefill_worker": decision.prefill_worker or "",
+        "tandem.router.decode_worker": decision.decode_worker or "",
+        "tandem.router.prompt_blocks": decision.prompt_blocks,
+        "tandem.router.cached_blocks": decision.cached_blocks,
+    }
+    for role, scores in (("prefill", decision.prefill_scores),
+                         ("decode", decision.decode_scores)):
+        shown = list(scores.items())[:MAX_TRACED_CANDIDATES]
+        attributes[f"tandem.router.{role}_candidates"] = [worker for worker, _ in shown]
+        attributes[f"tandem.router.{role}_scores"] = [float(score) for _, score in shown]
+    return attributes
 
 
 def _first_output(first: PrefillResult, num_prompt: int) -> RequestOutput:
@@ -188,4 +235,7 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
         num_pinned=sum(s.num_pinned for s in stats),
-        num_importing=sum(s.num_importing for s in stats))
+        num_importing=sum(s.num_importing for s in stats),
+        spec_draft_tokens=sum(s.spec_draft_tokens for s in stats),
+        spec_accepted_tokens=sum(s.spec_accepted_tokens for s in stats),
+        spec_steps=sum(s.spec_steps for s in stats))

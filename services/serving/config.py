@@ -9,10 +9,12 @@ from typing import Any
 
 import yaml
 
-from services.engine.config import EngineConfig
+from router.config import POLICIES as ROUTING_POLICIES
+from services.engine.config import SPEC_METHODS, EngineConfig, SpeculativeConfig
 from services.kv_transfer.factory import TRANSPORTS
 
 DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -23,6 +25,7 @@ class ConfigError(ValueError):
 class AppConfig:
     model: str | None = None  # .gguf file or HF directory; None: the built-in model
     dtype: str = "float32"
+    device: str = "auto"  # where engines run: auto (cuda when the worker sees a GPU) | cpu | cuda
     block_size: int = 16
     prefill_replicas: int = 1
     decode_replicas: int = 1
@@ -40,14 +43,23 @@ class AppConfig:
     grpc_port: int = 50051
     worker_host: str = "127.0.0.1"  # where workers' control and KV ports listen
     redis_url: str | None = None  # None: in-process prefix index fed by the gateway
+    routing_policy: str = "prefix"  # prefix (cache affinity + load) | round_robin (baseline)
     served_model_name: str | None = None
     max_body_bytes: int = 1 << 20
     lease_ttl_s: float = 30.0
     poll_interval_s: float = 0.5  # gateway polls workers' load, stats (and events) this often
+    spec: str = "none"  # speculative decoding on decode engines: none | ngram | draft | self
+    spec_k: int = 4  # draft tokens per step, at most
+    draft_model: str | None = None  # spec "draft": .gguf or HF dir sharing the tokenizer
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ConfigError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
+                              f"got {self.routing_policy!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
@@ -66,6 +78,15 @@ class AppConfig:
         for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.spec not in SPEC_METHODS:
+            raise ConfigError(f"spec must be one of {', '.join(SPEC_METHODS)}, got {self.spec!r}")
+        if not 1 <= self.spec_k <= 16:
+            raise ConfigError(f"spec_k must be between 1 and 16, got {self.spec_k}")
+        if self.spec == "draft" and self.draft_model is None:
+            raise ConfigError("spec: draft needs draft_model (a .gguf file or a Hugging Face "
+                              "directory sharing the model's tokenizer)")
+        if self.draft_model is not None and not Path(self.draft_model).exists():
+            raise ConfigError(f"draft_model: {self.draft_model} does not exist")
         if self.model is not None and not Path(self.model).exists():
             raise ConfigError(f"model: {self.model} does not exist")
         if self.redis_url is not None and not self.redis_url.startswith(
@@ -73,13 +94,26 @@ class AppConfig:
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, "
                               f"got {self.redis_url!r}")
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
+    def engine_config(self, decodes: bool = True) -> EngineConfig:
+        """``decodes``: the engine generates past the first token (decode role, colocated),
+        so it runs speculative decoding if configured; prefill engines never do."""
+        speculative = SpeculativeConfig(method=self.spec if decodes else "none", k=self.spec_k,
+                                        draft_model=self.draft_model)
+        return EngineConfig(speculative=speculative, device=self.engine_device(),
             model=self.model, dtype=self.dtype, block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.threads_per_worker)
+
+    def engine_device(self) -> str:
+        """Resolved where the engine is built (a GPU worker pod, not the machine that wrote
+        the config)."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def replace(self, **changes: Any) -> AppConfig:
         return dataclasses.replace(self, **changes)

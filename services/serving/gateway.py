@@ -20,6 +20,7 @@ from router import (
     RouterConfig,
     connect,
 )
+from services import tracing
 from services.engine.async_engine import AsyncEngine
 from services.engine.block_hash import HashSettings
 from services.engine.engine import LLMEngine
@@ -46,6 +47,7 @@ class GatewayIngress:
     async def __init__(self, config: AppConfig, prefill: DeploymentHandle | None = None,
                    decode: DeploymentHandle | None = None) -> None:
         self.config = config
+        tracing.configure("gateway")
         self.view: ClusterView | None = None
         self.router: Router | None = None
         loaded = await asyncio.to_thread(load_model, config.model, config.dtype, False)
@@ -63,22 +65,24 @@ class GatewayIngress:
             backend = await self._disaggregated(config, model_id, prefill, decode)
             self.gateway = Gateway(backend, tokenizer, gateway_config)
             source = backend.snapshots
-        metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source)
+        metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,
+                         self.router)
         self.grpc = create_grpc_server(self.gateway, f"{config.host}:{config.grpc_port}")
         await self.grpc.start()
 
     async def _disaggregated(self, config: AppConfig, model_id: str, prefill: DeploymentHandle,
                              decode: DeploymentHandle) -> DisaggBackend:
         settings = HashSettings(config.block_size, model_id)
+        router_config = RouterConfig(settings, policy=config.routing_policy)
         registry: InProcessRegistry | None = None
         bus: InProcessEventBus | None = None
         if config.redis_url:
-            router = Router(RouterConfig(settings), RedisRegistry(connect(config.redis_url)),
+            router = Router(router_config, RedisRegistry(connect(config.redis_url)),
                             RedisStreamEventBus(connect(config.redis_url)))
             router.start()
         else:
             registry, bus = InProcessRegistry(settings), InProcessEventBus()
-            router = Router(RouterConfig(settings), registry, bus)
+            router = Router(router_config, registry, bus)
         self.router = router
         self.view = ClusterView(router, {"prefill": prefill, "decode": decode}, registry, bus,
                                 config.poll_interval_s)
@@ -104,3 +108,4 @@ class GatewayIngress:
         backend = self.gateway.backend
         if isinstance(backend, EngineBackend):
             await asyncio.to_thread(backend.engine.shutdown)
+        tracing.flush()

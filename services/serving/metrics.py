@@ -1,16 +1,29 @@
-"""Per-worker series the gateway's own metrics lack: free KV blocks, leases, KV transfer."""
+"""Series the gateway's own metrics lack: per-worker KV blocks, leases, KV transfer, rejects and
+recomputes (from the workers' polled status), and the router's decisions (from its status)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from itertools import accumulate
+from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from router import Router
+from services.decode.metrics import TRANSFER_SECONDS_BUCKETS
 from services.serving.cluster_view import WorkerSnapshot
 
 SnapshotSource = Callable[[], list[WorkerSnapshot]]
+
+LEASE_OUTCOMES = ("released", "rejected", "expired")
 
 
 class WorkerCollector(Collector):
@@ -20,6 +33,12 @@ class WorkerCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "worker", "role"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=[*labels, *extra])
+
+        info = GaugeMetricFamily("tandem_worker_info",
+                                 "1 per worker; its labels give the worker's role.", labels=labels)
         free = GaugeMetricFamily("tandem_kv_cache_free_blocks",
                                  "KV blocks free (cached-but-unused blocks count as free).",
                                  labels=labels)
@@ -28,26 +47,102 @@ class WorkerCollector(Collector):
         leases = GaugeMetricFamily("tandem_prefill_leases",
                                    "Prompt KV held by a prefill worker for a transfer.",
                                    labels=labels)
-        moved = CounterMetricFamily("tandem_kv_transfer_bytes",
-                                    "KV bytes a decode worker pulled from prefill workers.",
-                                    labels=labels)
-        seconds = CounterMetricFamily("tandem_kv_transfer_seconds",
-                                      "Time a decode worker spent pulling KV blocks.",
-                                      labels=labels)
-        transfers = CounterMetricFamily("tandem_kv_transfers",
-                                        "KV pulls by a decode worker.", labels=labels)
+        prefills = counter("tandem_prefill_requests", "Prompts a prefill worker prefilled.")
+        granted = counter("tandem_prefill_leases_granted",
+                          "Leases a prefill worker granted on a prompt's KV blocks.")
+        ended = counter("tandem_prefill_leases_ended",
+                        "Leases that ended: released (D took the KV), rejected (D or the "
+                        "gateway refused it) or expired (nobody came in time).", ("outcome",))
+        moved = counter("tandem_kv_transfer_bytes",
+                        "KV bytes a decode worker pulled from prefill workers.")
+        seconds = HistogramMetricFamily("tandem_kv_transfer_seconds",
+                                        "Time a decode worker spent on one KV pull.",
+                                        labels=labels)
+        transfers = counter("tandem_kv_transfers", "KV pulls by a decode worker.")
+        failures = counter("tandem_kv_transfer_failures",
+                           "KV pulls that failed (read error, timeout, checksum, lost lease).")
+        checksums = counter("tandem_kv_transfer_checksum_failures",
+                            "KV pulls whose blocks did not match the prefill worker's CRC32.")
+        imports = counter("tandem_decode_kv_imports",
+                          "Requests that reached a decode worker with a prefill's KV handle.")
+        recomputes = counter("tandem_decode_recomputes",
+                             "Imports whose KV pull failed, so the decode worker recomputed "
+                             "the prompt.")
+        rejects = counter("tandem_decode_rejects",
+                          "Leases a decode worker rejected, by reason.", ("reason",))
         for w in self._source():
             key = [self._model_name, w.worker_id, w.role]
+            info.add_metric(key, 1)
             free.add_metric(key, w.stats.num_free_blocks)
             total.add_metric(key, w.stats.num_blocks)
+            m = w.metrics
             if w.role == "prefill":
                 leases.add_metric(key, w.leases)
-            else:
-                moved.add_metric(key, float(w.metrics.get("bytes_moved", 0)))
-                seconds.add_metric(key, float(w.metrics.get("transfer_seconds", 0.0)))
-                transfers.add_metric(key, float(w.metrics.get("transfers", 0)))
-        yield from (free, total, leases, moved, seconds, transfers)
+                prefills.add_metric(key, _number(m, "prefills"))
+                granted.add_metric(key, _number(m, "leases_granted"))
+                for outcome in LEASE_OUTCOMES:
+                    ended.add_metric([*key, outcome], _number(m, f"leases_{outcome}"))
+            elif w.role == "decode":
+                moved.add_metric(key, _number(m, "bytes_moved"))
+                seconds.add_metric(key, _buckets(m.get("transfer_seconds_buckets")),
+                                   _number(m, "transfer_seconds"))
+                transfers.add_metric(key, _number(m, "transfers"))
+                failures.add_metric(key, _number(m, "transfer_failures"))
+                checksums.add_metric(key, _number(m, "checksum_failures"))
+                imports.add_metric(key, _number(m, "imports"))
+                recomputes.add_metric(key, _number(m, "recomputes"))
+                for reason, count in sorted(m.get("rejects", {}).items()):
+                    rejects.add_metric([*key, reason], float(count))
+        yield from (info, free, total, leases, prefills, granted, ended, moved, seconds,
+                    transfers, failures, checksums, imports, recomputes, rejects)
 
 
-def register(registry: CollectorRegistry, model_name: str, source: SnapshotSource) -> None:
+class RouterCollector(Collector):
+    """The gateway's router: its decisions by reason and the state of its prefix index."""
+
+    def __init__(self, model_name: str, router: Router) -> None:
+        self._model_name = model_name
+        self._router = router
+
+    def collect(self) -> Iterator[Metric]:
+        status = self._router.status()
+        name = [self._model_name]
+        decisions = CounterMetricFamily(
+            "tandem_router_decisions",
+            "Routing decisions by reason (prefix, load, fallback, skip_prefill, round_robin) and "
+            "detail (why prefill was skipped or the index was unusable).",
+            labels=["model_name", "reason", "detail"])
+        for (reason, detail), count in sorted(status.decisions_by_reason.items()):
+            decisions.add_metric([*name, reason, detail], count)
+        bus = GaugeMetricFamily("tandem_router_bus_connected",
+                                "1 while the router reads the workers' KV events; 0: it routes "
+                                "by rendezvous hashing (the fallback).", labels=["model_name"])
+        bus.add_metric(name, float(status.bus_connected))
+        blocks = GaugeMetricFamily("tandem_router_index_blocks",
+                                   "Blocks in the router's prefix index, confirmed by KV events.",
+                                   labels=["model_name"])
+        blocks.add_metric(name, status.index_blocks)
+        rebuilds = CounterMetricFamily("tandem_router_index_rebuilds",
+                                       "Times the router rebuilt its prefix index from the event "
+                                       "stream (its first connection and every reconnection).",
+                                       labels=["model_name"])
+        rebuilds.add_metric(name, status.rebuilds)
+        yield from (decisions, bus, blocks, rebuilds)
+
+
+def _number(metrics: dict[str, Any], key: str) -> float:
+    return float(metrics.get(key, 0))
+
+
+def _buckets(counts: list[int] | None) -> list[tuple[str, float]]:
+    """Per-bucket transfer counts as Prometheus' cumulative (le, count) pairs."""
+    counts = counts or [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
+    bounds = [*(floatToGoString(b) for b in TRANSFER_SECONDS_BUCKETS), "+Inf"]
+    return [(le, float(c)) for le, c in zip(bounds, accumulate(counts), strict=True)]
+
+
+def register(registry: CollectorRegistry, model_name: str, source: SnapshotSource,
+             router: Router | None = None) -> None:
     registry.register(WorkerCollector(model_name, source))
+    if router is not None:
+        registry.register(RouterCollector(model_name, router))

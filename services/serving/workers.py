@@ -14,9 +14,11 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
 from router import WorkerInfo, WorkerLoad
+from services import tracing
 from services.control.codec import logprobs_to_dict, params_from_dict
 from services.control.rpc import RpcServer
 from services.decode import DecodeConfig, DecodeWorker
@@ -29,6 +31,14 @@ from services.serving.worker_events import EventBuffer, RedisMembership
 
 Worker = PrefillWorker | DecodeWorker
 
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def reachable_host(worker_host: str) -> str:
+    """The address a replica listens on and gives its peers: a wildcard ``worker_host`` (the
+    Helm chart's) becomes this Ray node's IP, a pod's own IP under KubeRay."""
+    return ray.util.get_node_ip_address() if worker_host in _WILDCARDS else worker_host
+
 
 class _Replica:
     """What both roles share: identity, load reports, KV events, status."""
@@ -38,20 +48,22 @@ class _Replica:
 
     def _setup(self, config: AppConfig) -> LLMEngine:
         self.config = config
+        tracing.configure(self.role)
         self.worker_id = serve.get_replica_context().replica_id.unique_id
-        engine = LLMEngine(config.engine_config())
+        engine = LLMEngine(config.engine_config(decodes=self.role == "decode"))
         self.engine = engine
         self.events = None if config.redis_url else EventBuffer(engine.kv_events, self.worker_id)
         # Reports can reach the gateway out of order (a slow status poll after a response);
         # the sequence lets it keep the newest load.
         self._report_seq = itertools.count(1)
         self.redis: RedisMembership | None = None
+        self.host = reachable_host(config.worker_host)
         self.address = ""
         return engine
 
     def _transport(self):  # type: ignore[no-untyped-def]
         return make_transport(self.config.kv_transport, self.worker_id,
-                              host=self.config.worker_host)
+                              host=self.host)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, self.role, self.address, self.config.block_size,
@@ -104,16 +116,17 @@ class PrefillReplica(_Replica):
         self.worker = PrefillWorker(engine, self._transport(),
                                     PrefillConfig(lease_ttl_s=config.lease_ttl_s), self.worker_id)
         await self.worker.start()
-        self.rpc = RpcServer(prefill_handlers(self.worker), config.worker_host, 0)
+        self.rpc = RpcServer(prefill_handlers(self.worker), self.host, 0)
         await self.rpc.start()
-        self.address = f"{config.worker_host}:{self.rpc.port}"
+        self.address = f"{self.host}:{self.rpc.port}"
         self._start_membership()
 
     async def prefill(self, request_id: str, prompt: list[int], params: dict[str, Any],
-                      cache_salt: str | None = None, route_to: str | None = None
-                      ) -> dict[str, Any]:
-        result = await self.worker.prefill(request_id, prompt, params_from_dict(params),
-                                           cache_salt)
+                      cache_salt: str | None = None, route_to: str | None = None,
+                      trace: dict[str, str] | None = None) -> dict[str, Any]:
+        with tracing.attached(trace):  # the gateway's request span parents the prefill span
+            result = await self.worker.prefill(request_id, prompt, params_from_dict(params),
+                                               cache_salt)
         return {"result": result.to_dict(), "address": self.address, **self.report()}
 
     async def reject(self, lease_id: str, reason: str, route_to: str | None = None) -> bool:
@@ -125,6 +138,7 @@ class PrefillReplica(_Replica):
         await self._close_membership()
         await self.rpc.close()
         await self.worker.close()
+        tracing.flush()
 
 
 class DecodeReplica(_Replica):
@@ -140,16 +154,18 @@ class DecodeReplica(_Replica):
 
     async def generate(self, request_id: str, prompt: list[int], params: dict[str, Any],
                        prefill: dict[str, Any] | None, prefill_address: str | None = None,
-                       cache_salt: str | None = None, route_to: str | None = None
+                       cache_salt: str | None = None, route_to: str | None = None,
+                       trace: dict[str, str] | None = None
                        ) -> AsyncIterator[list[dict[str, Any]]]:
         """Stream the request's outputs after the first token, one list per batch of engine
         steps (whatever accumulated while the previous batch was in flight); the last
         list ends with this worker's report."""
         first = None if prefill is None else PrefillResult.from_dict(prefill)
-        if first is not None and first.kv is not None and prefill_address:
-            await self._pair(first.kv.worker_id, prefill_address)
-        stream = await self.worker.submit(request_id, prompt, params_from_dict(params), first,
-                                          cache_salt)
+        with tracing.attached(trace):  # the gateway's request span parents the decode span
+            if first is not None and first.kv is not None and prefill_address:
+                await self._pair(first.kv.worker_id, prefill_address)
+            stream = await self.worker.submit(request_id, prompt, params_from_dict(params),
+                                              first, cache_salt)
         queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
         pump = asyncio.create_task(_pump(stream, queue))
         try:
@@ -178,12 +194,14 @@ class DecodeReplica(_Replica):
             if prefill_id in self._paired:
                 return
             host, _, port = address.rpartition(":")
-            await self.worker.pair(RemotePrefill(host, int(port)))
+            with tracing.tracer().start_as_current_span("kv_transfer.pair"):
+                await self.worker.pair(RemotePrefill(host, int(port)))
             self._paired.add(prefill_id)
 
     async def __del__(self) -> None:
         await self._close_membership()
         await self.worker.close()
+        tracing.flush()
 
 
 async def _pump(stream: AsyncIterator[RequestOutput],

@@ -102,6 +102,39 @@ def test_completion_matches_engine(client: OpenAI, reference) -> None:  # type: 
     assert text == response.choices[0].text
 
 
+def _spec_counts(cluster: UpProcess) -> tuple[float, float]:
+    drafts = metric_values(cluster.http_url, "tandem_spec_decode_draft_tokens_total")
+    accepted = metric_values(cluster.http_url, "tandem_spec_decode_accepted_tokens_total")
+    return sum(drafts.values()), sum(accepted.values())
+
+
+def test_speculative_decoding_on_the_decode_worker(client: OpenAI, cluster: UpProcess,
+                                                   reference) -> None:  # type: ignore[no-untyped-def]
+    """A prompt whose continuation copies from it: the decode worker's n-gram drafts are
+    accepted, and the tokens are still exactly plain greedy decoding's."""
+    passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen "
+               "liquor jugs. How vexingly quick daft zebras jump! ")
+    prompt = passage * 3 + "The quick brown"
+    extra = {**TOKEN_IDS, "ignore_eos": True}
+    wait_for(lambda: _all_blocks_free(cluster), 30, "an idle cluster")
+    before = _spec_counts(cluster)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32,
+                                         temperature=0, extra_body=extra)
+    want = reference(list(response.model_extra["prompt_token_ids"]), 32, ignore_eos=True)
+    assert _tokens(response.choices[0]) == want
+    wait_for(lambda: _spec_counts(cluster)[1] > before[1], 30, "accepted draft tokens")
+    after = _spec_counts(cluster)
+    assert after[0] > before[0]
+    # Opting out per request: same tokens, no drafts.
+    wait_for(lambda: _all_blocks_free(cluster), 30, "an idle cluster")
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32,
+                                         temperature=0, extra_body={**extra,
+                                                                    "speculative": False})
+    assert _tokens(response.choices[0]) == want
+    wait_for(lambda: _all_blocks_free(cluster), 30, "an idle cluster")
+    assert _spec_counts(cluster) == after
+
+
 def test_grpc_streams_same_tokens(cluster: UpProcess, client: OpenAI,
                                   reference) -> None:  # type: ignore[no-untyped-def]
     prompt = [1, 504, 3458, 282, 4649, 314]  # token ids: no tokenizer in the way

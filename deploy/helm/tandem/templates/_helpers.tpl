@@ -1,0 +1,167 @@
+{{/* Names and labels. */}}
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* KubeRay derives pod and Service names from the RayService name: keep it short. */}}
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tandem
+{{- end }}
+
+{{/* Selector of one component's pods: (dict "ctx" $ "component" "head") */}}
+{{- define "tandem.componentSelector" -}}
+{{ include "tandem.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "tandem.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{/* The Redis URL Tandem's router uses, or "" for the gateway's in-process index. */}}
+{{- define "tandem.redisUrl" -}}
+{{- if .Values.redis.externalUrl }}
+{{- .Values.redis.externalUrl }}
+{{- else if .Values.redis.enabled }}
+{{- printf "redis://%s-redis.%s.svc:6379/0" (include "tandem.fullname" .) .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.deployRedis" -}}
+{{- if and .Values.redis.enabled (not .Values.redis.externalUrl) }}true{{ end }}
+{{- end }}
+
+{{/* Whether the Prometheus operator's objects are rendered. */}}
+{{- define "tandem.prometheusOperator" -}}
+{{- if or .Values.monitoring.forcePrometheusOperator (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") }}true{{ end }}
+{{- end }}
+
+{{/* Model path inside the pods, or nothing for the built-in model. */}}
+{{- define "tandem.modelPath" -}}
+{{- if .Values.model.path }}
+{{- printf "%s/%s" (trimSuffix "/" .Values.model.mountPath) (trimPrefix "/" .Values.model.path) }}
+{{- end }}
+{{- end }}
+
+{{/* Ray custom resource that pins each deployment to its group, one replica per pod. */}}
+{{- define "tandem.rayResource" -}}
+tandem_{{ . }}
+{{- end }}
+
+{{/*
+The Serve application: services.app:app_builder with AppConfig settings as args, exactly the
+settings `tandem up --config` reads from its YAML file.
+*/}}
+{{- define "tandem.appArgs" -}}
+{{- $args := deepCopy .Values.app }}
+{{- $_ := set $args "model" (include "tandem.modelPath" . | default nil) }}
+{{- $_ = set $args "host" "0.0.0.0" }}
+{{- $_ = set $args "port" .Values.ports.http }}
+{{- $_ = set $args "grpc_port" .Values.ports.grpc }}
+{{- /* A wildcard worker host listens on, and advertises, the pod's own IP. */}}
+{{- $_ = set $args "worker_host" "0.0.0.0" }}
+{{- $_ = set $args "redis_url" (include "tandem.redisUrl" . | default nil) }}
+{{- $_ = set $args "colocated" false }}
+{{- $_ = set $args "prefill_replicas" (include "tandem.initialReplicas" .Values.prefill | int) }}
+{{- $_ = set $args "decode_replicas" (include "tandem.initialReplicas" .Values.decode | int) }}
+{{- toYaml $args }}
+{{- end }}
+
+{{/* Engines the gateway waits for at start: the fixed count, or the autoscaling minimum. */}}
+{{- define "tandem.initialReplicas" -}}
+{{- if .autoscaling.enabled }}{{ .autoscaling.minReplicas }}{{ else }}{{ .replicas }}{{ end }}
+{{- end }}
+
+{{- define "tandem.maxReplicas" -}}
+{{- if .autoscaling.enabled }}{{ .autoscaling.maxReplicas }}{{ else }}{{ .replicas }}{{ end }}
+{{- end }}
+
+{{/* Serve deployment options for a worker role: (dict "role" "prefill" "values" .Values.prefill) */}}
+{{- define "tandem.workerDeployment" -}}
+{{- $v := .values }}
+{{- $resources := dict (include "tandem.rayResource" .role) 1 }}
+{{- $actor := dict "num_cpus" 0 "num_gpus" $v.gpusPerReplica "resources" $resources }}
+{{- $d := dict "name" .role "ray_actor_options" $actor }}
+{{- if $v.autoscaling.enabled }}
+{{- $_ := set $d "num_replicas" "auto" }}
+{{- $_ = set $d "autoscaling_config" (dict "min_replicas" $v.autoscaling.minReplicas "initial_replicas" $v.autoscaling.minReplicas "max_replicas" $v.autoscaling.maxReplicas "target_ongoing_requests" $v.autoscaling.targetOngoingRequests) }}
+{{- end }}
+{{- toYaml $d }}
+{{- end }}
+
+{{- define "tandem.serveConfig" -}}
+{{- $gateway := dict "name" "gateway" "ray_actor_options" (dict "num_cpus" 0 "resources" (dict (include "tandem.rayResource" "gateway") 1)) }}
+{{- $deployments := list $gateway (include "tandem.workerDeployment" (dict "role" "prefill" "values" .Values.prefill) | fromYaml) (include "tandem.workerDeployment" (dict "role" "decode" "values" .Values.decode) | fromYaml) }}
+{{- $application := dict "name" "tandem" "route_prefix" "/" "import_path" "services.app:app_builder" "args" (include "tandem.appArgs" . | fromYaml) "deployments" $deployments }}
+{{- $config := dict "proxy_location" "HeadOnly" "http_options" (dict "host" "0.0.0.0" "port" .Values.ports.http) "applications" (list $application) }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* Volumes every Ray pod has: scratch space (read-only root) and the model. */}}
+{{- define "tandem.rayVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.scratch.tmpSizeLimit }}
+- name: ray-session
+  emptyDir:
+    sizeLimit: {{ .Values.scratch.raySessionSizeLimit }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.scratch.shmSizeLimit }}
+- name: home
+  emptyDir:
+    sizeLimit: 256Mi
+{{- if .Values.model.path }}
+- name: model
+  {{- required "model.volume: set a volume source holding model.path (e.g. persistentVolumeClaim)" (.Values.model.volume | default nil) | toYaml | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.rayVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: ray-session
+  mountPath: /tmp/ray
+- name: dshm
+  mountPath: /dev/shm
+- name: home
+  mountPath: /home/ray
+{{- if .Values.model.path }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Container resources of a worker group, with its GPUs. */}}
+{{- define "tandem.workerResources" -}}
+{{- $r := deepCopy .resources }}
+{{- if gt (int .gpusPerReplica) 0 }}
+{{- $_ := set $r "requests" (merge (dict "nvidia.com/gpu" (int .gpusPerReplica)) ($r.requests | default dict)) }}
+{{- $_ = set $r "limits" (merge (dict "nvidia.com/gpu" (int .gpusPerReplica)) ($r.limits | default dict)) }}
+{{- end }}
+{{- toYaml $r }}
+{{- end }}
