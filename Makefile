@@ -16,7 +16,7 @@ lint:
 	.venv/bin/ruff check .
 
 test: setup lint
-	.venv/bin/pytest -q
+	.venv/bin/pytest -q --durations=25
 
 bench: setup
 	$(PY) -m loadtest.engine_bench

@@ -9,8 +9,10 @@ questions). Every configuration runs the same greedy requests (outputs are ident
 construction; the run checks it). At each batch size the requests run in waves of that many.
 Reports decode tokens/s (output tokens after the first, over the time after the first token),
 TPOT, the acceptance rate and mean accepted tokens per verification, and the ratio to plain
-decoding (``none``) measured in the same run. ``adaptive`` (default on) is the load-adaptive
-policy; ``--fixed-k`` also runs each proposer with a fixed k, to show what adapting saves.
+decoding (``none``) measured in the same run (with ``--rounds``, each configuration runs that
+many times in rotating order, and the ratio is the median of per-round ratios). ``adaptive``
+(default on) is the load-adaptive policy; ``--fixed-k`` also runs each proposer with a fixed k,
+to show what adapting saves.
 """
 
 from __future__ import annotations
@@ -138,6 +140,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--fixed-k", action="store_true",
                         help="also run every proposer with the adaptive policy off")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every configuration this many times, in rotating order; "
+                             "the ratio is the median of per-round ratios (the box is noisy)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write results.json here")
@@ -158,21 +163,34 @@ def main() -> None:
         for batch in args.batches:
             n = args.requests_per_batch or max(4, batch)
             prompts = WORKLOADS[workload](loaded.tokenizer, n)
-            baseline: Result | None = None
-            for method, adaptive in variants:
-                r = run(loaded, prompts, batch, method, args.k, adaptive, args.output_len, draft)
-                r.workload = workload
-                results.append(r)
-                if method == "none":
-                    baseline = r
-                elif baseline is not None:
-                    assert r.outputs == baseline.outputs, f"{method} changed the output"
-                ratio = r.decode_tok_s / baseline.decode_tok_s if baseline else float("nan")
+            runs: dict[tuple[str, bool], list[Result]] = {v: [] for v in variants}
+            for round_index in range(args.rounds):
+                shift = round_index % len(variants)
+                for method, adaptive in variants[shift:] + variants[:shift]:
+                    r = run(loaded, prompts, batch, method, args.k, adaptive, args.output_len,
+                            draft)
+                    r.workload = workload
+                    runs[method, adaptive].append(r)
+                    results.append(r)
+            baseline = runs.get(("none", True))
+            for (method, adaptive), rs in runs.items():
+                if baseline:
+                    assert all(r.outputs == baseline[0].outputs for r in rs), (
+                        f"{method} changed the output")
+                ratios = [r.decode_tok_s / b.decode_tok_s for r, b in zip(rs, baseline or [],
+                                                                            strict=False)]
+                ratio = statistics.median(ratios) if ratios else float("nan")
                 label = method + ("" if adaptive or method == "none" else " (fixed k)")
-                acc = f"{r.acceptance:.2f}" if r.acceptance is not None else "-"
-                per_step = f"{r.mean_accepted:.2f}" if r.mean_accepted is not None else "-"
-                print(f"| {workload} | {batch} | {label} | {r.decode_tok_s:.1f} | {ratio:.2f}x "
-                      f"| {r.tpot_ms:.1f} | {acc} | {per_step} |", flush=True)
+                accs = [r.acceptance for r in rs if r.acceptance is not None]
+                steps = [r.mean_accepted for r in rs if r.mean_accepted is not None]
+                acc = f"{statistics.mean(accs):.2f}" if accs else "-"
+                per_step = f"{statistics.mean(steps):.2f}" if steps else "-"
+                tok_s = statistics.median(r.decode_tok_s for r in rs)
+                tpot = statistics.median(r.tpot_ms for r in rs)
+                spread = (f" ({min(ratios):.2f}-{max(ratios):.2f})"
+                          if len(ratios) > 1 else "")
+                print(f"| {workload} | {batch} | {label} | {tok_s:.1f} | {ratio:.2f}x{spread} "
+                      f"| {tpot:.1f} | {acc} | {per_step} |", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         rows = [{k: v for k, v in asdict(r).items() if k != "outputs"} for r in results]

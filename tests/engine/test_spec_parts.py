@@ -66,26 +66,27 @@ def test_policy_honours_per_request_settings():
 def test_policy_pauses_a_request_whose_drafts_are_rejected():
     policy = SpecPolicy(SpeculativeConfig(method="ngram", k=4, min_acceptance=0.25))
     good, bad = seq("good"), seq("bad")
-    for _ in range(5):
-        policy.observe("good", 4, 3)
-        policy.observe("bad", 4, 0)
+
     def pause_length() -> int:
         steps = 0
         while "bad" not in policy.draft_lengths([good, bad], 2):
             steps += 1
         return steps
 
-    # The fifth bad step paused it again straight after the first pause began: 32 steps.
-    assert pause_length() == 32
+    for _ in range(3):  # its acceptance average falls 1 -> 0.5 -> 0.25 -> 0.125: paused
+        policy.observe("bad", 4, 0)
+    assert pause_length() == 16
     policy.observe("bad", 4, 0)  # the retry fails: the pause doubles
+    assert pause_length() == 32
+    policy.observe("bad", 4, 0)
     assert pause_length() == 64
     policy.observe("bad", 4, 4)  # a good retry keeps it going and resets the pauses
     assert policy.draft_lengths([bad], 1) == {"bad": 4}
-    policy.observe("bad", 4, 0)  # one bad step after a good one is tolerated (EMA 0.33)...
+    policy.observe("bad", 4, 0)  # one bad step after a good one is tolerated (0.31)...
     assert policy.draft_lengths([bad], 1) == {"bad": 4}
     policy.observe("bad", 4, 0)  # ...a second is not, and the pause starts short again
     assert pause_length() == 16
-    assert policy.draft_lengths([good], 2) == {"good": 4}
+    assert policy.draft_lengths([good], 2) == {"good": 4}  # others were never paused
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -103,3 +104,18 @@ def test_bad_speculative_config_is_rejected(kwargs, message):
 def test_bad_per_request_speculation_is_rejected():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SamplingParams(num_speculative_tokens=0)
+
+
+def test_new_requests_start_from_the_engine_wide_acceptance():
+    policy = SpecPolicy(SpeculativeConfig(method="self", k=4, min_acceptance=0.25))
+    first = seq("first")
+    assert policy.draft_lengths([first], 1) == {"first": 4}  # optimistic at the start
+    for _ in range(10):  # the proposer fails for everyone
+        policy.observe("first", 4, 0)
+    assert policy.global_rate < 0.25
+    late = seq("late")
+    assert "late" not in policy.draft_lengths([late], 1), "a new request should start paused"
+    steps = 1
+    while "late" not in policy.draft_lengths([late], 1):
+        steps += 1
+    assert steps == 16  # then it probes, like any paused request

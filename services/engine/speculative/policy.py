@@ -5,7 +5,9 @@ bound by reading weights (small batches) and costly once the batch fills the mac
 adaptive policy shares a fixed budget of draft tokens per step across the decoding batch (k
 shrinks as the batch grows, and speculation stops beyond the budget), and pauses a request whose
 recent acceptance rate fell below ``min_acceptance`` (it retries after a while, since text
-changes; each failed retry doubles the pause).
+changes; each failed retry doubles the pause). A new request starts from the engine-wide
+acceptance rate, so when the proposer is failing everywhere (an untrained self-draft, n-gram on
+open-ended chat) new requests start paused instead of paying for a few rejected steps each.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 from services.engine.config import SpeculativeConfig
 from services.engine.sequence import Sequence
 
-_EMA_WEIGHT = 0.3  # of the newest step in the acceptance-rate average
+_EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
+_GLOBAL_EMA_WEIGHT = 0.2  # of the newest step in the engine-wide average
 _PAUSE_STEPS = 16  # steps a low-acceptance request decodes plainly before trying again
 _MAX_PAUSE_DOUBLINGS = 4  # so a pause lasts at most 256 steps
 
@@ -31,6 +34,7 @@ class SpecPolicy:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._acceptance: dict[str, _Acceptance] = {}
+        self.global_rate = 1.0  # engine-wide acceptance-rate average; optimistic at start
 
     def draft_lengths(self, candidates: list[Sequence], batch_size: int) -> dict[str, int]:
         """k for each candidate (absent or 0: decode plainly). ``batch_size`` counts every
@@ -42,7 +46,7 @@ class SpecPolicy:
         for seq in candidates:
             if not seq.sampling.speculative:
                 continue
-            state = self._acceptance.setdefault(seq.request_id, _Acceptance())
+            state = self._acceptance.get(seq.request_id) or self._new_state(seq.request_id)
             if state.paused_for:
                 state.paused_for -= 1
                 continue
@@ -54,8 +58,10 @@ class SpecPolicy:
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if not self.config.adaptive or num_draft == 0:
             return
-        state = self._acceptance.setdefault(request_id, _Acceptance())
-        state.rate += _EMA_WEIGHT * (num_accepted / num_draft - state.rate)
+        state = self._acceptance.get(request_id) or self._new_state(request_id)
+        rate = num_accepted / num_draft
+        self.global_rate += _GLOBAL_EMA_WEIGHT * (rate - self.global_rate)
+        state.rate += _EMA_WEIGHT * (rate - state.rate)
         if state.rate < self.config.min_acceptance:
             state.paused_for = _PAUSE_STEPS << min(state.pauses, _MAX_PAUSE_DOUBLINGS)
             state.pauses += 1
@@ -63,6 +69,13 @@ class SpecPolicy:
             state.rate = self.config.min_acceptance
         else:
             state.pauses = 0
+
+    def _new_state(self, request_id: str) -> _Acceptance:
+        state = self._acceptance[request_id] = _Acceptance(rate=self.global_rate)
+        if self.config.adaptive and self.global_rate < self.config.min_acceptance:
+            state.paused_for, state.pauses = _PAUSE_STEPS, 1
+            state.rate = self.config.min_acceptance
+        return state
 
     def forget(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
