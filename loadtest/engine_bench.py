@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.sampling_params import SamplingParams
 

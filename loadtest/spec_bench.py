@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 from services import tracing
 from services.control.rpc import Handler, RpcServer
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.kv_transfer.factory import make_transport
 from services.kv_transfer.transport import KVTransport, TransferFaults
 

@@ -8,7 +8,7 @@ from services.control.process import WorkerSpec, worker_main
 from services.decode.config import DecodeConfig
 from services.decode.service import decode_handlers
 from services.decode.worker import DecodeWorker
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.kv_transfer.transport import KVTransport
 
 

@@ -10,7 +10,7 @@ from services.control.codec import params_from_dict, params_to_dict, token_ids
 from services.control.rpc import Handler, RpcClient
 from services.decode.errors import DecodeRejectedError, KVTransferFailedError
 from services.decode.worker import DecodeResult, DecodeWorker, KVSource
-from services.engine.engine import EngineOverloadedError, RequestError
+from services.engine.outputs import EngineOverloadedError, RequestError
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.pairing import PairingError, PairingInfo
 from services.prefill.result import PrefillResult

@@ -16,7 +16,7 @@ import time
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from services import tracing
-from services.engine.engine import RequestOutput
+from services.engine.outputs import RequestOutput
 
 MAX_STEP_EVENTS = 32  # per request: a long generation must not make a huge span
 

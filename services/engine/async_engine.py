@@ -3,21 +3,29 @@
 All engine state is touched only by the engine thread; callers hand it commands through a
 queue (``call`` runs any function on that thread, e.g. the KV import hooks of a decode worker).
 torch releases the GIL inside its kernels, so the event loop stays responsive.
+
+KV events leave the engine thread only through the ``on_events`` callback, one batch per step
+or command that produced any; without a callback they are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from services.engine.engine import EngineStats, LLMEngine, RequestOutput
+from services.engine.kv_events import KVEvent
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import EngineStats, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,8 +51,14 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine,
+                 on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+        """``on_events`` gets the engine's KV events, in order, after each step (before that
+        step's outputs reach their streams) and after each command that queued some. It runs
+        on the engine thread: it must be cheap and must not block (no network, no encoding;
+        append to a buffer that another thread publishes). What it raises is logged."""
+        self.llm = engine
+        self._on_events = on_events
         self._commands: queue.SimpleQueue[_Start | _Call | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Start] = {}
         self._stats = engine.stats
@@ -112,7 +126,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished_requests()
+            idle = not self.llm.has_unfinished_requests()
             try:
                 command = self._commands.get(block=idle)
             except queue.Empty:
@@ -125,34 +139,48 @@ class AsyncEngine:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = _NO_COMMAND
-            if self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+            if self.llm.has_unfinished_requests():
+                outputs = self.llm.step()
+                self._stats = self.llm.stats
+                self._hand_out_events()
+                for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                     if stream is not None:
                         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
-                self._stats = self.engine.stats
 
     def _apply(self, command: _Start | _Call | _Abort) -> None:
         if isinstance(command, _Abort):
             self._streams.pop(command.request_id, None)
-            self.engine.abort_request(command.request_id)
+            self.llm.abort_request(command.request_id)
         elif isinstance(command, _Call):
+            result: Any = None
+            error: Exception | None = None
             try:
-                result = command.fn(self.engine)
+                result = command.fn(self.llm)
             except Exception as exc:
-                command.loop.call_soon_threadsafe(_resolve, command.future, None, exc)
-            else:
-                command.loop.call_soon_threadsafe(_resolve, command.future, result, None)
+                error = exc
+            self._hand_out_events()  # before the caller hears back, as for step outputs
+            command.loop.call_soon_threadsafe(_resolve, command.future, result, error)
         else:
             try:
-                command.start(self.engine)
+                command.start(self.llm)
             except Exception as exc:  # invalid request: hand the error to its caller
                 command.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
                 return
+            self._hand_out_events()
             self._streams[command.request_id] = command
-        self._stats = self.engine.stats
+        self._stats = self.llm.stats
+
+    def _hand_out_events(self) -> None:
+        events = self.llm.take_events()
+        if not events or self._on_events is None:
+            return
+        try:
+            self._on_events(events)
+        except Exception:  # never let a consumer's bug stop the engine thread
+            log.exception("on_events raised; %d KV events lost", len(events))
 
 
 def _resolve(future: asyncio.Future[Any], result: object, exc: BaseException | None) -> None:

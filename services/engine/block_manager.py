@@ -2,7 +2,11 @@
 
 Blocks have reference counts. A full block gets a chained hash and enters the prefix cache; when
 its last reference goes it joins the free queue but stays hittable until the queue hands it out
-again (LRU eviction). Stored and evicted blocks are announced as KV events for the router.
+again (LRU eviction). Stored and evicted blocks are announced as KV events for the router:
+queued here in emission order and handed out by ``take_events`` (never published from here).
+
+The block manager writes a sequence's block state (``block_ids``, ``block_hashes``,
+``num_registered_blocks``) but never its ``num_computed_tokens``: the scheduler owns that.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from services.engine.block_hash import BlockHash, hash_block
-from services.engine.kv_events import BlockRemoved, BlockStored, KVEventPublisher
+from services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from services.engine.sequence import Sequence
 
 
@@ -29,12 +33,12 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventPublisher | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+                 ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.events = events or KVEventPublisher()
+        self._events: list[KVEvent] = []  # not yet taken, in emission order
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Unreferenced blocks, least recently freed first; cached ones stay in cached_blocks.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -51,6 +55,11 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events queued since the last call, in emission order; the queue is cleared."""
+        events, self._events = self._events, []
+        return events
 
     # -- admission ------------------------------------------------------------------------
 
@@ -80,12 +89,13 @@ class BlockManager:
         return needed <= self.num_free_blocks - revived
 
     def admit(self, seq: Sequence, cached: list[int]) -> None:
-        """Give ``seq`` the cached prefix blocks; the caller allocates the rest."""
+        """Give ``seq`` the cached prefix blocks; the caller records them as computed
+        (``num_cached_tokens``) and allocates the rest."""
         for block_id in cached:
             self._ref(block_id)
         seq.block_ids = list(cached)
         seq.num_registered_blocks = len(cached)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
+        seq.num_cached_tokens = len(cached) * self.block_size
         self.stats.queries += seq.num_tokens
         self.stats.hits += seq.num_cached_tokens
 
@@ -121,11 +131,11 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
         seq.block_ids = []
-        seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Hash and publish the blocks of ``seq`` that became full with computed tokens."""
+        """Hash the blocks of ``seq`` that became full with computed tokens and queue their
+        ``BlockStored`` event."""
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
@@ -149,19 +159,7 @@ class BlockManager:
             stored.append(block_hash)
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
         if stored:
-            self.events.publish(BlockStored(tuple(stored), first_parent, self.block_size))
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every unreferenced cached block (used blocks keep their hash)."""
-        removed = []
-        for block_id in self.free_queue:
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                removed.append(block.block_hash)
-                del self.cached_blocks[block.block_hash]
-                block.block_hash = None
-        if removed:
-            self.events.publish(BlockRemoved(tuple(removed)))
+            self._events.append(BlockStored(tuple(stored), first_parent, self.block_size))
 
     # -- internals ------------------------------------------------------------------------
 
@@ -176,7 +174,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:  # evict
             del self.cached_blocks[block.block_hash]
-            self.events.publish(BlockRemoved((block.block_hash,)))
+            self._events.append(BlockRemoved((block.block_hash,)))
             block.block_hash = None
         block.ref_count = 1
         return block_id

@@ -97,7 +97,6 @@ class EngineConfig:
     attention_backend: str = "torch"
     seed: int = 0  # for requests that sample without their own seed
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

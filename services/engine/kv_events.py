@@ -1,12 +1,12 @@
 """KV cache events a worker's block manager emits, for the router's prefix index.
 
-Plain dataclasses and a subscriber list: no transport here. The worker layer forwards events to
-a bus (in-process or Redis Streams) tagged with its worker id.
+Plain dataclasses, no transport. The block manager queues them as it goes; whoever runs the
+engine drains them with ``LLMEngine.take_events()`` between steps (``AsyncEngine`` hands each
+batch to its ``on_events`` callback) and forwards them to a bus, tagged with its worker id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.engine.block_hash import BlockHash
@@ -30,25 +30,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    """The whole prefix cache was dropped (e.g. a reset)."""
+    """The whole prefix cache was dropped; a worker's snapshot of its cache starts with it."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-KVEventSubscriber = Callable[[KVEvent], None]
-
-
-class KVEventPublisher:
-    """Fans events out to subscribers, synchronously, in emission order."""
-
-    def __init__(self) -> None:
-        self._subscribers: list[KVEventSubscriber] = []
-
-    def subscribe(self, subscriber: KVEventSubscriber) -> None:
-        self._subscribers.append(subscriber)
-
-    def unsubscribe(self, subscriber: KVEventSubscriber) -> None:
-        self._subscribers.remove(subscriber)
-
-    def publish(self, event: KVEvent) -> None:
-        for subscriber in self._subscribers:
-            subscriber(event)

@@ -6,11 +6,15 @@ prompts in arrival order. A long prompt is cut to what is left of the budget, so
 up running sequences for more than one chunk. When blocks run out, the newest running sequence
 is preempted: its blocks are freed and it is recomputed later (its full blocks usually come
 back from the prefix cache).
+
+The scheduler owns request state: it knows every request the engine holds (``requests``), makes
+every status change (``SequenceStatus`` draws the transitions), and is the one writer of a
+sequence's ``num_computed_tokens``. The engine asks it by request id and calls its transitions.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
@@ -39,15 +43,82 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.requests: dict[str, Sequence] = {}  # every unfinished request, in any status
+        self.waiting: deque[Sequence] = deque()  # WAITING and WAITING_WITH_KV, in order
         self.running: list[Sequence] = []
+        self._num_by_status: Counter[SequenceStatus] = Counter()
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+    def get(self, request_id: str) -> Sequence | None:
+        return self.requests.get(request_id)
+
+    def num_with_status(self, status: SequenceStatus) -> int:
+        return self._num_by_status[status]
+
+    def has_work(self) -> bool:
+        """Whether a step has anything to schedule (importing and pinned requests do not)."""
+        return bool(self.waiting or self.running)
+
+    # -- transitions ----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """A new request: queue its prompt."""
+        self._register(seq, SequenceStatus.WAITING)
         self.waiting.append(seq)
+
+    def begin_import(self, seq: Sequence) -> int | None:
+        """Reserve blocks for the prompt of ``seq``, whose KV a transfer will fill; leading
+        blocks this engine caches are reused. Returns how many, or None (nothing changed) when
+        the rest are not free now."""
+        bm = self.block_manager
+        cached = bm.find_cached_prefix(seq)
+        num_new = seq.num_prompt_tokens - len(cached) * bm.block_size
+        if not bm.can_admit(seq, cached, num_new):
+            return None
+        self._admit(seq, cached, num_new)
+        self._register(seq, SequenceStatus.WAITING_FOR_REMOTE_KV)
+        return len(cached)
+
+    def commit_import(self, seq: Sequence) -> None:
+        """The transfer filled the blocks: the prompt is computed; queue it to decode."""
+        assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.cache_full_blocks(seq)
+        self._set_status(seq, SequenceStatus.WAITING_WITH_KV)
+        self.waiting.append(seq)
+
+    def recompute_import(self, seq: Sequence) -> None:
+        """The transfer failed: drop the reserved blocks and queue the prompt to prefill."""
+        assert seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV
+        self._free(seq)
+        self._set_status(seq, SequenceStatus.WAITING)
+        self.waiting.append(seq)
+
+    def computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """After a step: the first ``num_computed_tokens`` tokens of ``seq`` have their KV in
+        the cache. Frees tail blocks past its tokens (they held rejected draft tokens) and
+        offers newly full blocks to the prefix cache."""
+        seq.num_computed_tokens = num_computed_tokens
+        self.block_manager.trim(seq, seq.num_tokens)
+        self.block_manager.cache_full_blocks(seq)
+
+    def pin(self, seq: Sequence) -> None:
+        """A prefill-only request is done: stop scheduling it but keep its blocks."""
+        assert seq.status is SequenceStatus.RUNNING
+        self.running.remove(seq)
+        self._set_status(seq, SequenceStatus.PINNED)
+
+    def finish(self, seq: Sequence) -> None:
+        """A request finished, was aborted or released its pinned KV: drop it from wherever it
+        is and free its blocks (full ones stay in the prefix cache)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.WAITING_WITH_KV):
+            self.waiting.remove(seq)
+        self._free(seq)
+        self._set_status(seq, SequenceStatus.FINISHED)
+        del self.requests[seq.request_id]
+
+    # -- scheduling -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -76,41 +147,55 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.block_ids:  # imported KV: it already holds its prompt's blocks
+            if seq.status is SequenceStatus.WAITING_WITH_KV:  # holds its prompt's blocks
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self.block_manager.allocate(seq, num_new):
                     break
                 self.waiting.popleft()
             else:
                 cached = self.block_manager.find_cached_prefix(seq)
-                num_new = min(seq.num_tokens - len(cached) * self.block_manager.block_size,
-                              budget)
+                num_new = min(seq.num_tokens - len(cached) * self.block_size, budget)
                 if not self.block_manager.can_admit(seq, cached, num_new):
                     break
                 self.waiting.popleft()
-                self.block_manager.admit(seq, cached)
-                allocated = self.block_manager.allocate(seq, num_new)
-                assert allocated, "can_admit promised room"
-            seq.status = SequenceStatus.RUNNING
+                self._admit(seq, cached, num_new)
+            self._set_status(seq, SequenceStatus.RUNNING)
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         return out
 
-    def finish(self, seq: Sequence, free_blocks: bool = True) -> None:
-        """Drop a finished or aborted sequence from the queues and free its blocks (unless the
-        caller keeps them, e.g. a prefill pinning its prompt's KV for a transfer)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        if free_blocks:
-            self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
+    # -- internals ------------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    def _register(self, seq: Sequence, status: SequenceStatus) -> None:
+        assert seq.request_id not in self.requests, "the engine checks ids are free"
+        self.requests[seq.request_id] = seq
+        seq.status = status
+        self._num_by_status[status] += 1
+
+    def _set_status(self, seq: Sequence, status: SequenceStatus) -> None:
+        self._num_by_status[seq.status] -= 1
+        self._num_by_status[status] += 1
+        seq.status = status
+
+    def _admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> None:
+        """Give ``seq`` its cached prefix blocks, then blocks for ``num_new_tokens`` more."""
+        self.block_manager.admit(seq, cached)
+        seq.num_computed_tokens = seq.num_cached_tokens
+        allocated = self.block_manager.allocate(seq, num_new_tokens)
+        assert allocated, "can_admit promised room"
+
+    def _free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.spec_token_ids.clear()
-        seq.status = SequenceStatus.WAITING
+        self._set_status(seq, SequenceStatus.WAITING)
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -11,9 +11,20 @@ from services.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
+    """Where a request is; only the scheduler changes it (see ``Scheduler``).
+
+    add ──▶ WAITING ──▶ RUNNING ──▶ FINISHED           (preemption: RUNNING ──▶ WAITING)
+                            └──▶ PINNED ──▶ FINISHED   (prefill-only, until release_kv)
+    begin_import ──▶ WAITING_FOR_REMOTE_KV ──▶ WAITING_WITH_KV ──▶ RUNNING   (commit_import)
+                                         └──▶ WAITING                        (recompute_import)
+    Aborting frees the blocks from any status.
+    """
+
+    WAITING = "waiting"  # queued; holds no blocks until admitted
+    WAITING_WITH_KV = "waiting_with_kv"  # queued holding its prompt's KV (a committed import)
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved, a transfer fills them
     RUNNING = "running"
-    IMPORTING = "importing"  # holds blocks that a KV transfer is filling; not scheduled
+    PINNED = "pinned"  # prefill done; its KV is held for a transfer until release_kv
     FINISHED = "finished"
 
 
@@ -40,7 +51,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order
-    num_computed_tokens: int = 0  # tokens whose k/v sit in the cache
+    # Tokens whose k/v sit in the cache. The scheduler alone writes it for the engine's
+    # sequences; a draft proposer's shadow sequences keep their own (speculative/draft.py).
+    num_computed_tokens: int = 0
     num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
@@ -63,7 +76,3 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from services.engine.block_hash import HASH_SCHEME
 
 if TYPE_CHECKING:
-    from services.engine.engine import LLMEngine
+    from services.engine.llm_engine import LLMEngine
     from services.kv_transfer.transport import KVTransport
 
 PROTOCOL_VERSION = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from services.control.process import WorkerSpec, worker_main
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.kv_transfer.transport import KVTransport
 from services.prefill.config import PrefillConfig
 from services.prefill.service import prefill_handlers

@@ -12,7 +12,8 @@ import time
 from opentelemetry.trace import SpanKind
 
 from services import tracing
-from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
 from services.prefill.result import PrefillResult
 
 

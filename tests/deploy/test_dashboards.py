@@ -28,7 +28,7 @@ from deploy.grafana import dashboards, promql, rules, slo
 from router import InProcessEventBus, InProcessRegistry, Router, RouterConfig
 from services.decode.metrics import DecodeMetrics
 from services.engine.block_hash import HashSettings
-from services.engine.engine import EngineStats
+from services.engine.outputs import EngineStats
 from services.gateway import metrics as gateway_metrics
 from services.gateway.metrics import GatewayMetrics
 from services.prefill.metrics import PrefillMetrics

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.engine import EngineOverloadedError, LLMEngine, PinnedKV, RequestError
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import EngineOverloadedError, PinnedKV, RequestError
 from services.engine.sampling_params import SamplingParams
 from tests.disagg.cluster import local_engine
 
@@ -95,4 +96,5 @@ def test_import_without_room_is_refused(loaded_model, prompts):
     d.begin_import("first", prompts[4], 1, PARAMS)  # 153 tokens: 10 blocks
     with pytest.raises(EngineOverloadedError, match="no room"):
         d.begin_import("second", prompts[3], 1, PARAMS)  # 227 tokens: 15 blocks
-    assert list(d.imports) == ["first"] and d.block_manager.num_free_blocks == 10
+    assert list(d.requests) == ["first"] and d.stats.num_importing == 1
+    assert d.block_manager.num_free_blocks == 10

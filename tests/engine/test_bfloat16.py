@@ -4,7 +4,7 @@ the check is that it starts the same way and answers sensibly."""
 from __future__ import annotations
 
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import load_model
 from services.engine.sampling_params import SamplingParams
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.engine.block_manager import BlockManager
-from services.engine.kv_events import BlockRemoved, BlockStored, KVEventPublisher
+from services.engine.kv_events import BlockRemoved, BlockStored
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
@@ -19,6 +19,7 @@ def run_prefill(bm: BlockManager, seq: Sequence) -> None:
     cached = bm.find_cached_prefix(seq)
     assert bm.can_admit(seq, cached, seq.num_tokens - len(cached) * BS)
     bm.admit(seq, cached)
+    seq.num_computed_tokens = seq.num_cached_tokens  # as the scheduler does
     assert bm.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_full_blocks(seq)
@@ -36,12 +37,10 @@ def test_allocate_and_free_account_every_block():
 
 
 def test_prefix_hit_reuses_blocks_and_counts_tokens():
-    events: list[object] = []
-    publisher = KVEventPublisher()
-    publisher.subscribe(events.append)
-    bm = BlockManager(num_blocks=16, block_size=BS, events=publisher)
+    bm = BlockManager(num_blocks=16, block_size=BS)
     first = make_seq(list(range(10)), "a")
     run_prefill(bm, first)
+    events = bm.take_events()
     assert [type(e) for e in events] == [BlockStored]
     assert len(events[0].block_hashes) == 2  # type: ignore[attr-defined]
     bm.free(first)
@@ -73,11 +72,8 @@ def test_cache_salt_separates_tenants():
     assert len(bm.find_cached_prefix(make_seq(list(range(9)), "c", salt="tenant-a"))) == 2
 
 
-def test_lru_eviction_removes_suffix_first_and_publishes():
-    events: list[object] = []
-    publisher = KVEventPublisher()
-    publisher.subscribe(events.append)
-    bm = BlockManager(num_blocks=4, block_size=BS, events=publisher)
+def test_lru_eviction_removes_suffix_first_and_queues_events():
+    bm = BlockManager(num_blocks=4, block_size=BS)
     old = make_seq(list(range(12)) + [7], "old")  # 3 full blocks + 1 partial
     run_prefill(bm, old)
     prefix_hashes = list(old.block_hashes)
@@ -86,7 +82,7 @@ def test_lru_eviction_removes_suffix_first_and_publishes():
     # and then the old chain's tail, so its first two blocks stay hittable.
     new = make_seq([50, 51, 52, 53, 54, 55], "new")
     run_prefill(bm, new)
-    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    removed = [e for e in bm.take_events() if isinstance(e, BlockRemoved)]
     assert [e.block_hashes for e in removed] == [(prefix_hashes[2],)]
     probe = make_seq(list(range(12)) + [7], "probe")
     assert len(bm.find_cached_prefix(probe)) == 2
@@ -106,3 +102,18 @@ def test_duplicate_content_is_cached_once():
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 16
+
+
+def test_events_are_queued_in_order_until_taken():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    old = make_seq(list(range(12)) + [7], "old")
+    run_prefill(bm, old)
+    bm.free(old)
+    new = make_seq([50, 51, 52, 53, 54, 55], "new")
+    run_prefill(bm, new)  # evicts old's third block, then caches new's first block
+    events = bm.take_events()
+    assert [type(e) for e in events] == [BlockStored, BlockRemoved, BlockStored]
+    assert events[0].block_hashes == tuple(old.block_hashes)  # type: ignore[union-attr]
+    assert events[1].block_hashes == (old.block_hashes[2],)  # type: ignore[union-attr]
+    assert events[2].block_hashes == (new.block_hashes[0],)  # type: ignore[union-attr]
+    assert bm.take_events() == []  # taking clears the queue

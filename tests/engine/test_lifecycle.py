@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from services.engine.async_engine import AsyncEngine
-from services.engine.engine import RequestError
+from services.engine.outputs import RequestError
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import FinishReason
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import load_model
 from services.engine.sampling_params import SamplingParams
 

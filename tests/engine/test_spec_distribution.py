@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from services.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel
 from services.engine.sampling_params import SamplingParams
 

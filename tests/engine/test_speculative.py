@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel
 from services.engine.sampling_params import SamplingParams
 from tests.engine.test_exactness import GREEDY, check_all

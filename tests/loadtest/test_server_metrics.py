@@ -11,7 +11,7 @@ from loadtest.bench.server_metrics import (
     metrics_url,
     parse_cache_counters,
 )
-from services.engine.engine import EngineStats
+from services.engine.outputs import EngineStats
 from services.gateway.metrics import GatewayMetrics
 from services.serving import metrics as worker_metrics
 from services.serving.cluster_view import WorkerSnapshot

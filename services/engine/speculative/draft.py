@@ -5,6 +5,10 @@ the prefill worker sent only the target's KV, so the first proposal prefills the
 the draft cache here; afterwards each step feeds only what is new. Before drafting, a shadow is
 synced with the target: its KV stays valid up to the longest common prefix of the two token
 lists, so rejected drafts are simply recomputed over.
+
+A shadow's ``num_computed_tokens`` is written here, not by the scheduler (which owns it for the
+engine's sequences): shadows are never scheduled; they are private bookkeeping over the draft's
+own KV cache and only share the ``Sequence`` type to reuse ``ModelRunner`` and ``BlockManager``.
 """
 
 from __future__ import annotations

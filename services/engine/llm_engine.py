@@ -12,33 +12,23 @@ from services.engine.attention import get_attention_backend
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from services.engine.kv_events import KVEventPublisher
+from services.engine.kv_events import KVEvent
 from services.engine.model import LlamaModel
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
+from services.engine.outputs import (
+    EngineOverloadedError,
+    EngineStats,
+    PinnedKV,
+    RequestError,
+    RequestOutput,
+)
 from services.engine.sampler import Sampler, token_logprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprobs
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.engine.speculative.policy import SpecPolicy
 from services.engine.speculative.proposer import Proposer, build_proposer
-
-
-class RequestError(ValueError):
-    """The request is invalid; nothing about the engine changed."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; retry later."""
-
-
-@dataclass(frozen=True)
-class PinnedKV:
-    """A prefill-only request's prompt KV, held in ``block_ids`` until ``release_kv``."""
-
-    request_id: str
-    block_ids: tuple[int, ...]  # in prompt order; the last one may be partly filled
-    num_tokens: int  # prompt tokens whose k/v the blocks hold
 
 
 @dataclass(frozen=True)
@@ -52,38 +42,6 @@ class ImportSlot:
     request_id: str
     block_ids: tuple[int, ...]
     num_cached_blocks: int
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    kv: PinnedKV | None = None  # set when a prefill-only request pinned its prompt's KV
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int  # tokens
-    prefix_cache_hits: int  # tokens
-    num_preemptions: int
-    num_pinned: int = 0  # prefill-only requests holding their KV for a transfer
-    num_importing: int = 0  # requests whose KV a transfer is filling
-    spec_draft_tokens: int = 0  # draft tokens the target verified
-    spec_accepted_tokens: int = 0  # of those, accepted
-    spec_steps: int = 0  # (sequence, step) pairs that verified at least one draft token
 
 
 @dataclass
@@ -110,9 +68,8 @@ class LLMEngine:
                                  loaded.config.max_position_embeddings,
                                  self.kv_spec.num_blocks * config.block_size)
         self.kv_cache = allocate_kv_cache(self.kv_spec, config.device)
-        self.kv_events = KVEventPublisher()
         self.block_manager = BlockManager(self.kv_spec.num_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.kv_events)
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         model = LlamaModel(loaded.config, loaded.weights,
@@ -129,9 +86,6 @@ class LLMEngine:
         self.spec_policy = SpecPolicy(spec)
         self.spec_stats = SpecStats()
         self._draft_probs: dict[str, torch.Tensor | None] = {}
-        self.requests: dict[str, Sequence] = {}  # queued or running
-        self.pinned: dict[str, Sequence] = {}  # prefill done, KV held until release_kv
-        self.imports: dict[str, Sequence] = {}  # blocks reserved, KV being transferred in
         self.num_preemptions = 0
         self._generate_ids = itertools.count()
 
@@ -144,30 +98,42 @@ class LLMEngine:
         and pins the prompt's blocks: that output carries a ``PinnedKV``; see ``release_kv``."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
         seq.prefill_only = prefill_only
-        self._enqueue(seq)
+        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Forget a request wherever it is: queued, running, importing KV or pinned."""
-        seq = (self.requests.pop(request_id, None) or self.imports.pop(request_id, None)
-               or self.pinned.pop(request_id, None))
+        seq = self.scheduler.get(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq)
         seq.finish_reason = FinishReason.ABORT
-        self._forget(seq)
+        self._finish(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether ``step`` has work: requests importing KV or pinned wait on a caller."""
+        return self.scheduler.has_work()
+
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """Every request this engine holds, by id, in any status (the scheduler's; read only)."""
+        return self.scheduler.requests
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events (blocks cached, evicted) since the last call, in emission order.
+
+        The block manager only queues them; whoever runs the engine drains them between steps
+        (``AsyncEngine`` does, after each step) and publishes them off the engine's path.
+        """
+        return self.block_manager.take_events()
 
     # -- disaggregation: prefill side -----------------------------------------------------
 
     def release_kv(self, request_id: str) -> bool:
         """Free a pinned prefill's blocks (its full blocks stay in the prefix cache)."""
-        seq = self.pinned.pop(request_id, None)
-        if seq is None:
+        seq = self.scheduler.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.PINNED:
             return False
-        self.block_manager.free(seq)
+        self.scheduler.finish(seq)
         return True
 
     # -- disaggregation: decode side ------------------------------------------------------
@@ -187,41 +153,28 @@ class LLMEngine:
         if seq.sampling.max_tokens < 2 or seq.num_tokens + 1 >= self.max_model_len:
             raise RequestError("nothing left to decode after the first token")
         seq.token_ids.append(first_token)
-        bm = self.block_manager
-        cached = bm.find_cached_prefix(seq)
-        num_new = seq.num_prompt_tokens - len(cached) * bm.block_size
-        if not bm.can_admit(seq, cached, num_new):
+        num_cached_blocks = self.scheduler.begin_import(seq)
+        if num_cached_blocks is None:
+            bm = self.block_manager
+            num_needed = bm.blocks_needed(seq.num_prompt_tokens) - len(bm.find_cached_prefix(seq))
             raise EngineOverloadedError(
-                f"no room to import {bm.blocks_needed(seq.num_prompt_tokens) - len(cached)} KV "
-                f"blocks ({bm.num_free_blocks} free)"
-            )
-        bm.admit(seq, cached)
-        allocated = bm.allocate(seq, num_new)
-        assert allocated, "can_admit promised room"
-        seq.status = SequenceStatus.IMPORTING
-        self.imports[request_id] = seq
-        return ImportSlot(request_id, tuple(seq.block_ids), len(cached))
+                f"no room to import {num_needed} KV blocks ({bm.num_free_blocks} free)")
+        return ImportSlot(request_id, tuple(seq.block_ids), num_cached_blocks)
 
     def commit_import(self, request_id: str) -> None:
         """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding."""
-        seq = self._take_import(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.block_manager.cache_full_blocks(seq)
-        self._enqueue(seq)
+        self.scheduler.commit_import(self._importing(request_id))
 
     def recompute_import(self, request_id: str) -> None:
         """Give up on the transfer: drop its blocks and prefill the prompt here instead."""
-        seq = self._take_import(request_id)
-        self.block_manager.free(seq)
-        self._enqueue(seq)
+        self.scheduler.recompute_import(self._importing(request_id))
 
     # -- internals: requests --------------------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int],
                       params: SamplingParams | None, cache_salt: str | None) -> Sequence:
         params = params or SamplingParams()
-        if request_id in self.requests or request_id in self.imports or (
-                request_id in self.pinned):
+        if self.scheduler.get(request_id) is not None:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -243,14 +196,9 @@ class LLMEngine:
             self.model_config.model_id,)
         return Sequence(request_id, prompt, len(prompt), params, extra_keys)
 
-    def _enqueue(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
-
-    def _take_import(self, request_id: str) -> Sequence:
-        seq = self.imports.pop(request_id, None)
-        if seq is None:
+    def _importing(self, request_id: str) -> Sequence:
+        seq = self.scheduler.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KV:
             raise RequestError(f"no KV import is in progress for request {request_id!r}")
         return seq
 
@@ -267,8 +215,8 @@ class LLMEngine:
         reached_end = set(map(id, result.sampled))
         for item in plan.scheduled:
             if id(item.seq) not in reached_end:  # a prefill chunk short of the prompt's end
-                item.seq.num_computed_tokens += item.num_new_tokens
-                self.block_manager.cache_full_blocks(item.seq)
+                self.scheduler.computed(item.seq,
+                                        item.seq.num_computed_tokens + item.num_new_tokens)
         if not result.sampled:
             return []
         plain = [i for i, seq in enumerate(result.sampled) if not seq.spec_token_ids]
@@ -316,9 +264,7 @@ class LLMEngine:
                 break
         seq.logprobs.extend(new_logprobs)
         seq.spec_token_ids = []
-        seq.num_computed_tokens = num_real + min(len(emitted), num_accepted)
-        self.block_manager.trim(seq, seq.num_tokens)  # blocks that held only rejected drafts
-        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.computed(seq, num_real + min(len(emitted), num_accepted))
         kv = None
         if seq.finish_reason is not None:
             self._finish(seq)
@@ -326,7 +272,8 @@ class LLMEngine:
             kv = self._pin(seq)
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=emitted, new_logprobs=new_logprobs,
-            finished=seq.is_finished, finish_reason=seq.finish_reason,
+            finished=seq.finish_reason is not None or kv is not None,  # pinned: done too
+            finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens, kv=kv,
         )
@@ -362,7 +309,8 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[int]]:
-        """Run prompts to completion (offline use and tests); returns generated token ids."""
+        """Run prompts to completion (offline use and tests); returns generated token ids.
+        Drops the queued KV events as it goes: offline use has nobody to take them."""
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
         results: dict[str, list[int]] = {i: [] for i in ids}
@@ -372,6 +320,7 @@ class LLMEngine:
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
+            self.take_events()
         return [results[i] for i in ids]
 
     @property
@@ -382,11 +331,20 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage, prefix_cache_queries=bm.stats.queries,
             prefix_cache_hits=bm.stats.hits, num_preemptions=self.num_preemptions,
-            num_pinned=len(self.pinned), num_importing=len(self.imports),
+            num_pinned=self.scheduler.num_with_status(SequenceStatus.PINNED),
+            num_importing=self.scheduler.num_with_status(SequenceStatus.WAITING_FOR_REMOTE_KV),
             spec_draft_tokens=self.spec_stats.draft_tokens,
             spec_accepted_tokens=self.spec_stats.accepted_tokens,
             spec_steps=self.spec_stats.steps,
+            pending_prefill_blocks=self._pending_prefill_blocks(),
         )
+
+    def _pending_prefill_blocks(self) -> int:
+        """Prompt blocks queued or running but not computed yet (the router's prefill load)."""
+        size = self.config.block_size
+        return sum(-(-(s.num_prompt_tokens - s.num_computed_tokens) // size)
+                   for s in (*self.scheduler.waiting, *self.scheduler.running)
+                   if s.num_computed_tokens < s.num_prompt_tokens)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -400,9 +358,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self.requests.pop(seq.request_id, None)
         self._forget(seq)
-        assert seq.status is SequenceStatus.FINISHED
 
     def _forget(self, seq: Sequence) -> None:
         """Drop per-request state kept outside the sequence (sampling, speculation)."""
@@ -414,8 +370,6 @@ class LLMEngine:
             self.proposer.forget(seq.request_id)
 
     def _pin(self, seq: Sequence) -> PinnedKV:
-        self.scheduler.finish(seq, free_blocks=False)
-        self.requests.pop(seq.request_id, None)
+        self.scheduler.pin(seq)
         self._forget(seq)
-        self.pinned[seq.request_id] = seq
         return PinnedKV(seq.request_id, tuple(seq.block_ids), seq.num_computed_tokens)

@@ -1,0 +1,61 @@
+"""What the engine hands out: per-step outputs, stats and its errors. No torch here.
+
+The gateway, the router side of the app and the wire codecs import these without loading the
+model's dependencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.engine.sequence import FinishReason, TokenLogprobs
+
+
+class RequestError(ValueError):
+    """The request is invalid; nothing about the engine changed."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry later."""
+
+
+@dataclass(frozen=True)
+class PinnedKV:
+    """A prefill-only request's prompt KV, held in ``block_ids`` until ``release_kv``."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # in prompt order; the last one may be partly filled
+    num_tokens: int  # prompt tokens whose k/v the blocks hold
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    kv: PinnedKV | None = None  # set when a prefill-only request pinned its prompt's KV
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    num_pinned: int = 0  # prefill-only requests holding their KV for a transfer
+    num_importing: int = 0  # requests whose KV a transfer is filling
+    spec_draft_tokens: int = 0  # draft tokens the target verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_steps: int = 0  # (sequence, step) pairs that verified at least one draft token
+    pending_prefill_blocks: int = 0  # prompt blocks of waiting/running requests not computed yet
