@@ -1,4 +1,8 @@
-"""The ``tandem`` command line."""
+"""The ``tandem`` command line.
+
+Subcommands import what they run when they run, so ``tandem up`` and ``tandem chat`` do not pay
+for the benchmark's dependencies (matplotlib, ...) nor the engine's (torch).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import argparse
 import sys
 import time
 
-from loadtest.bench import cli as bench_cli
 from router.config import POLICIES as ROUTING_POLICIES
 from services.engine.config import SPEC_METHODS
 
@@ -39,7 +42,7 @@ def _add_spec_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from services.engine.config import EngineConfig, SpeculativeConfig
-    from services.engine.engine import LLMEngine
+    from services.engine.llm_engine import LLMEngine
     from services.engine.sampling_params import SamplingParams
 
     spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
@@ -145,7 +148,18 @@ def _chat(args: argparse.Namespace) -> int:
         return 1
 
 
+def _add_bench_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+                      argv: list[str]) -> None:
+    if argv[:1] == ["bench"]:
+        from loadtest.bench import cli as bench_cli
+
+        bench_cli.add_parser(sub)
+    else:  # listed in `tandem --help` without importing loadtest
+        sub.add_parser("bench", help="load-test an OpenAI-compatible server or Tandem's gRPC API")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one prompt with an in-process engine")
@@ -159,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     _add_up_parser(sub)
     _add_chat_parser(sub)
-    bench_cli.add_parser(sub)
+    _add_bench_parser(sub, argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

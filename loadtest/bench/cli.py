@@ -33,8 +33,8 @@ from loadtest.bench.report import render_report, write_report
 from loadtest.bench.results import Cell, pool, results_document, write_results
 from loadtest.bench.server_metrics import CacheProbe, metrics_url
 from loadtest.bench.session import run_session
-from loadtest.bench.tokenizer import load_tokenizer
 from loadtest.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec
+from services.engine.tokenizer_loader import load_tokenizer
 
 PROG = "tandem bench"
 T = TypeVar("T")

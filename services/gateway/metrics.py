@@ -16,7 +16,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from services.engine.engine import EngineStats
+from services.engine.outputs import EngineStats
 from services.engine.sequence import FinishReason
 
 # vLLM's buckets, so dashboards and SLO queries carry over.

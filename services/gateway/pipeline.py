@@ -11,15 +11,15 @@ import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from services.engine.engine import EngineOverloadedError, RequestError, RequestOutput
+from services.engine.outputs import EngineOverloadedError, RequestError, RequestOutput
 from services.engine.sequence import TokenLogprobs
 from services.engine.tokenizer import Tokenizer
 from services.gateway.backend import GenerationBackend
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.errors import from_backend
-from services.gateway.inputs import GenerationRequest
 from services.gateway.metrics import ERROR, INVALID, REJECTED, RequestTimer
 from services.gateway.stop_strings import StopStringMatcher
+from services.request import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,7 @@ async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
     emitted = 0  # characters of text handed out so far
     started = False
     finish: str | None = None
-    stream = backend.generate(request.request_id, request.prompt_token_ids, request.params,
-                              request.cache_salt)
+    stream = backend.generate(request)
     try:
         async with contextlib.aclosing(stream):
             while finish is None:

