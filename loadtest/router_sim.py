@@ -37,6 +37,7 @@ from router import (
     InProcessRegistry,
     Router,
     RouterConfig,
+    WorkerEventForwarder,
     WorkerInfo,
     WorkerLoad,
     attach_worker,
@@ -44,7 +45,7 @@ from router import (
 from router.hashing import PromptHasher
 from router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
 from services.engine.block_hash import BlockHash, HashSettings
-from services.engine.kv_events import BlockRemoved, BlockStored, KVEvent, KVEventPublisher
+from services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 
 SETTINGS = HashSettings(block_size=16, model_id="sim-model")
 POLICIES = ("prefix-aware", "round-robin", "rendezvous", "oracle")
@@ -316,7 +317,7 @@ def simulate(policy_name: str, trace: Sequence[Request], n: int, p: SimParams) -
         heapq.heappush(heap, (t, next(seq), kind, payload))
 
     ids = [f"p{i:02d}" for i in range(n)]
-    publishers = {w: KVEventPublisher() for w in ids}
+    forwarders: dict[str, WorkerEventForwarder] = {}
     emit_for: dict[str, Callable[[float, list[KVEvent]], None] | None] = dict.fromkeys(ids)
     router: Router | None = None
     registry: InProcessRegistry | None = None
@@ -326,7 +327,7 @@ def simulate(policy_name: str, trace: Sequence[Request], n: int, p: SimParams) -
         config = RouterConfig(SETTINGS, miss_weight=p.miss_weight, load_weight=p.load_weight)
         router = Router(config, registry, bus, replica_id="sim", clock=lambda: clock[0])
         for w in ids:
-            attach_worker(publishers[w], bus, w)
+            forwarders[w] = attach_worker(bus, w)
             emit_for[w] = lambda t, events, w=w: schedule(t, "deliver", (w, events))
     workers = {w: SimWorker(w, p.cache_blocks, p, emit_for[w]) for w in ids}
     infos = {
@@ -373,8 +374,7 @@ def simulate(policy_name: str, trace: Sequence[Request], n: int, p: SimParams) -
                     latencies.append(t - job.req.arrival)
             elif kind == "deliver":
                 w, events = payload  # type: ignore[misc]
-                for event in events:
-                    publishers[w].publish(event)
+                forwarders[w].publish(events)
             elif kind == "heartbeat" and registry is not None:
                 for w in ids:
                     registry.register(infos[w], workers[w].load())
@@ -425,18 +425,17 @@ def decision_latency(num_workers: int = 16, prompts: int = 1000, seed: int = 1
     registry = InProcessRegistry(SETTINGS, ttl_s=1e9)
     bus = InProcessEventBus()
     router = Router(RouterConfig(SETTINGS), registry, bus, replica_id="bench")
-    publishers = {}
+    forwarders = {}
     for i in range(num_workers):
         w = f"p{i:02d}"
         registry.register(WorkerInfo(w, "prefill", f"{w}:0", 16, SETTINGS.model_id, 65536))
-        publishers[w] = KVEventPublisher()
-        attach_worker(publishers[w], bus, w)
+        forwarders[w] = attach_worker(bus, w)
     hasher = PromptHasher(SETTINGS)
     systems = [[rng.randrange(32_000) for _ in range(6144)] for _ in range(50)]
     for t, system in enumerate(systems):  # each system prompt cached on two workers
         hashes = tuple(hasher.hashes(system))
         for w in (t % num_workers, (t + 1) % num_workers):
-            publishers[f"p{w:02d}"].publish(BlockStored(hashes, None, 16))
+            forwarders[f"p{w:02d}"].publish([BlockStored(hashes, None, 16)])
     router.sync()
 
     def measure(make_prompt: Callable[[int], list[int]], prehashed: bool = False

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from router.wire import WorkerEvent
-from services.engine.kv_events import KVEvent
 
 
 class EventSubscription(Protocol):
@@ -30,8 +29,8 @@ class EventSubscription(Protocol):
 class EventBus(Protocol):
     """Carries workers' KV events to every router replica."""
 
-    def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
-        """Append events in order (atomically as a batch). Raises BusUnavailable."""
+    def publish(self, events: Sequence[WorkerEvent]) -> None:
+        """Append workers' events in order (atomically as a batch). Raises BusUnavailable."""
         ...
 
     def subscribe(self, replica_id: str) -> EventSubscription: ...

@@ -2,8 +2,8 @@
 
 - ``InProcessEventBus``: single-process runs and simulations.
 - ``RedisStreamEventBus``: a cluster; one Redis Stream, one consumer group per router replica.
-- ``attach_worker(publisher, bus, worker_id)``: subscribes a ``WorkerEventForwarder`` to a
-  worker's ``KVEventPublisher``.
+- ``attach_worker(bus, worker_id)``: a ``WorkerEventForwarder`` that numbers a worker's KV
+  events (as drained from its engine) and publishes them.
 """
 
 from router.bus import EventBus, EventSubscription

@@ -1,69 +1,138 @@
-"""Worker side: forwards a block manager's KV events to the bus, tagged with the worker id.
+"""Worker side: numbers a worker's KV events, mirrors its cache, and forwards them to a bus.
 
-The forwarder mirrors which blocks the worker holds, so that whenever the bus may have lost
-events (a failed publish, Redis restarted empty, a router asked for snapshots) it republishes
-the worker's whole cache as ``AllBlocksCleared`` followed by ``BlockStored`` chunks. A failing
-bus never raises into the engine: events are dropped and the next resync repairs the index.
+Two halves, two threads:
+
+- ``__call__(events)`` takes a batch the engine drained with ``take_events()`` (vLLM's
+  pattern). It runs on the engine thread, so it only mirrors the cached hashes, numbers the
+  events 1, 2, 3, ... and queues them: no encoding, no network.
+- ``flush()`` publishes what is queued, in order, from the worker's publisher (a background
+  thread for Redis, the worker's report for the in-process bus). It never raises.
+
+Whenever the bus may have lost events (a failed publish, a full queue, Redis restarted empty, a
+router that saw a gap in the numbers and asked for snapshots), ``resync()`` queues the worker's
+whole cache as ``AllBlocksCleared`` followed by ``BlockStored`` chunks. The snapshot is numbered
+like any event, under the same lock as the mirror, so it is exactly the cache as of its number:
+a router resets the worker's entries at the ``AllBlocksCleared`` and drops older numbers.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
+from collections.abc import Sequence
 
 from router.bus import EventBus
 from router.errors import BusUnavailable
-from services.engine.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    KVEventPublisher,
-)
+from router.wire import WorkerEvent
+from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 
 SNAPSHOT_CHUNK = 4096
+MAX_QUEUED_EVENTS = 100_000  # past this the queue is dropped and the next resync repairs it
 
 
 class WorkerEventForwarder:
-    """A ``KVEventPublisher`` subscriber. Call ``resync()`` with every heartbeat.
+    """Thread-safe. Call ``flush()`` after events arrive and ``resync()`` with every heartbeat."""
 
-    Publishing is synchronous (one pipelined XADD per event on Redis). Thread-safe.
-    """
-
-    def __init__(self, bus: EventBus, worker_id: str) -> None:
+    def __init__(self, bus: EventBus, worker_id: str,
+                 max_queued: int = MAX_QUEUED_EVENTS) -> None:
         self.bus = bus
         self.worker_id = worker_id
+        self.max_queued = max_queued
         self._block_size = 0  # learned from BlockStored; only needed once blocks are held
         self._held: dict[bytes, None] = {}  # insertion-ordered set of cached block hashes
-        self._lock = threading.Lock()
+        self._seq = 0  # number of the last event queued
+        self._queue: deque[WorkerEvent] = deque()
+        self._lock = threading.Lock()  # mirror, numbers and queue
+        self._publishing = threading.Lock()  # one publisher at a time keeps the order
         self._dirty = True  # the bus has not seen a snapshot of this worker yet
         self._generation: str | None = None
+        self.dropped = 0  # events dropped because the queue was full or the bus down
 
     @property
     def in_sync(self) -> bool:
         return not self._dirty
 
-    def __call__(self, event: KVEvent) -> None:
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def __call__(self, events: Sequence[KVEvent]) -> None:
+        """Mirror, number and queue a batch of events (cheap: called on the engine thread)."""
         with self._lock:
-            self._mirror(event)
-            # While out of sync, only mirror: the next resync() (heartbeat) sends a snapshot, so
-            # an unreachable bus costs one failed attempt per heartbeat, not one per event.
-            if not self._dirty:
-                self._publish([event])
+            for event in events:
+                self._mirror(event)
+            if self._dirty:
+                # Out of sync anyway: the next resync() sends a snapshot, so an unreachable bus
+                # costs one failed attempt per heartbeat, not one per event.
+                return
+            self._enqueue(events)
+
+    def publish(self, events: Sequence[KVEvent]) -> bool:
+        """Queue and flush at once (tests, simulations and single-threaded callers)."""
+        self(events)
+        return self.flush()
+
+    def flush(self) -> bool:
+        """Publish the queued events in order. False if the bus failed (a resync follows)."""
+        with self._publishing:
+            with self._lock:
+                batch = list(self._queue)
+                self._queue.clear()
+            if not batch:
+                return True
+            try:
+                self.bus.publish(batch)
+            except BusUnavailable as exc:
+                with self._lock:
+                    if not self._dirty:
+                        log.warning("worker %s: %d KV events not delivered (%s); will resync",
+                                    self.worker_id, len(batch), exc)
+                    self._dirty = True
+                    self.dropped += len(batch)
+                return False
+            return True
 
     def resync(self, force: bool = False) -> bool:
         """Republish the whole cache if the bus may have lost events. True if it is in sync."""
+        try:
+            generation = self.bus.generation()
+        except BusUnavailable:
+            with self._lock:
+                self._dirty = True
+            return False
         with self._lock:
-            if not force and not self._dirty:
-                try:
-                    if self.bus.generation() == self._generation:
-                        return True
-                except BusUnavailable:
-                    self._dirty = True
-                    return False
-            return self._publish_snapshot()
+            if not force and not self._dirty and generation == self._generation:
+                return True
+            self._queue.clear()  # the snapshot supersedes whatever was still queued
+            self._enqueue(self._snapshot())
+            self._dirty = False
+            self._generation = generation
+        return self.flush()
+
+    # -- under self._lock ------------------------------------------------------------------
+
+    def _enqueue(self, events: Sequence[KVEvent]) -> None:
+        if len(self._queue) + len(events) > self.max_queued:
+            log.warning("worker %s: KV event queue full (%d); dropping it, will resync",
+                        self.worker_id, len(self._queue))
+            self.dropped += len(self._queue) + len(events)
+            self._queue.clear()
+            self._dirty = True
+            return
+        for event in events:
+            self._seq += 1
+            self._queue.append(WorkerEvent(self.worker_id, event, self._seq))
+
+    def _snapshot(self) -> list[KVEvent]:
+        held = list(self._held)
+        events: list[KVEvent] = [AllBlocksCleared()]
+        for start in range(0, len(held), SNAPSHOT_CHUNK):
+            chunk = tuple(held[start : start + SNAPSHOT_CHUNK])
+            events.append(BlockStored(chunk, None, self._block_size))
+        return events
 
     def _mirror(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
@@ -76,44 +145,13 @@ class WorkerEventForwarder:
         elif isinstance(event, AllBlocksCleared):
             self._held.clear()
 
-    def _publish(self, events: list[KVEvent]) -> bool:
-        try:
-            self.bus.publish(self.worker_id, events)
-        except BusUnavailable as exc:
-            if not self._dirty:
-                log.warning("worker %s: KV events not delivered (%s); will resync", self.worker_id,
-                            exc)
-            self._dirty = True
-            return False
-        return True
 
-    def _publish_snapshot(self) -> bool:
-        try:
-            generation = self.bus.generation()
-        except BusUnavailable:
-            self._dirty = True
-            return False
-        held = list(self._held)
-        events: list[KVEvent] = [AllBlocksCleared()]
-        for start in range(0, len(held), SNAPSHOT_CHUNK):
-            chunk = tuple(held[start : start + SNAPSHOT_CHUNK])
-            events.append(BlockStored(chunk, None, self._block_size))
-        if not self._publish(events):
-            return False
-        self._dirty = False
-        self._generation = generation
-        return True
-
-
-def attach_worker(
-    publisher: KVEventPublisher, bus: EventBus, worker_id: str
-) -> WorkerEventForwarder:
-    """Subscribe a forwarder to ``publisher`` and announce the worker's (empty) cache.
+def attach_worker(bus: EventBus, worker_id: str) -> WorkerEventForwarder:
+    """A forwarder for ``worker_id`` that has announced the worker's (empty) cache.
 
     The first snapshot tells routers to drop whatever an earlier process with the same worker id
-    left in their index.
+    left in their index. Feed it the engine's drained events (``AsyncEngine(on_events=...)``).
     """
     forwarder = WorkerEventForwarder(bus, worker_id)
-    publisher.subscribe(forwarder)
     forwarder.resync(force=True)
     return forwarder

@@ -199,3 +199,95 @@ class PrefixIndex:
                 self._provisional[block_hash] = (mask, entry[1])
             else:
                 del self._provisional[block_hash]
+
+
+class EventOrder:
+    """Applies each worker's numbered events in order (see router/forwarder.py).
+
+    An ``AllBlocksCleared`` starts a snapshot: it is always taken and resets the worker's
+    expected number (older numbers arriving later are stale and dropped). An event ahead of the
+    expected number waits (reports can arrive out of order) until the missing ones come; if they
+    have not come within ``hold_s`` (or too many wait), they were lost: the worker is out of sync,
+    its events are dropped until its next snapshot, and ``expire`` names it so that the caller
+    asks for one. Unnumbered events are taken as they come.
+    """
+
+    def __init__(self, hold_s: float = 2.0, max_waiting: int = 100_000) -> None:
+        self.hold_s = hold_s
+        self.max_waiting = max_waiting
+        self._next: dict[str, int] = {}  # worker -> number expected next; absent: out of sync
+        self._ahead: dict[str, dict[int, KVEvent]] = {}  # events past a hole, by number
+        self._hole_since: dict[str, float] = {}
+        self.gaps = 0
+
+    def accept(self, worker_id: str, event: KVEvent, seq: int | None, now: float
+               ) -> list[KVEvent]:
+        """The events to apply now, in order (this one and any it unblocked)."""
+        if seq is None:
+            return [event]
+        if isinstance(event, AllBlocksCleared):
+            self._resume(worker_id, seq + 1)
+            return [event, *self._drain(worker_id)]
+        expected = self._next.get(worker_id)
+        if expected is None or seq < expected:  # out of sync, or stale
+            return []
+        if seq > expected:
+            ahead = self._ahead.setdefault(worker_id, {})
+            ahead[seq] = event
+            self._hole_since.setdefault(worker_id, now)
+            if len(ahead) > self.max_waiting:
+                self._lose(worker_id)
+            return []
+        self._next[worker_id] = seq + 1
+        return [event, *self._drain(worker_id)]
+
+    def expire(self, now: float) -> list[str]:
+        """Workers whose missing events did not come within ``hold_s``: now out of sync."""
+        lost = [w for w, since in self._hole_since.items() if now - since >= self.hold_s]
+        for worker_id in lost:
+            self._lose(worker_id)
+        return lost
+
+    def in_sync(self, worker_id: str) -> bool:
+        return worker_id in self._next
+
+    def forget(self, worker_id: str) -> None:
+        self._next.pop(worker_id, None)
+        self._ahead.pop(worker_id, None)
+        self._hole_since.pop(worker_id, None)
+
+    def clear(self) -> None:
+        self._next.clear()
+        self._ahead.clear()
+        self._hole_since.clear()
+
+    def _resume(self, worker_id: str, expected: int) -> None:
+        self._next[worker_id] = expected
+        ahead = self._ahead.get(worker_id)
+        if ahead:
+            for seq in [s for s in ahead if s < expected]:
+                del ahead[seq]
+
+    def _drain(self, worker_id: str) -> list[KVEvent]:
+        ahead = self._ahead.get(worker_id)
+        if not ahead:
+            self._hole_since.pop(worker_id, None)
+            return []
+        expected = self._next[worker_id]
+        ready = []
+        while expected in ahead:
+            ready.append(ahead.pop(expected))
+            expected += 1
+        self._next[worker_id] = expected
+        if not ahead:
+            del self._ahead[worker_id]
+            self._hole_since.pop(worker_id, None)
+        return ready
+
+    def _lose(self, worker_id: str) -> None:
+        expected = self._next.pop(worker_id, None)
+        self._ahead.pop(worker_id, None)
+        self._hole_since.pop(worker_id, None)
+        self.gaps += 1
+        log.warning("worker %s: KV events from %s on were lost; dropping its events until a "
+                    "snapshot", worker_id, expected)

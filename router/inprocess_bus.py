@@ -7,7 +7,6 @@ from collections import deque
 from collections.abc import Sequence
 
 from router.wire import WorkerEvent
-from services.engine.kv_events import KVEvent
 
 
 class InProcessEventBus:
@@ -19,12 +18,12 @@ class InProcessEventBus:
         self._generation = 0
         self._cond = threading.Condition()
 
-    def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
+    def publish(self, events: Sequence[WorkerEvent]) -> None:
         with self._cond:
             for event in events:
                 if len(self._log) == self._log.maxlen:
                     self._first_seq += 1
-                self._log.append(WorkerEvent(worker_id, event))
+                self._log.append(event)
             self._cond.notify_all()
 
     def subscribe(self, replica_id: str) -> InProcessSubscription:

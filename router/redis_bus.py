@@ -11,7 +11,6 @@ import redis
 from router.errors import BusReset, BusUnavailable
 from router.redis_conn import CONNECTION_ERRORS, server_run_id
 from router.wire import WorkerEvent, decode_event, encode_event
-from services.engine.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class RedisStreamEventBus:
         self.max_len = max_len
         self._snapshot_key = f"{stream}:snapshot-requests"
 
-    def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
+    def publish(self, events: Sequence[WorkerEvent]) -> None:
         if not events:
             return
         try:
@@ -43,7 +42,7 @@ class RedisStreamEventBus:
                 for event in events:
                     pipe.xadd(
                         self.stream,
-                        {_FIELD: encode_event(worker_id, event)},
+                        {_FIELD: encode_event(event.worker_id, event.event, event.seq)},
                         maxlen=self.max_len,
                         approximate=True,
                     )

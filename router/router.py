@@ -32,7 +32,7 @@ from router.errors import (
     SettingsMismatch,
 )
 from router.hashing import PromptHasher
-from router.index import PrefixIndex
+from router.index import EventOrder, PrefixIndex
 from router.inflight import InFlight
 from router.registry import Clock, WorkerRecord, WorkerRegistry, settings_mismatch
 from router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
@@ -55,6 +55,9 @@ class RouterStatus:
     refused: dict[str, str] = field(default_factory=dict)
     rebuilds: int = 0
     events_applied: int = 0
+    event_gaps: int = 0  # times a worker's numbered KV events skipped ahead (then resynced)
+    # Calls that found the chosen worker gone, per (role, reason): see ``mark_down``.
+    failovers: dict[tuple[str, str], int] = field(default_factory=dict)
     decisions: int = 0
     fallback_decisions: int = 0
     # Decisions per (reason, detail), as on RoutingDecision.
@@ -82,6 +85,7 @@ class Router:
         self._clock = clock
         self.hasher = PromptHasher(config.settings, config.memo_blocks)
         self._index = PrefixIndex(config.settings.block_size, config.provisional_ttl_s)
+        self._order = EventOrder()
         self._inflight = InFlight(config.inflight_max_age_s)
         self._rng = random.Random(config.seed)
         self._round_robin = RoundRobin()
@@ -104,6 +108,8 @@ class Router:
         self._decisions = 0
         self._fallbacks = 0
         self._by_reason: Counter[tuple[str, str]] = Counter()
+        self._failovers: Counter[tuple[str, str]] = Counter()
+        self._down: dict[str, int] = {}  # worker -> heartbeat seq it was found gone at
 
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -124,6 +130,9 @@ class Router:
         with self._lock:
             self._index.expire(now)
             self._inflight.expire(now)
+            lost = self._order.expire(now)
+        if lost:  # a worker's missing KV events never came: it republishes its cache
+            self._request_snapshots()
 
     def _sync_events(self, block_s: float, max_events: int) -> None:
         assert self.bus is not None and self._subscription is not None
@@ -133,6 +142,7 @@ class Router:
                 self._subscription.open()
                 with self._lock:
                     self._index.clear()
+                    self._order.clear()
                     self._rebuilding = True
                     self._rebuilds += 1
                 self._needs_open = False
@@ -142,10 +152,13 @@ class Router:
             read = 0
             while read < max_events:
                 events = self._subscription.read(batch, block_s if read == 0 else 0.0)
+                now = self._clock()
                 with self._lock:
                     for item in events:
-                        self._index.apply(item.worker_id, item.event)
-                    self._events_applied += len(events)
+                        for event in self._order.accept(item.worker_id, item.event, item.seq,
+                                                        now):
+                            self._index.apply(item.worker_id, event)
+                            self._events_applied += 1
                 read += len(events)
                 if len(events) < batch:
                     with self._lock:
@@ -208,6 +221,10 @@ class Router:
                 self._refused[worker_id] = reason
                 continue
             self._refused.pop(worker_id, None)
+            if worker_id in self._down:
+                if self._down[worker_id] == record.heartbeat_seq:
+                    continue  # found gone, and no heartbeat since
+                del self._down[worker_id]
             previous = self._workers.get(worker_id)
             if previous is None or previous.heartbeat_seq != record.heartbeat_seq:
                 self._inflight.reported(worker_id, record.updated_at)
@@ -224,6 +241,7 @@ class Router:
             if now - since >= self.config.forget_lapsed_after_s:
                 del self._lapsed_since[worker_id]
                 self._index.remove_worker(worker_id)
+                self._order.forget(worker_id)
                 self._inflight.forget_worker(worker_id)
                 self._forgotten.add(worker_id)
         self._workers = live
@@ -269,6 +287,20 @@ class Router:
         with self._lock:
             return self._decide(hashes, num_tokens, fallback_key,
                                 request_id or uuid.uuid4().hex)
+
+    def mark_down(self, worker_id: str, reason: str) -> None:
+        """A call to the worker this router chose found it gone (e.g. its Serve replica was
+        replaced): route around it until it heartbeats again, and count the failover."""
+        with self._lock:
+            record = self._workers.pop(worker_id, None)
+            role = record.info.role if record is not None else "unknown"
+            self._failovers[(role, reason)] += 1
+            if record is not None:
+                self._down[worker_id] = record.heartbeat_seq
+                self._lapsed_since[worker_id] = self._clock()  # forgotten if it stays gone
+                self._inflight.forget_worker(worker_id)
+        log.warning("router %s: %s worker %s is gone (%s); failing over", self.replica_id, role,
+                    worker_id, reason)
 
     def release(self, request_id: str) -> None:
         """The request's prefill is done (or it failed): stop counting it as pending load."""
@@ -434,6 +466,8 @@ class Router:
                 refused=dict(self._refused),
                 rebuilds=self._rebuilds,
                 events_applied=self._events_applied,
+                event_gaps=self._order.gaps,
+                failovers=dict(self._failovers),
                 decisions=self._decisions,
                 fallback_decisions=self._fallbacks,
                 decisions_by_reason=dict(self._by_reason),

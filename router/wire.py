@@ -1,4 +1,8 @@
-"""KV events on the wire: a worker id plus one engine event, encoded as JSON with hex hashes."""
+"""KV events on the wire: a worker id, the worker's event sequence number and one engine event,
+encoded as JSON with hex hashes.
+
+A worker numbers its events 1, 2, 3, ... in emission order (``WorkerEventForwarder``); the
+router applies them in that order and treats a gap as lost events (docs/router.md, Resync)."""
 
 from __future__ import annotations
 
@@ -16,10 +20,13 @@ class WorkerEvent:
 
     worker_id: str
     event: KVEvent
+    seq: int | None = None  # the worker's event number; None: unnumbered (applied as it comes)
 
 
-def encode_event(worker_id: str, event: KVEvent) -> bytes:
+def encode_event(worker_id: str, event: KVEvent, seq: int | None = None) -> bytes:
     body: dict[str, object] = {"v": WIRE_VERSION, "w": worker_id}
+    if seq is not None:
+        body["s"] = seq
     if isinstance(event, BlockStored):
         body["k"] = "stored"
         body["h"] = [h.hex() for h in event.block_hashes]
@@ -45,6 +52,9 @@ def decode_event(raw: bytes | str) -> WorkerEvent:
         kind = body["k"]
         if not isinstance(worker_id, str):
             raise ValueError("worker id must be a string")
+        seq = body.get("s")
+        if seq is not None and (type(seq) is not int or seq < 1):
+            raise ValueError(f"event sequence number must be a positive integer, not {seq!r}")
         event: KVEvent
         if kind == "stored":
             parent = body["p"]
@@ -61,4 +71,4 @@ def decode_event(raw: bytes | str) -> WorkerEvent:
             raise ValueError(f"unknown event kind {kind!r}")
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"malformed KV event: {exc}") from exc
-    return WorkerEvent(worker_id, event)
+    return WorkerEvent(worker_id, event, seq)

@@ -1,6 +1,6 @@
-"""Test helpers: workers made of the real event publisher, forwarder and registry membership.
+"""Test helpers: workers made of the real event forwarder and registry membership.
 
-The test itself plays the block manager: it publishes the events a worker would emit.
+The test itself plays the engine: it hands the forwarder the events a block manager would emit.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from router import (
     attach_worker,
 )
 from services.engine.block_hash import HashSettings, hash_token_blocks
-from services.engine.kv_events import BlockRemoved, BlockStored, KVEventPublisher
+from services.engine.kv_events import BlockRemoved, BlockStored
 
 SETTINGS = HashSettings(block_size=16, model_id="smollm2-135m")
 
@@ -40,7 +40,6 @@ def make_info(worker_id: str, role: str = "prefill", settings: HashSettings = SE
 @dataclass
 class WorkerHarness:
     info: WorkerInfo
-    publisher: KVEventPublisher
     forwarder: WorkerEventForwarder
     membership: WorkerMembership
     settings: HashSettings = SETTINGS
@@ -53,11 +52,11 @@ class WorkerHarness:
         """Emit BlockStored for the prompt's full blocks, as a block manager would."""
         hashes = hash_token_blocks(token_ids, self.settings.block_size,
                                    self.settings.extra_keys(cache_salt))
-        self.publisher.publish(BlockStored(tuple(hashes), None, self.settings.block_size))
+        self.forwarder.publish([BlockStored(tuple(hashes), None, self.settings.block_size)])
         return hashes
 
     def evict(self, hashes: Sequence[bytes]) -> None:
-        self.publisher.publish(BlockRemoved(tuple(hashes)))
+        self.forwarder.publish([BlockRemoved(tuple(hashes))])
 
     def heartbeat(self, load: WorkerLoad | None = None) -> bool:
         return self.membership.heartbeat(load or WorkerLoad())
@@ -66,11 +65,10 @@ class WorkerHarness:
 def start_worker(registry: WorkerRegistry, bus: EventBus, worker_id: str, role: str = "prefill",
                  load: WorkerLoad | None = None) -> WorkerHarness:
     info = make_info(worker_id, role)
-    publisher = KVEventPublisher()
-    forwarder = attach_worker(publisher, bus, worker_id)
+    forwarder = attach_worker(bus, worker_id)
     membership = WorkerMembership(registry, info, forwarder)
     membership.join(load or WorkerLoad())
-    return WorkerHarness(info, publisher, forwarder, membership)
+    return WorkerHarness(info, forwarder, membership)
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 
 from router import (
+    InProcessEventBus,
+    InProcessRegistry,
     RedisRegistry,
     RedisStreamEventBus,
     Router,
@@ -97,3 +99,24 @@ def test_router_started_while_redis_is_down(redis_server: RedisServer) -> None:
     wait_until(ready, what="the router to connect")
     assert router.route(prompt).reason == "prefix"
     router.close()
+
+
+def test_mark_down_routes_around_a_gone_worker_until_it_heartbeats() -> None:
+    clock = FakeClock()
+    registry = InProcessRegistry(SETTINGS, ttl_s=30.0, clock=clock)
+    bus = InProcessEventBus()
+    router = Router(RouterConfig(SETTINGS), registry, bus, clock=clock)
+    workers = [start_worker(registry, bus, f"p{i}") for i in range(2)]
+    prompt = tokens(7, 16 * 20)
+    workers[0].cache(prompt)
+    router.sync()
+    assert router.route(prompt).prefill_worker == "p0"
+
+    router.mark_down("p0", "replica_gone")  # a call found p0's replica gone
+    assert router.status().failovers == {("prefill", "replica_gone"): 1}
+    for _ in range(3):
+        router.sync()  # p0's registry record is still fresh, but it has not heartbeated since
+        assert router.route(prompt).prefill_worker == "p1"
+    workers[0].heartbeat()
+    router.sync()
+    assert router.route(prompt).prefill_worker == "p0"

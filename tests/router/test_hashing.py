@@ -54,14 +54,13 @@ WORKER_SCRIPT = """
 import json, sys
 from router import RedisStreamEventBus, attach_worker, connect
 from services.engine.block_hash import HashSettings, hash_token_blocks
-from services.engine.kv_events import BlockStored, KVEventPublisher
+from services.engine.kv_events import BlockStored
 
 url, prompt, salt = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 settings = HashSettings(16, "smollm2-135m")
 hashes = hash_token_blocks(prompt, 16, settings.extra_keys(salt))
-publisher = KVEventPublisher()
-attach_worker(publisher, RedisStreamEventBus(connect(url)), "p-remote")
-publisher.publish(BlockStored(tuple(hashes), None, 16))
+forwarder = attach_worker(RedisStreamEventBus(connect(url)), "p-remote")
+forwarder.publish([BlockStored(tuple(hashes), None, 16)])
 print(json.dumps({"hashes": [h.hex() for h in hashes], "str_hash": hash("tandem")}))
 """
 

@@ -1,5 +1,5 @@
 """The round_robin routing policy against the prefix policy, with the in-process bus and
-registry (the single-process gateway's) and real worker event publishers."""
+registry (the single-process gateway's) and real worker event forwarders."""
 
 from __future__ import annotations
 
