@@ -28,7 +28,7 @@ import psutil
 
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.sampling_params import SamplingParams
 
 READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1")
@@ -97,6 +97,22 @@ async def engine_run(engine: AsyncEngine, token_prompts: list[list[int]], concur
     return timings
 
 
+def idle_rss_by_role(tree: list[psutil.Process]) -> dict[str, float]:
+    """MiB of resident memory per kind of process: each Serve replica by its deployment (Ray
+    titles them ``ray::ServeReplica:<app>:<deployment>``), the rest as Ray's own."""
+    totals: dict[str, float] = {}
+    for proc in tree:
+        try:
+            title = " ".join(proc.cmdline()) or proc.name()
+            rss = proc.memory_info().rss / 2**20
+        except psutil.Error:
+            continue
+        match = re.search(r"ServeReplica:[^:\s]+:(\w+)", title)
+        role = match.group(1) if match else ("tandem up" if proc is tree[0] else "ray")
+        totals[role] = totals.get(role, 0.0) + rss
+    return totals
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -125,9 +141,11 @@ def main() -> int:
     ready_s, url = time.monotonic() - start, match.group(1)
     time.sleep(5)  # let start-up settle before sampling idle memory
     tree = [psutil.Process(up.pid), *psutil.Process(up.pid).children(recursive=True)]
-    idle_mib = sum(p.memory_info().rss for p in tree if p.is_running()) / 2**20
+    by_role = idle_rss_by_role(tree)
+    idle_mib = sum(by_role.values())
     rows = [f"tandem up: ready in {ready_s:.1f} s; idle RSS of {len(tree)} processes "
-            f"{idle_mib:.0f} MiB", "",
+            f"{idle_mib:.0f} MiB (" + ", ".join(f"{role} {mib:.0f}"
+                                                for role, mib in by_role.items()) + ")", "",
             "| path | TTFT p50 (ms) | TTFT p90 | ITL p50 (ms) | ITL p90 |", "|---|---|---|---|---|"]
     try:
         asyncio.run(http_run(url, texts[:2], 1, 4))  # warm-up
@@ -138,7 +156,7 @@ def main() -> int:
         up.send_signal(signal.SIGTERM)
         up.wait(120)
     engine = AsyncEngine(LLMEngine(EngineConfig(num_threads=1, kv_cache_memory_gb=0.25)))
-    token_prompts = [engine.engine.tokenizer.encode(t) for t in texts]
+    token_prompts = [engine.llm.tokenizer.encode(t) for t in texts]
     asyncio.run(engine_run(engine, token_prompts[:2], 1, 4))
     for c in (1, 16):
         rows.append(asyncio.run(engine_run(engine, token_prompts, c, args.max_tokens)).row(

@@ -40,14 +40,15 @@ def build_app(config: AppConfig) -> Application:
         return gateway.bind(config)
     router = RequestRouterConfig(
         request_router_class="services.serving.request_router:TandemRequestRouter")
-    workers = {}
-    for role, cls, replicas in (("prefill", PrefillReplica, config.prefill_replicas),
-                                ("decode", DecodeReplica, config.decode_replicas)):
-        workers[role] = serve.deployment(
-            cls, name=role, num_replicas=replicas, ray_actor_options=options,
-            max_ongoing_requests=_MAX_ONGOING, request_router_config=router,
-            graceful_shutdown_timeout_s=5).bind(config)
-    return gateway.bind(config, workers["prefill"], workers["decode"])
+    def worker(cls: type, role: str, replicas: int):  # type: ignore[no-untyped-def]
+        return serve.deployment(cls, name=role, num_replicas=replicas, ray_actor_options=options,
+                                max_ongoing_requests=_MAX_ONGOING, request_router_config=router,
+                                graceful_shutdown_timeout_s=5)
+
+    prefill = worker(PrefillReplica, "prefill", config.prefill_replicas).bind(config)
+    # Decode replicas call the prefill replicas themselves (pair, release, reject).
+    decode = worker(DecodeReplica, "decode", config.decode_replicas).bind(config, prefill)
+    return gateway.bind(config, prefill, decode)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

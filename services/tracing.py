@@ -166,6 +166,19 @@ def attached(carrier: Mapping[str, Any] | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
+@contextlib.contextmanager
+def served(name: str, carrier: Mapping[str, Any] | None) -> Iterator[None]:
+    """Run a call from another process in a SERVER span ``name`` under the caller's carrier
+    (nothing when the call carries no trace)."""
+    context = extract(carrier)
+    if context is None:
+        yield
+        return
+    span = start_span(name, context, SpanKind.SERVER)
+    with trace.use_span(span, end_on_exit=True):
+        yield
+
+
 def start_span(name: str, parent: Span | Context | None = None,
                kind: SpanKind = SpanKind.INTERNAL, start_ns: int | None = None) -> Span:
     """A span under ``parent`` (a span, a context, or None: the current context); the no-op

@@ -15,8 +15,6 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from opentelemetry.trace import SpanKind, use_span
-
 from services import tracing
 from services.kv_transfer.framing import FrameError, encode_frame, read_frame
 
@@ -104,11 +102,7 @@ class RpcServer:
 
 
 async def _traced(method: str, handler: Handler, params: dict[str, Any], carrier: Any) -> Any:
-    context = tracing.extract(carrier)
-    if context is None:
-        return await handler(params)
-    span = tracing.start_span(f"control.{method}", context, SpanKind.SERVER)
-    with use_span(span, end_on_exit=True):
+    with tracing.served(f"control.{method}", carrier):
         return await handler(params)
 
 

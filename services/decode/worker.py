@@ -29,13 +29,9 @@ from services.decode.metrics import DecodeMetrics
 from services.decode.peers import PeerLink, PrefillPeer
 from services.decode.trace import DecodeTrace
 from services.engine.async_engine import AsyncEngine
-from services.engine.engine import (
-    EngineOverloadedError,
-    ImportSlot,
-    LLMEngine,
-    RequestError,
-    RequestOutput,
-)
+from services.engine.kv_events import KVEvent
+from services.engine.llm_engine import ImportSlot, LLMEngine
+from services.engine.outputs import EngineOverloadedError, RequestError, RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.checksum import block_bytes, block_checksums
 from services.kv_transfer.handle import KVHandle
@@ -105,11 +101,13 @@ class DecodeWorker:
     role = "decode"
 
     def __init__(self, engine: LLMEngine, transport: KVTransport,
-                 config: DecodeConfig | None = None, worker_id: str = "decode-0") -> None:
+                 config: DecodeConfig | None = None, worker_id: str = "decode-0",
+                 on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+        """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``)."""
         self.worker_id = worker_id
         self.config = config or DecodeConfig()
         self.transport = transport
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine(engine, on_events)
         self.metrics = DecodeMetrics()
         self.accepting = True
         self._blocks = block_bytes(engine.kv_cache)
@@ -121,8 +119,8 @@ class DecodeWorker:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.transport.start(self.engine.engine.kv_cache)
-        self._info = PairingInfo.for_engine(self.engine.engine, self.worker_id, self.role,
+        await self.transport.start(self.engine.llm.kv_cache)
+        self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
                                             self.transport)
 
     def drain(self) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from services.control.codec import params_from_dict, params_to_dict, token_ids
 from services.control.rpc import Handler, RpcClient
-from services.engine.engine import EngineOverloadedError, RequestError
+from services.engine.outputs import EngineOverloadedError, RequestError
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.pairing import PairingError, PairingInfo
 from services.prefill.result import PrefillResult

@@ -11,11 +11,13 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.engine.async_engine import AsyncEngine
-from services.engine.engine import LLMEngine, RequestOutput
+from services.engine.kv_events import KVEvent
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.checksum import block_bytes, block_checksums
 from services.kv_transfer.handle import KVHandle
@@ -35,11 +37,13 @@ class PrefillWorker:
 
     def __init__(self, engine: LLMEngine, transport: KVTransport,
                  config: PrefillConfig | None = None, worker_id: str = "prefill-0",
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic,
+                 on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+        """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``)."""
         self.worker_id = worker_id
         self.config = config or PrefillConfig()
         self.transport = transport
-        self.engine = AsyncEngine(engine)
+        self.engine = AsyncEngine(engine, on_events)
         self.leases = LeaseTable(self.config.lease_ttl_s, clock)
         self.metrics = PrefillMetrics()
         self.peers: dict[str, PairingInfo] = {}  # decode workers met so far
@@ -50,8 +54,8 @@ class PrefillWorker:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.transport.start(self.engine.engine.kv_cache)
-        self._info = PairingInfo.for_engine(self.engine.engine, self.worker_id, self.role,
+        await self.transport.start(self.engine.llm.kv_cache)
+        self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
                                             self.transport)
         self._reaper = asyncio.create_task(self._reap(), name=f"{self.worker_id}-leases")
 
@@ -102,7 +106,7 @@ class PrefillWorker:
         async for out in self.engine.stream(request_id, start):
             last = out
         assert last is not None and last.finished
-        trace.first_token(last, self.engine.engine.config.max_num_batched_tokens)
+        trace.first_token(last, self.engine.llm.config.max_num_batched_tokens)
         self.metrics.prefills += 1
         handle = None
         if last.kv is not None:

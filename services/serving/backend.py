@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -20,15 +21,19 @@ from ray.serve.handle import DeploymentHandle
 
 from router import Router, RoutingDecision
 from services import tracing
-from services.control.codec import logprobs_from_dict, params_to_dict
 from services.decode.errors import DecodeRejectedError
-from services.engine.engine import EngineOverloadedError, EngineStats, RequestError, RequestOutput
-from services.engine.sampling_params import SamplingParams
+from services.engine.outputs import EngineOverloadedError, EngineStats, RequestError, RequestOutput
 from services.engine.sequence import FinishReason
 from services.prefill.result import PrefillResult
+from services.request import GenerationRequest
 from services.serving.cluster_view import ClusterView, WorkerSnapshot
+from services.serving.messages import ReplicaGoneError, WorkerReport
 
 log = logging.getLogger(__name__)
+
+
+# Calls that find the chosen replica gone are sent to another worker at most this many times.
+MAX_FAILOVERS = 2
 
 
 class DisaggBackend:
@@ -60,50 +65,39 @@ class DisaggBackend:
     def snapshots(self) -> list[WorkerSnapshot]:
         return list(self.view.workers.values())
 
-    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 params: SamplingParams, cache_salt: str | None = None
-                 ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         # The caller's trace context now (the gateway's request span) parents the router's and
         # the workers' spans, whichever task later iterates the stream.
         parent = otel_context.get_current() if tracing.enabled() else None
-        return self._generate(request_id, list(prompt_token_ids), params, cache_salt, parent)
+        request = dataclasses.replace(request, trace=tracing.inject(parent))
+        return self._generate(request, parent)
 
-    async def _generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                        cache_salt: str | None, parent: Context | None
+    async def _generate(self, request: GenerationRequest, parent: Context | None
                         ) -> AsyncIterator[RequestOutput]:
-        decision = self._route(request_id, prompt, cache_salt, parent)
-        carrier = tracing.inject(parent)
-        wire_params = params_to_dict(params)
-        first: PrefillResult | None = None
-        address = None
+        decision = self._route(request, parent)
         if decision.prefill_worker is not None:
-            try:
-                reply = await _call(self.prefill.prefill.remote(
-                    request_id, prompt, wire_params, cache_salt,
-                    route_to=decision.prefill_worker, trace=carrier))
-            finally:
-                self.router.release(request_id)
-            self.view.ingest(reply)
-            first, address = PrefillResult.from_dict(reply["result"]), reply["address"]
+            request, decision = await self._prefill(request, decision, parent)
+        first = request.prefill
+        if first is not None:
             handed_over = False
             try:
-                yield _first_output(first, len(prompt))
+                yield _first_output(request.request_id, first, request.num_prompt_tokens)
                 handed_over = True
             finally:
                 if not handed_over and first.kv is not None:
                     # Closed before D took the lease (D rejects it itself once it has it).
-                    self._reject_later(reply["worker_id"], first.kv.lease_id, request_id)
+                    self._reject_later(first.kv.worker_id, first.kv.lease_id,
+                                       request.request_id)
             if first.finished:
                 return
-        async for output in self._decode(request_id, prompt, wire_params, first, address,
-                                         cache_salt, decision.decode_worker, carrier):
+        async for output in self._decode(request, decision):
             yield output
 
-    def _route(self, request_id: str, prompt: list[int], cache_salt: str | None,
-               parent: Context | None) -> RoutingDecision:
+    def _route(self, request: GenerationRequest, parent: Context | None) -> RoutingDecision:
         span = tracing.start_span("router.decision", parent)
         try:
-            decision = self.router.route(prompt, cache_salt=cache_salt, request_id=request_id)
+            decision = self.router.route(request.prompt_token_ids, cache_salt=request.cache_salt,
+                                         request_id=request.request_id)
         except BaseException as exc:
             tracing.end_with_error(span, exc)
             raise
@@ -112,27 +106,66 @@ class DisaggBackend:
         span.end()
         return decision
 
-    async def _decode(self, request_id: str, prompt: list[int], params: dict[str, Any],
-                      first: PrefillResult | None, address: str | None,
-                      cache_salt: str | None, decode_worker: str | None,
-                      carrier: dict[str, str] | None) -> AsyncIterator[RequestOutput]:
-        stream = self.decode.generate.remote(
-            request_id, prompt, params, None if first is None else first.to_dict(), address,
-            cache_salt, route_to=decode_worker, trace=carrier)
-        cached = 0 if first is None else first.num_cached_tokens
-        finished = False
-        try:
-            async for batch in _stream(stream):
-                for item in batch:
-                    if "report" in item:
-                        self.view.ingest(item["report"])
-                        continue
-                    out = _output(request_id, item, len(prompt), cached)
-                    finished = out.finished
-                    yield out
-        finally:
-            if not finished:
-                stream.cancel()
+    async def _prefill(self, request: GenerationRequest, decision: RoutingDecision,
+                       parent: Context | None
+                       ) -> tuple[GenerationRequest, RoutingDecision]:
+        """P's first token and lease, on the replica the router chose; if that replica is gone,
+        fail over (logged, counted) to the router's next choice."""
+        for attempt in range(MAX_FAILOVERS + 1):
+            worker = decision.prefill_worker
+            assert worker is not None
+            try:
+                result, report = await _call(self.prefill.prefill.remote(request,
+                                                                         route_to=worker))
+            except ReplicaGoneError:
+                self.router.release(request.request_id)
+                if attempt == MAX_FAILOVERS:
+                    raise
+                self.router.mark_down(worker, "replica_gone")
+                decision = self._route(request, parent)
+                if decision.prefill_worker is None:  # nothing left to prefill on: D does it
+                    return request, decision
+                continue
+            except BaseException:
+                self.router.release(request.request_id)
+                raise
+            self.router.release(request.request_id)
+            self.view.ingest(report)
+            return dataclasses.replace(request, prefill=result), decision
+        raise AssertionError("unreachable")
+
+    async def _decode(self, request: GenerationRequest, decision: RoutingDecision
+                      ) -> AsyncIterator[RequestOutput]:
+        worker = decision.decode_worker
+        cached = 0 if request.prefill is None else request.prefill.num_cached_tokens
+        for attempt in range(MAX_FAILOVERS + 1):
+            stream = self.decode.decode.remote(request, route_to=worker)
+            finished = False
+            started = False
+            try:
+                async for batch in _stream(stream):
+                    started = True
+                    # Reports first: the caller stops reading at the finished output, and the
+                    # last batch carries the worker's report (its load and KV events) after it.
+                    for item in batch:
+                        if isinstance(item, WorkerReport):
+                            self.view.ingest(item)
+                    for item in batch:
+                        if isinstance(item, RequestOutput):
+                            finished = item.finished
+                            yield _with_cached(item, request.num_prompt_tokens, cached)
+                return
+            except ReplicaGoneError:
+                if started or attempt == MAX_FAILOVERS or worker is None:
+                    raise
+                self.router.mark_down(worker, "replica_gone")
+                worker = self.router.route(request.prompt_token_ids,
+                                           cache_salt=request.cache_salt,
+                                           request_id=request.request_id).decode_worker
+                self.router.release(request.request_id)
+            finally:
+                if not finished:
+                    stream.cancel()
 
     def _reject_later(self, worker_id: str, lease_id: str, request_id: str) -> None:
         async def reject() -> None:
@@ -175,24 +208,24 @@ def decision_attributes(decision: RoutingDecision) -> dict[str, Any]:
     return attributes
 
 
-def _first_output(first: PrefillResult, num_prompt: int) -> RequestOutput:
-    return RequestOutput(first.request_id, [first.first_token], list(first.logprobs),
+def _first_output(request_id: str, first: PrefillResult, num_prompt: int) -> RequestOutput:
+    return RequestOutput(request_id, [first.first_token], list(first.logprobs),
                          first.finished,
                          None if first.finish_reason is None else FinishReason(first.finish_reason),
                          num_prompt, 1, first.num_cached_tokens)
 
 
-def _output(request_id: str, item: dict[str, Any], num_prompt: int, cached: int
-            ) -> RequestOutput:
-    reason = item["f"]
-    return RequestOutput(request_id, list(item["t"]), [logprobs_from_dict(lp) for lp in item["lp"]],
-                         reason is not None, None if reason is None else FinishReason(reason),
-                         num_prompt, int(item["n"]), cached)
+def _with_cached(out: RequestOutput, num_prompt: int, cached: int) -> RequestOutput:
+    """D's output as the client sees it: the prompt tokens P found cached (D counts its own)."""
+    return dataclasses.replace(out, num_prompt_tokens=num_prompt, num_cached_tokens=cached,
+                               kv=None)
 
 
 def _clean(exc: BaseException) -> BaseException:
     """Replica errors arrive wrapped in RayTaskError; give the gateway the plain error."""
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, ReplicaGoneError):
+        return ReplicaGoneError(str(cause))
     if isinstance(cause, RequestError):
         return RequestError(str(cause))
     if isinstance(cause, EngineOverloadedError | DecodeRejectedError):
@@ -235,6 +268,7 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
         num_pinned=sum(s.num_pinned for s in stats),
+        pending_prefill_blocks=sum(s.pending_prefill_blocks for s in stats),
         num_importing=sum(s.num_importing for s in stats),
         spec_draft_tokens=sum(s.spec_draft_tokens for s in stats),
         spec_accepted_tokens=sum(s.spec_accepted_tokens for s in stats),

@@ -1,8 +1,10 @@
 """The gateway's picture of its workers, refreshed by polling them (and by their responses).
 
 In-process mode it is also the router's registry feed and KV-event relay: each worker report
-(load + buffered events) is registered in an ``InProcessRegistry`` and published on an
-``InProcessEventBus``. With Redis the workers do that themselves and this only keeps stats.
+(load + numbered events) is registered in an ``InProcessRegistry`` and published on an
+``InProcessEventBus``. When the router finds a gap in a worker's event numbers it asks the bus
+for snapshots; the next status poll (started at once) asks every worker for one. With Redis the
+workers do all of that themselves and this only keeps stats (and never touches Redis).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from router import InProcessEventBus, InProcessRegistry, Router, WorkerInfo, WorkerLoad
+from router import InProcessEventBus, InProcessRegistry, Router, WorkerInfo
 from router.wire import decode_event
-from services.engine.engine import EngineStats
+from services.engine.outputs import EngineStats
+from services.serving.messages import WorkerReport
 from services.serving.replica_ids import known_replicas
 
 log = logging.getLogger(__name__)
@@ -48,35 +51,52 @@ class ClusterView:
         self._infos: dict[str, WorkerInfo] = {}
         self._report_seq: dict[str, int] = {}  # newest report applied, per worker
         self._task: asyncio.Task[None] | None = None
+        self._generation = bus.generation() if bus is not None else ""
+        self._snapshots_due = False
+        self._resync: asyncio.Task[None] | None = None
 
-    def ingest(self, report: Mapping[str, Any]) -> None:
+    def ingest(self, report: WorkerReport) -> None:
         """A worker's load and KV events, from a response or a status poll."""
         if self.bus is None:
             return
-        worker_id = str(report["worker_id"])
-        events = [decode_event(raw).event for raw in report.get("events", ())]
+        worker_id = report.worker_id
+        events = [decode_event(raw) for raw in report.events]
         if events:
-            self.bus.publish(worker_id, events)
-        seq = int(report["seq"])
-        newest = seq > self._report_seq.get(worker_id, 0)
+            self.bus.publish(events)
+        newest = report.seq > self._report_seq.get(worker_id, 0)
         info = self._infos.get(worker_id)
         if newest and info is not None and self.registry is not None:
-            self._report_seq[worker_id] = seq
-            self.registry.register(info, WorkerLoad(**report["load"]))
+            self._report_seq[worker_id] = report.seq
+            self.registry.register(info, report.load)
         self.router.sync()
+        self._check_generation()
+
+    def _check_generation(self) -> None:
+        """The router asked for snapshots (a gap in some worker's events): poll now."""
+        assert self.bus is not None
+        generation = self.bus.generation()
+        if generation == self._generation:
+            return
+        self._generation = generation
+        self._snapshots_due = True
+        if self._resync is None or self._resync.done():
+            with contextlib.suppress(RuntimeError):  # no running loop: the next poll does it
+                self._resync = asyncio.get_running_loop().create_task(self.poll_once())
 
     async def poll_once(self) -> None:
+        snapshot, self._snapshots_due = self._snapshots_due, False
         for role, handle in self.handles.items():
             ids = known_replicas(handle.deployment_name)
             if not ids:  # the handle's request router learns the replicas on first use
-                await self._status(handle, None)
+                await self._status(handle, None, snapshot)
                 continue
-            await asyncio.gather(*(self._poll(role, handle, rid) for rid in ids))
+            await asyncio.gather(*(self._poll(role, handle, rid, snapshot) for rid in ids))
         for gone in set(self.workers) - self._live_ids():
             del self.workers[gone]
             self._infos.pop(gone, None)
             self._report_seq.pop(gone, None)
-        self.router.sync()
+        if self.bus is not None:  # with Redis the router syncs in its own thread
+            self.router.sync()
 
     def _live_ids(self) -> set[str]:
         live: set[str] = set()
@@ -84,21 +104,24 @@ class ClusterView:
             live |= known_replicas(handle.deployment_name)
         return live
 
-    async def _poll(self, role: str, handle: DeploymentHandle, replica_id: str) -> None:
-        status = await self._status(handle, replica_id)
+    async def _poll(self, role: str, handle: DeploymentHandle, replica_id: str,
+                    snapshot: bool) -> None:
+        status = await self._status(handle, replica_id, snapshot)
         if status is None:
+            if snapshot:
+                self._snapshots_due = True  # retry with the next poll
             return
         self.workers[replica_id] = WorkerSnapshot(
             replica_id, role, EngineStats(**status["engine"]), status.get("metrics", {}),
             int(status.get("leases", 0)), int(status["max_model_len"]))
         self._infos[replica_id] = WorkerInfo(**status["info"])
-        self.ingest(status)
+        self.ingest(status["report"])
 
-    async def _status(self, handle: DeploymentHandle, replica_id: str | None
-                      ) -> dict[str, Any] | None:
+    async def _status(self, handle: DeploymentHandle, replica_id: str | None,
+                      snapshot: bool = False) -> dict[str, Any] | None:
         try:
             async with asyncio.timeout(max(5.0, 4 * self.poll_s)):
-                return await handle.status.remote(route_to=replica_id)
+                return await handle.status.remote(route_to=replica_id, snapshot=snapshot)
         except Exception as exc:
             log.warning("status of %s %s failed: %r", handle.deployment_name, replica_id, exc)
             return None
@@ -120,10 +143,11 @@ class ClusterView:
         self._task = asyncio.create_task(self._run(), name="tandem-cluster-view")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._resync):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     async def _run(self) -> None:
         while True:

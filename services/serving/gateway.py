@@ -1,5 +1,9 @@
 """The gateway ingress replica: the committed FastAPI app over HTTP (Serve's proxy) and the
-gRPC front end on its own port, both over one backend (disaggregated or colocated)."""
+gRPC front end on its own port, both over one backend (disaggregated or colocated).
+
+Disaggregated, it holds the tokenizer and the router and imports no torch: the model's
+metadata is read without its weights (``load_model_metadata``). Colocated, it runs the engine
+itself and so loads the model (imported only then)."""
 
 from __future__ import annotations
 
@@ -21,10 +25,8 @@ from router import (
     connect,
 )
 from services import tracing
-from services.engine.async_engine import AsyncEngine
 from services.engine.block_hash import HashSettings
-from services.engine.engine import LLMEngine
-from services.engine.model_loader import load_model
+from services.engine.tokenizer_loader import load_model_metadata
 from services.gateway import (
     EngineBackend,
     Gateway,
@@ -50,20 +52,21 @@ class GatewayIngress:
         tracing.configure("gateway")
         self.view: ClusterView | None = None
         self.router: Router | None = None
-        loaded = await asyncio.to_thread(load_model, config.model, config.dtype, False)
-        tokenizer = loaded.tokenizer
         gateway_config = GatewayConfig(served_model_name=config.served_model_name,
                                        max_body_bytes=config.max_body_bytes)
         if config.colocated:
-            engine = await asyncio.to_thread(LLMEngine, config.engine_config(), loaded)
-            self.gateway = Gateway(EngineBackend(AsyncEngine(engine)), tokenizer, gateway_config)
+            from services.engine.async_engine import AsyncEngine
+            from services.engine.llm_engine import LLMEngine
+
+            engine = await asyncio.to_thread(LLMEngine, config.engine_config())
+            self.gateway = Gateway(EngineBackend(AsyncEngine(engine)), engine.tokenizer,
+                                   gateway_config)
             source = self._colocated_snapshot
         else:
             assert prefill is not None and decode is not None
-            model_id = loaded.config.model_id
-            del loaded  # the gateway needs only the tokenizer
-            backend = await self._disaggregated(config, model_id, prefill, decode)
-            self.gateway = Gateway(backend, tokenizer, gateway_config)
+            meta = await asyncio.to_thread(load_model_metadata, config.model)
+            backend = await self._disaggregated(config, meta.model_id, prefill, decode)
+            self.gateway = Gateway(backend, meta.tokenizer, gateway_config)
             source = backend.snapshots
         metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,
                          self.router)

@@ -127,7 +127,18 @@ class RouterCollector(Collector):
                                        "stream (its first connection and every reconnection).",
                                        labels=["model_name"])
         rebuilds.add_metric(name, status.rebuilds)
-        yield from (decisions, bus, blocks, rebuilds)
+        failovers = CounterMetricFamily(
+            "tandem_router_failovers",
+            "Calls that found the worker the router chose gone (replica replaced or dead), "
+            "then went to another worker.", labels=["model_name", "role", "reason"])
+        for (role, reason), count in sorted(status.failovers.items()):
+            failovers.add_metric([self._model_name, role, reason], count)
+        gaps = CounterMetricFamily(
+            "tandem_router_event_gaps",
+            "Times a worker's numbered KV events skipped ahead (lost events); each triggers a "
+            "snapshot of that worker's cache.", labels=["model_name"])
+        gaps.add_metric([self._model_name], status.event_gaps)
+        yield from (decisions, bus, blocks, rebuilds, failovers, gaps)
 
 
 def _number(metrics: dict[str, Any], key: str) -> float:

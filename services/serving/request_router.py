@@ -3,9 +3,13 @@
 The gateway's disaggregated backend routes each prompt with ``router.Router`` (prefix- and
 load-aware) and passes the chosen worker id, which is the Serve replica id, as the
 ``route_to`` keyword of the handle call. Serve's handle asks this request router which replica
-to send to: the named one when it is a candidate, else (no hint, or that replica is gone) the
-least-loaded candidate by Serve's own queue-length probe. Calls that must reach one particular
-replica (lease reject, status) check ``route_to`` on arrival.
+to send to: the named one. The router's choice is final: when the named replica is not a
+candidate (it died or is being replaced), the call goes to any candidate only so that Serve does
+not wait for a replica that will never come back, and that replica refuses it at once with
+``ReplicaGoneError`` (services/serving/workers.py checks ``route_to`` on every call). The
+gateway then fails over explicitly: ``Router.mark_down`` (logged, counted in
+``tandem_router_failovers_total``) and a new decision. Calls without ``route_to`` go to Serve's
+default choice.
 
 It also records the replica ids each deployment currently has, which the gateway uses to
 discover workers without a registry service (in-process mode).

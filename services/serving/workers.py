@@ -1,8 +1,11 @@
 """Prefill and decode worker replicas: one engine each, wrapped as Ray Serve deployments.
 
-A replica's worker id is its Serve replica id, so the router's choice names a replica. The
-prefill replica also serves the control channel (services/control) on which decode workers
-release or reject its leases; KV blocks move over the configured transport.
+A replica's worker id is its Serve replica id, so the router's choice names a replica. Every
+call between processes goes through Serve handles (one control plane, docs/architecture.md):
+the gateway's ``prefill`` / ``decode`` / ``reject`` / ``status`` and the decode replica's
+``pair`` / ``release`` / ``reject`` on the prefill replica. Each call names its replica with
+``route_to``; a replica that is not the one named raises ``ReplicaGoneError`` (see
+request_router.py). KV blocks move over the configured transport (NIXL or TCP).
 """
 
 from __future__ import annotations
@@ -16,18 +19,23 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from router import WorkerInfo, WorkerLoad
 from services import tracing
-from services.control.codec import logprobs_to_dict, params_from_dict
-from services.control.rpc import RpcServer
-from services.decode import DecodeConfig, DecodeWorker
-from services.engine.engine import LLMEngine, RequestOutput
+from services.decode.config import DecodeConfig
+from services.decode.worker import DecodeWorker
+from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
 from services.kv_transfer.factory import make_transport
-from services.prefill import PrefillConfig, PrefillResult, PrefillWorker
-from services.prefill.service import RemotePrefill, prefill_handlers
+from services.kv_transfer.pairing import PairingInfo
+from services.prefill.config import PrefillConfig
+from services.prefill.result import PrefillResult
+from services.prefill.worker import PrefillWorker
+from services.request import GenerationRequest
 from services.serving.config import AppConfig
-from services.serving.worker_events import EventBuffer, RedisMembership
+from services.serving.messages import ReplicaGoneError, WorkerReport
+from services.serving.worker_events import WorkerEvents
 
 Worker = PrefillWorker | DecodeWorker
 
@@ -50,62 +58,51 @@ class _Replica:
         self.config = config
         tracing.configure(self.role)
         self.worker_id = serve.get_replica_context().replica_id.unique_id
-        engine = LLMEngine(config.engine_config(decodes=self.role == "decode"))
-        self.engine = engine
-        self.events = None if config.redis_url else EventBuffer(engine.kv_events, self.worker_id)
+        self.engine = LLMEngine(config.engine_config(decodes=self.role == "decode"))
+        self.events = WorkerEvents(self.worker_id, config.redis_url)
         # Reports can reach the gateway out of order (a slow status poll after a response);
         # the sequence lets it keep the newest load.
         self._report_seq = itertools.count(1)
-        self.redis: RedisMembership | None = None
         self.host = reachable_host(config.worker_host)
-        self.address = ""
-        return engine
+        return self.engine
 
     def _transport(self):  # type: ignore[no-untyped-def]
-        return make_transport(self.config.kv_transport, self.worker_id,
-                              host=self.host)
+        return make_transport(self.config.kv_transport, self.worker_id, host=self.host)
+
+    def _check_route(self, route_to: str | None) -> None:
+        if route_to is not None and route_to != self.worker_id:
+            raise ReplicaGoneError(f"{self.role} replica {route_to} is gone (the call reached "
+                                   f"{self.worker_id})")
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.worker_id, self.role, self.address, self.config.block_size,
+        return WorkerInfo(self.worker_id, self.role, self.host, self.config.block_size,
                           self.engine.model_config.model_id, self.engine.kv_spec.num_blocks)
 
-    def _start_membership(self) -> None:
-        if self.config.redis_url:
-            self.redis = RedisMembership(self.config.redis_url, self.info(),
-                                         self.engine.kv_events, self.load)
-            self.redis.start()
-
     def load(self) -> WorkerLoad:
-        stats = self.engine.stats
-        return WorkerLoad(pending_prefill_blocks=self._pending_prefill_blocks(),
+        stats = self.worker.engine.stats  # the engine thread's snapshot after its last step
+        return WorkerLoad(pending_prefill_blocks=stats.pending_prefill_blocks,
                           kv_usage=stats.kv_cache_usage,
                           running_sequences=stats.num_running + stats.num_waiting)
 
-    def _pending_prefill_blocks(self) -> int:
-        # Read off the engine thread: a racy but harmless estimate (lists are only appended to
-        # and removed from; a stale count is what heartbeats are anyway).
-        sched, size = self.engine.scheduler, self.config.block_size
-        seqs = [*list(sched.waiting), *list(sched.running)]
-        return sum(-(-(s.num_prompt_tokens - s.num_computed_tokens) // size)
-                   for s in seqs if s.num_computed_tokens < s.num_prompt_tokens)
+    def report(self, snapshot: bool = False) -> WorkerReport:
+        """Load and queued KV events, piggy-backed on every response to the gateway."""
+        return WorkerReport(self.worker_id, next(self._report_seq), self.load(),
+                            self.events.report_events(snapshot))
 
-    def report(self) -> dict[str, Any]:
-        """Load and buffered KV events, piggy-backed on every response to the gateway."""
-        return {"worker_id": self.worker_id, "seq": next(self._report_seq),
-                "load": dataclasses.asdict(self.load()),
-                "events": self.events.drain() if self.events is not None else []}
-
-    async def status(self, route_to: str | None = None) -> dict[str, Any] | None:
-        """Registration info, engine stats, worker metrics; None if misrouted."""
+    async def status(self, route_to: str | None = None, snapshot: bool = False
+                     ) -> dict[str, Any] | None:
+        """Registration info, engine stats, worker metrics and a report; None if misrouted.
+        ``snapshot``: the report's events start with this worker's whole cache (the gateway's
+        router found a gap in its numbered events)."""
         if route_to is not None and route_to != self.worker_id:
             return None
         status = await self.worker.status()
-        return {**status, **self.report(), "info": dataclasses.asdict(self.info()),
+        return {**status, "report": self.report(snapshot),
+                "info": dataclasses.asdict(self.info()),
                 "max_model_len": self.engine.max_model_len}
 
-    async def _close_membership(self) -> None:
-        if self.redis is not None:
-            await self.redis.close()
+    async def _close_events(self) -> None:
+        await self.events.close()
 
 
 class PrefillReplica(_Replica):
@@ -114,74 +111,110 @@ class PrefillReplica(_Replica):
     async def __init__(self, config: AppConfig) -> None:
         engine = self._setup(config)
         self.worker = PrefillWorker(engine, self._transport(),
-                                    PrefillConfig(lease_ttl_s=config.lease_ttl_s), self.worker_id)
+                                    PrefillConfig(lease_ttl_s=config.lease_ttl_s), self.worker_id,
+                                    on_events=self.events.on_engine_events)
         await self.worker.start()
-        self.rpc = RpcServer(prefill_handlers(self.worker), self.host, 0)
-        await self.rpc.start()
-        self.address = f"{self.host}:{self.rpc.port}"
-        self._start_membership()
+        self.events.start(self.info(), self.load)
 
-    async def prefill(self, request_id: str, prompt: list[int], params: dict[str, Any],
-                      cache_salt: str | None = None, route_to: str | None = None,
-                      trace: dict[str, str] | None = None) -> dict[str, Any]:
-        with tracing.attached(trace):  # the gateway's request span parents the prefill span
-            result = await self.worker.prefill(request_id, prompt, params_from_dict(params),
-                                               cache_salt)
-        return {"result": result.to_dict(), "address": self.address, **self.report()}
+    async def prefill(self, request: GenerationRequest, route_to: str | None = None
+                      ) -> tuple[PrefillResult, WorkerReport]:
+        self._check_route(route_to)
+        with tracing.attached(request.trace):  # the gateway's request span parents this one
+            result = await self.worker.prefill(request.request_id, request.prompt_token_ids,
+                                               request.params, request.cache_salt)
+        return result, self.report()
 
-    async def reject(self, lease_id: str, reason: str, route_to: str | None = None) -> bool:
-        if route_to is not None and route_to != self.worker_id:
-            return False
-        return await self.worker.reject(lease_id, reason)
+    # The lease calls run in ``control.<method>`` spans under the caller's (the decode worker's
+    # kv_transfer span), as the same calls do over the control RPC of workers run without Ray.
+
+    async def pair(self, decode: PairingInfo, route_to: str | None = None,
+                   trace: dict[str, str] | None = None) -> PairingInfo:
+        self._check_route(route_to)
+        with tracing.served("control.pair", trace):
+            return await self.worker.pair(decode)
+
+    async def release(self, lease_id: str, route_to: str | None = None,
+                      trace: dict[str, str] | None = None) -> bool:
+        self._check_route(route_to)
+        with tracing.served("control.release", trace):
+            return await self.worker.release(lease_id)
+
+    async def reject(self, lease_id: str, reason: str, route_to: str | None = None,
+                     trace: dict[str, str] | None = None) -> bool:
+        self._check_route(route_to)
+        with tracing.served("control.reject", trace):
+            return await self.worker.reject(lease_id, reason)
 
     async def __del__(self) -> None:
-        await self._close_membership()
-        await self.rpc.close()
+        await self._close_events()
         await self.worker.close()
         tracing.flush()
+
+
+class ServePrefillPeer:
+    """A prefill replica as the decode worker's ``PrefillPeer``, reached through Serve."""
+
+    def __init__(self, handle: DeploymentHandle, worker_id: str) -> None:
+        self.handle = handle
+        self.worker_id = worker_id
+
+    async def pair(self, info: PairingInfo) -> PairingInfo:
+        result: PairingInfo = await self.handle.pair.remote(info, route_to=self.worker_id,
+                                                            trace=tracing.inject())
+        return result
+
+    async def release(self, lease_id: str) -> bool:
+        return bool(await self.handle.release.remote(lease_id, route_to=self.worker_id,
+                                                     trace=tracing.inject()))
+
+    async def reject(self, lease_id: str, reason: str) -> bool:
+        return bool(await self.handle.reject.remote(lease_id, reason, route_to=self.worker_id,
+                                                    trace=tracing.inject()))
 
 
 class DecodeReplica(_Replica):
     role = "decode"
 
-    async def __init__(self, config: AppConfig) -> None:
+    async def __init__(self, config: AppConfig, prefill: DeploymentHandle) -> None:
         engine = self._setup(config)
-        self.worker = DecodeWorker(engine, self._transport(), DecodeConfig(), self.worker_id)
+        self.worker = DecodeWorker(engine, self._transport(), DecodeConfig(), self.worker_id,
+                                   on_events=self.events.on_engine_events)
         await self.worker.start()
-        self._pairing = asyncio.Lock()
+        self.prefill = prefill
+        self._pairing: dict[str, asyncio.Lock] = {}  # one lock per prefill worker
         self._paired: set[str] = set()
-        self._start_membership()
+        self.events.start(self.info(), self.load)
 
-    async def generate(self, request_id: str, prompt: list[int], params: dict[str, Any],
-                       prefill: dict[str, Any] | None, prefill_address: str | None = None,
-                       cache_salt: str | None = None, route_to: str | None = None,
-                       trace: dict[str, str] | None = None
-                       ) -> AsyncIterator[list[dict[str, Any]]]:
+    async def decode(self, request: GenerationRequest, route_to: str | None = None
+                     ) -> AsyncIterator[list[RequestOutput | WorkerReport]]:
         """Stream the request's outputs after the first token, one list per batch of engine
-        steps (whatever accumulated while the previous batch was in flight); the last
-        list ends with this worker's report."""
-        first = None if prefill is None else PrefillResult.from_dict(prefill)
-        with tracing.attached(trace):  # the gateway's request span parents the decode span
-            if first is not None and first.kv is not None and prefill_address:
-                await self._pair(first.kv.worker_id, prefill_address)
-            stream = await self.worker.submit(request_id, prompt, params_from_dict(params),
-                                              first, cache_salt)
+        steps (whatever accumulated while the previous list was in flight); the last list
+        ends with this worker's report."""
+        self._check_route(route_to)
+        first = request.prefill
+        with tracing.attached(request.trace):  # the gateway's request span parents this one
+            if first is not None and first.kv is not None:
+                await self._pair(first.kv.worker_id)
+            stream = await self.worker.submit(request.request_id, request.prompt_token_ids,
+                                              request.params, first, request.cache_salt)
         queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
         pump = asyncio.create_task(_pump(stream, queue))
         try:
             done = False
             while not done:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                done = batch[-1] is None
-                outputs = [encode_output(o) for o in batch if o is not None]
+                batch: list[RequestOutput | WorkerReport] = []
+                item = await queue.get()
+                while item is not None:
+                    batch.append(item)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                done = item is None
                 if done:
                     pump.result()  # re-raises a failure of the stream
-                    yield [*outputs, {"report": self.report(),
-                                      "kv_source": str(stream.kv_source)}]
-                elif outputs:
-                    yield outputs
+                    yield [*batch, self.report()]
+                elif batch:
+                    yield batch
         finally:
             if not pump.done():
                 pump.cancel()
@@ -189,17 +222,18 @@ class DecodeReplica(_Replica):
                     await pump
             await stream.aclose()
 
-    async def _pair(self, prefill_id: str, address: str) -> None:
-        async with self._pairing:
+    async def _pair(self, prefill_id: str) -> None:
+        if prefill_id in self._paired:
+            return
+        async with self._pairing.setdefault(prefill_id, asyncio.Lock()):
             if prefill_id in self._paired:
                 return
-            host, _, port = address.rpartition(":")
             with tracing.tracer().start_as_current_span("kv_transfer.pair"):
-                await self.worker.pair(RemotePrefill(host, int(port)))
+                await self.worker.pair(ServePrefillPeer(self.prefill, prefill_id))
             self._paired.add(prefill_id)
 
     async def __del__(self) -> None:
-        await self._close_membership()
+        await self._close_events()
         await self.worker.close()
         tracing.flush()
 
@@ -211,10 +245,3 @@ async def _pump(stream: AsyncIterator[RequestOutput],
             queue.put_nowait(out)
     finally:
         queue.put_nowait(None)
-
-
-def encode_output(out: RequestOutput) -> dict[str, Any]:
-    return {"t": out.new_token_ids, "f": None if out.finish_reason is None else
-            str(out.finish_reason), "n": out.num_output_tokens,
-            "lp": [logprobs_to_dict(lp) for lp in out.new_logprobs]}
-

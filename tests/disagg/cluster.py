@@ -10,14 +10,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.control.process import WorkerProcess, WorkerSpec, spawn_workers
-from services.decode import DecodeConfig, DecodeResult, DecodeWorker
+from services.decode.config import DecodeConfig
+from services.decode.worker import DecodeResult, DecodeWorker
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
+from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.factory import make_transport
-from services.prefill import PrefillConfig, PrefillResult, PrefillWorker
+from services.prefill.config import PrefillConfig
 from services.prefill.leases import Clock
+from services.prefill.result import PrefillResult
+from services.prefill.worker import PrefillWorker
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Comparison, Reference, compare
 

@@ -7,15 +7,12 @@ import asyncio
 
 import pytest
 
-from services.decode import (
-    DecodeConfig,
-    DecodeRejectedError,
-    DecodeWorker,
-    KVSource,
-    KVTransferFailedError,
-)
+from services.decode.config import DecodeConfig
+from services.decode.errors import DecodeRejectedError, KVTransferFailedError
+from services.decode.worker import DecodeWorker, KVSource
 from services.engine.sampling_params import SamplingParams
-from services.prefill import PrefillConfig, PrefillWorker
+from services.prefill.config import PrefillConfig
+from services.prefill.worker import PrefillWorker
 from tests.disagg.cluster import (
     TRANSPORTS,
     FakeClock,
@@ -30,8 +27,8 @@ PROMPT = 3  # 227 tokens: 15 blocks
 
 
 async def all_free(p: PrefillWorker, d: DecodeWorker) -> None:
-    assert await free_blocks(p) == p.engine.engine.block_manager.num_blocks
-    assert await free_blocks(d) == d.engine.engine.block_manager.num_blocks
+    assert await free_blocks(p) == p.engine.llm.block_manager.num_blocks
+    assert await free_blocks(d) == d.engine.llm.block_manager.num_blocks
     assert len(p.leases) == 0
 
 
@@ -143,7 +140,7 @@ def test_closing_a_decode_stream_aborts_the_request(loaded_model, prompts):
                 break
             await stream.aclose()
             await all_free(p, d)  # engine commands run in order: the aborts came first
-            assert not d.engine.engine.has_unfinished_requests()
+            assert not d.engine.llm.has_unfinished_requests()
 
     asyncio.run(scenario())
 
@@ -176,17 +173,17 @@ def test_decode_without_room_rejects(loaded_model, prompts, transport):
     async def scenario() -> None:
         async with local_pair(loaded_model, transport,
                               decode_engine={"num_kv_blocks": 20}) as (p, d):
-            d.engine.engine.begin_import("hog", prompts[4], 1, SHORT)  # 10 of 20 blocks
+            d.engine.llm.begin_import("hog", prompts[4], 1, SHORT)  # 10 of 20 blocks
             first = await p.prefill("r", prompts[PROMPT], SHORT)
             with pytest.raises(DecodeRejectedError, match="no room"):
                 await d.generate("r", prompts[PROMPT], SHORT, first)
             assert p.metrics.reject_reasons == {"no_capacity": 1}
-            assert await free_blocks(p) == p.engine.engine.block_manager.num_blocks
+            assert await free_blocks(p) == p.engine.llm.block_manager.num_blocks
             d.drain()
             first = await p.prefill("r2", prompts[0], SHORT)
             with pytest.raises(DecodeRejectedError, match="shutting down"):
                 await d.generate("r2", prompts[0], SHORT, first)
             assert p.metrics.reject_reasons == {"no_capacity": 1, "shutting_down": 1}
-            assert await free_blocks(p) == p.engine.engine.block_manager.num_blocks
+            assert await free_blocks(p) == p.engine.llm.block_manager.num_blocks
 
     asyncio.run(scenario())

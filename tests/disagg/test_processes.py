@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from services.control.process import WorkerProcess
-from services.decode import DecodeRejectedError, KVSource
+from services.decode.errors import DecodeRejectedError
 from services.decode.service import RemoteDecode
+from services.decode.worker import KVSource
 from services.prefill.service import RemotePrefill
 from tests.disagg.cluster import (
     GREEDY,

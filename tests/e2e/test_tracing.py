@@ -37,7 +37,7 @@ TREE = {
     "prefill.chunks": ("prefill", "prefill"),
     "decode": ("gateway.request", "decode"),
     "kv_transfer": ("decode", "decode"),
-    "control.release": ("kv_transfer", "prefill"),  # D confirms the lease on P's control port
+    "control.release": ("kv_transfer", "prefill"),  # D confirms the lease on P (a Serve call)
     "decode.queue": ("decode", "decode"),
     "decode.steps": ("decode", "decode"),
 }

@@ -1,0 +1,30 @@
+"""What travels between the gateway and the worker replicas, one type per thing.
+
+- ``GenerationRequest`` (services/request.py): the request, as the gateway built it; P's
+  ``PrefillResult`` (services/prefill/result.py) rides in it to D.
+- ``WorkerReport``: a worker's load and its queued KV events (in-process mode), sent with every
+  response and status poll.
+- ``RequestOutput`` (services/engine/outputs.py) carries the tokens.
+
+Ray serializes these between our own processes; no client input reaches them unvalidated (the
+gateway builds them from parsed, checked fields). No torch, no Ray here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router import WorkerLoad
+
+
+class ReplicaGoneError(RuntimeError):
+    """The replica the router named is not the one the call reached (it is gone or being
+    replaced). The caller fails over explicitly; see services/serving/request_router.py."""
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    worker_id: str
+    seq: int  # per worker, increasing: the gateway keeps the newest load
+    load: WorkerLoad
+    events: list[str] = field(default_factory=list)  # wire-encoded, numbered KV events
