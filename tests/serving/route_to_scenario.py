@@ -1,0 +1,128 @@
+"""The route-to scenario on a real Ray Serve application, run as its own process by
+tests/serving/test_route_to.py (so Ray's processes belong to it, not to pytest, and all of them
+stop with it). Prints one JSON line of observations; the test asserts on them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+from typing import Any
+
+from router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, WorkerInfo
+from router.wire import WorkerEvent
+from services.engine.block_hash import HashSettings, hash_token_blocks
+from services.engine.kv_events import AllBlocksCleared, BlockStored
+from services.engine.sampling_params import SamplingParams
+from services.request import GenerationRequest
+from services.serving.backend import DisaggBackend, _call
+from services.serving.cluster_view import ClusterView
+from services.serving.config import AppConfig
+from services.serving.messages import ReplicaGoneError
+
+APP = "route-to-test"
+PROMPT = [1000 + i for i in range(40)]
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+GONE = "gone-prefill-replica"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _request(request_id: str) -> GenerationRequest:
+    return GenerationRequest(request_id, PROMPT, PARAMS)
+
+
+async def _refused(response: Any) -> str | None:
+    """The ReplicaGoneError message a call was refused with; None if it was served."""
+    try:
+        await _call(response)
+    except ReplicaGoneError as exc:
+        return str(exc)
+    return None
+
+
+async def named_calls(handles: dict[str, Any]) -> dict[str, Any]:
+    prefill = handles["prefill"]
+    worker = str((await prefill.status.remote())["worker_id"])
+    named = await prefill.status.remote(route_to=worker)
+    out = {
+        "worker": worker,
+        "named_status_from": named["worker_id"],
+        "gone_status": await prefill.status.remote(route_to="no-such-replica"),
+        "gone_prefill": await _refused(prefill.prefill.remote(_request("gone-1"),
+                                                              route_to="no-such-replica")),
+        "gone_reject": await _refused(prefill.reject.remote("lease", "test",
+                                                            route_to="no-such-replica")),
+    }
+    after = await prefill.status.remote(route_to=worker)
+    out["leases_after"] = after["leases"]
+    out["running_after"] = after["engine"]["num_running"]
+    return out
+
+
+async def failover(handles: dict[str, Any]) -> dict[str, Any]:
+    settings = HashSettings(16, "SmolLM2-135M-Instruct")
+    registry, bus = InProcessRegistry(settings, ttl_s=600.0), InProcessEventBus()
+    router = Router(RouterConfig(settings, provisional_ttl_s=0.0), registry, bus)
+    view = ClusterView(router, handles, registry, bus, poll_s=0.5)
+    await view.wait_for({"prefill": 1, "decode": 1}, timeout_s=300.0)
+    live = next(w.worker_id for w in view.workers.values() if w.role == "prefill")
+    # A replica that was chosen for this prompt's prefix, then went away.
+    registry.register(WorkerInfo(GONE, "prefill", "127.0.0.1", 16, settings.model_id, 256))
+    hashes = tuple(hash_token_blocks(PROMPT, 16, settings.extra_keys(None)))
+    bus.publish([WorkerEvent(GONE, AllBlocksCleared(), 1),
+                 WorkerEvent(GONE, BlockStored(hashes, None, 16), 2)])
+    router.sync()
+    chosen_before = router.route(PROMPT).prefill_worker
+    backend = DisaggBackend(router, view, handles["prefill"], handles["decode"],
+                            settings.model_id, 2048)
+    outputs = [out async for out in backend.generate(_request("failover-1"))]
+    chosen_after = router.route(PROMPT).prefill_worker
+    status = await handles["prefill"].status.remote(route_to=live)
+    await view.close()
+    return {
+        "live": live, "chosen_before": chosen_before, "chosen_after": chosen_after,
+        "tokens": [t for out in outputs for t in out.new_token_ids],
+        "finished": outputs[-1].finished if outputs else False,
+        "failovers": [[role, reason, n] for (role, reason), n
+                      in router.status().failovers.items()],
+        "leases_after": status["leases"],
+    }
+
+
+def main() -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from services.app import build_app
+
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, logging_level="WARNING",
+             object_store_memory=128 * 1024 * 1024)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    logging_config={"log_level": "WARNING"})
+        config = AppConfig(kv_transport="tcp", num_kv_blocks=256, port=port,
+                           grpc_port=_free_port())
+        serve.run(build_app(config), name=APP, route_prefix=None, blocking=False)
+        handles = {role: serve.get_deployment_handle(role, APP) for role in ("prefill", "decode")}
+        result = {"named": asyncio.run(named_calls(handles)),
+                  "failover": asyncio.run(failover(handles))}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
