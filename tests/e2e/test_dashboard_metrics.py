@@ -54,8 +54,10 @@ class Prometheus:
     def query(self, expr: str) -> list[dict[str, Any]]:
         """The instant vector (or scalar, as one sample) ``expr`` evaluates to now."""
         response = httpx.get(f"{self.url}/api/v1/query", params={"query": expr}, timeout=30)
+        # A starting Prometheus answers 503 "Service Unavailable" (not JSON) until its TSDB is up.
+        assert response.status_code == 200, (expr, response.status_code, response.text[:300])
         body = response.json()
-        assert response.status_code == 200 and body["status"] == "success", (expr, body)
+        assert body["status"] == "success", (expr, body)
         data = body["data"]
         return data["result"] if data["resultType"] == "vector" else [{"value": data["result"]}]
 
