@@ -162,14 +162,45 @@ def _model_card(gateway: Gateway) -> dict[str, object]:
 async def _parse(request: Request, model: type[M]) -> M:
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json"
-                          ) from exc
+        data = json.loads(raw, parse_constant=_no_constant, parse_int=_bounded_int)
+        _check_depth(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # ValueError: bad JSON, NaN/Infinity, huge integers, deep nesting.
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise bad_request(f"The request body is not valid JSON: {detail}", code="invalid_json"
+                          ) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise _validation_error(exc) from exc
+
+
+# JSON on the network: numbers must be finite, integers short, nesting shallow.
+MAX_JSON_DEPTH = 32
+MAX_INT_DIGITS = 32
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer has more than {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _check_depth(data: object) -> None:
+    """Iteratively, so that the check itself cannot recurse too deeply."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def _validation_error(exc: ValidationError) -> GatewayError:

@@ -5,6 +5,7 @@ Both front ends go through here, so HTTP and gRPC accept and reject exactly the 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -92,6 +93,7 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
     if max_tokens is None:
         max_tokens = min(room, default_max_tokens) if default_max_tokens else room
     _check_stop(options.stop)
+    _check_ranges(options)
     if options.seed is not None and not _INT64[0] <= options.seed <= _INT64[1]:
         raise bad_request(f"seed must fit in 64 bits, got {options.seed}", param="seed")
     top_k = options.top_k if options.top_k is not None else 0
@@ -114,6 +116,25 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
         raise bad_request(str(exc), param=field_name) from exc
     return GenerationRequest(request_id, prompt_token_ids, params, options.stop, cache_salt or None,
                              time.monotonic() if arrival_time is None else arrival_time)
+
+
+# The same bounds for every front end (HTTP's pydantic models state them too).
+MAX_TEMPERATURE = 2.0
+
+
+def _check_ranges(options: SamplingOptions) -> None:
+    t, p = options.temperature, options.top_p
+    if t is not None and not (math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
+        raise bad_request(f"temperature must be a number between 0 and {MAX_TEMPERATURE}, "
+                          f"got {t}", param="temperature")
+    if p is not None and not (math.isfinite(p) and 0.0 < p <= 1.0):
+        raise bad_request(f"top_p must be a number in (0, 1], got {p}", param="top_p")
+    if options.top_k is not None and options.top_k < -1:
+        raise bad_request(f"top_k must be >= -1 (0 or -1: off), got {options.top_k}",
+                          param="top_k")
+    if options.max_tokens is not None and options.max_tokens < 1:
+        raise bad_request(f"max_tokens must be >= 1, got {options.max_tokens}",
+                          param="max_tokens")
 
 
 def _check_stop(stop: Sequence[str]) -> None:

@@ -90,6 +90,15 @@ def test_errors_map_to_status_codes(stub: pb_grpc.GenerationStub) -> None:
          grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
         (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(max_tokens=0)),
          grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        # The same bounds as HTTP, and finite numbers only.
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(temperature=float("nan"))),
+         grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(temperature=float("inf"))),
+         grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(temperature=3.0)),
+         grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (pb.GenerateRequest(prompt="x", sampling=pb.SamplingOptions(top_p=float("nan"))),
+         grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
         (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt, chat or token_ids"),
         (pb.GenerateRequest(prompt="hello " * 2000), grpc.StatusCode.INVALID_ARGUMENT,
          "maximum context length"),
@@ -139,3 +148,15 @@ def test_reflection_lists_and_describes_the_service(channel: grpc.Channel) -> No
     assert {"tandem.v1.Generation", "grpc.health.v1.Health"} <= names
     files = described.file_descriptor_response.file_descriptor_proto
     assert files and b"tandem/v1/generation.proto" in files[0]
+
+
+def test_a_tiny_temperature_is_greedy(stub: pb_grpc.GenerationStub) -> None:
+    """temperature 1e-40 would overflow logits / T: below 1e-5 it is greedy, as in vLLM."""
+    def tokens(temperature: float) -> list[int]:
+        sampling = pb.SamplingOptions(max_tokens=8, temperature=temperature, ignore_eos=True)
+        responses = stub.Generate(pb.GenerateRequest(prompt="The sky is", sampling=sampling),
+                                  timeout=60)
+        return [t for r in responses for t in r.token_ids]
+
+    assert tokens(1e-40) == tokens(0.0)
+

@@ -51,6 +51,35 @@ def test_invalid_json(server: ServeAddresses, client: openai.OpenAI, gateway: Ga
     assert_still_serving(client, gateway)
 
 
+@pytest.mark.parametrize("body, words", [
+    (b'{"prompt": "Hi", "temperature": NaN}', "NaN"),
+    (b'{"prompt": "Hi", "top_p": Infinity}', "Infinity"),
+    (b'{"prompt": "Hi", "max_tokens": -Infinity}', "-Infinity"),
+    (b'{"prompt": "Hi", "seed": ' + b"9" * 5000 + b"}", "more than 32 digits"),
+    (b'{"prompt": "Hi", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested"),
+    (b'{"prompt": "Hi", "logit_bias": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}", "nested"),
+])
+def test_hostile_json_is_400(server: ServeAddresses, client: openai.OpenAI, gateway: Gateway,
+                             body: bytes, words: str) -> None:
+    response = post(server, "/v1/completions", content=body,
+                    headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["code"] == "invalid_json" and words in str(error["message"])
+    assert_still_serving(client, gateway)
+
+
+def test_a_tiny_temperature_is_greedy(client: openai.OpenAI, gateway: Gateway) -> None:
+    """temperature 1e-40 would overflow logits / T: below 1e-5 it is greedy, as in vLLM."""
+    def text(temperature: float) -> str:
+        reply = client.completions.create(model=gateway.model_name, prompt="The sky is",
+                                          max_tokens=8, temperature=temperature,
+                                          extra_body={"ignore_eos": True})
+        return reply.choices[0].text
+
+    assert text(1e-40) == text(0.0)
+
+
 @pytest.mark.parametrize("kwargs, param, words", [
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"temperature": -1}, "temperature", "greater than or equal to 0"),
