@@ -25,6 +25,7 @@ from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.pipeline import Delta
 from services.gateway.request_trace import RequestTrace
 
+MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request_id, echoed back
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # tandem.v1.Generation
@@ -59,6 +60,7 @@ async def generate_responses(gateway: Gateway, request: pb.GenerateRequest,
     """
     arrival = time.monotonic()
     trace = RequestTrace("grpc", "Generate", metadata)
+    trace.client_request_id(request.request_id)
     with trace.guard():
         with trace.phase("gateway.parse"):
             gateway.check_api_key(authorization)
@@ -67,13 +69,19 @@ async def generate_responses(gateway: Gateway, request: pb.GenerateRequest,
         with trace.phase("gateway.tokenize") as span:
             prompt = _prompt_token_ids(gateway, request)
             span.set_attribute("tandem.prompt_tokens", len(prompt))
-        greq = gateway.build_request(request.request_id or new_request_id("gen"), prompt,
-                                     options, request.cache_salt or None, arrival,
+        if len(request.request_id) > MAX_CLIENT_REQUEST_ID:
+            raise bad_request(f"request_id is longer than {MAX_CLIENT_REQUEST_ID} characters",
+                              param="request_id")
+        # The server's own id keys the request everywhere; the client's is only echoed back, so
+        # two calls with one id cannot meet in an engine, a lease or the router.
+        greq = gateway.build_request(new_request_id("gen"), prompt, options,
+                                     request.cache_salt or None, arrival,
                                      prompt_param=request.WhichOneof("input") or "prompt")
         generation = await gateway.start(greq, trace)
+    echoed = request.request_id or greq.request_id
     try:
         async for delta in generation:
-            yield _response(greq.request_id, delta)
+            yield _response(echoed, delta)
     finally:
         await generation.aclose()
 

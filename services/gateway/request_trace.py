@@ -68,6 +68,12 @@ class RequestTrace:
                 "tandem.prompt_tokens": len(request.prompt_token_ids),
                 "tandem.max_tokens": request.params.max_tokens})
 
+    def client_request_id(self, request_id: str) -> None:
+        """The id the client sent (gRPC), echoed back to it; the server's own id keys the
+        request (``tandem.request_id``)."""
+        if self.recording and request_id:
+            self.span.set_attribute("tandem.client_request_id", request_id)
+
     def first_token(self) -> None:
         if self.recording:
             self.span.add_event("first_token")

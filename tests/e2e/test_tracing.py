@@ -222,10 +222,18 @@ def test_grpc_request_honours_client_traceparent(traced_cluster: UpProcess,
         responses = list(stub.Generate(request, timeout=120,
                                        metadata=(("traceparent", traceparent),)))
     usage = responses[-1].usage
-    spans = _request_trace(receiver, request_id)
-    _check_trace(spans, receiver.spans(), request_id, usage.prompt_tokens,
+    assert {r.request_id for r in responses} == {request_id}  # echoed, not used as a key
+    received = receiver.wait_for(
+        lambda s: any(x.name == "gateway.request"
+                      and x.attributes.get("tandem.client_request_id") == request_id for x in s),
+        FLUSH_TIMEOUT_S, f"the gateway span of {request_id}")
+    root = next(x for x in received
+                if x.attributes.get("tandem.client_request_id") == request_id)
+    server_id = str(root.attributes["tandem.request_id"])
+    assert server_id != request_id
+    spans = _request_trace(receiver, server_id)
+    _check_trace(spans, receiver.spans(), server_id, usage.prompt_tokens,
                  usage.completion_tokens, client=(trace_id, span_id))
-    root = next(s for s in spans if s.name == "gateway.request")
     assert root.attributes["tandem.entry"] == "grpc"
 
 

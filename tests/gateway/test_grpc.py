@@ -160,3 +160,34 @@ def test_a_tiny_temperature_is_greedy(stub: pb_grpc.GenerationStub) -> None:
 
     assert tokens(1e-40) == tokens(0.0)
 
+
+
+def test_one_client_request_id_on_two_calls(stub: pb_grpc.GenerationStub, gateway: Gateway,
+                                            async_engine: AsyncEngine) -> None:
+    """A client's request_id is echoed, never a key: two concurrent calls with one id both get
+    their own tokens, and cancelling one leaves the other intact."""
+    texts = ["The five largest cities in Europe are", "A short poem about the sea:"]
+    expected = [engine_tokens(async_engine, gateway.tokenizer.encode(t), 24, ignore_eos=True)
+                for t in texts]
+    calls = [stub.Generate(pb.GenerateRequest(request_id="same-id", prompt=t,
+                                              sampling=greedy(24, ignore_eos=True)), timeout=60)
+             for t in texts]
+    first = [next(c) for c in calls]  # both running at once
+    got = [[t for r in [head, *call] for t in r.token_ids] for head, call in zip(first, calls,
+                                                                                strict=True)]
+    assert got == expected
+    assert {r.request_id for r in first} == {"same-id"}
+
+    doomed = stub.Generate(pb.GenerateRequest(request_id="again", prompt=texts[0],
+                                              sampling=greedy(200, ignore_eos=True)), timeout=60)
+    kept = stub.Generate(pb.GenerateRequest(request_id="again", prompt=texts[1],
+                                            sampling=greedy(24, ignore_eos=True)), timeout=60)
+    heads = next(doomed), next(kept)
+    doomed.cancel()
+    assert [t for r in [heads[1], *kept] for t in r.token_ids] == expected[1]
+    wait_engine_idle(async_engine, timeout_s=20)
+
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(pb.GenerateRequest(request_id="x" * 129, prompt="Hi"), timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "request_id" in info.value.details()
