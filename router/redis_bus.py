@@ -47,7 +47,9 @@ class RedisStreamEventBus:
                         approximate=True,
                     )
                 pipe.execute()
-        except CONNECTION_ERRORS as exc:
+        except (*CONNECTION_ERRORS, redis.ResponseError) as exc:
+            # An error reply (READONLY replica, OOM under noeviction) loses the batch just like a
+            # dropped connection: the forwarder marks itself for a resync.
             raise BusUnavailable(f"cannot publish KV events: {exc}") from exc
 
     def subscribe(self, replica_id: str) -> RedisStreamSubscription:

@@ -120,3 +120,21 @@ def test_mark_down_routes_around_a_gone_worker_until_it_heartbeats() -> None:
     workers[0].heartbeat()
     router.sync()
     assert router.route(prompt).prefill_worker == "p0"
+
+
+def test_redis_error_replies_mark_the_forwarder_for_resync(redis_server: RedisServer) -> None:
+    """OOM under noeviction is an error reply, not a dropped connection: the worker's publisher
+    must not die on it; it drops the batch and resyncs once Redis accepts writes again."""
+    registry = RedisRegistry(redis_server.client())
+    worker = start_worker(registry, RedisStreamEventBus(redis_server.client()), "p0")
+    admin = redis_server.client()
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", "1")
+    worker.cache(tokens(3, 16 * 8))  # publishing fails with an OOM reply: no exception here
+    assert not worker.forwarder.in_sync
+    admin.config_set("maxmemory", "0")
+    assert worker.forwarder.resync()
+    router = Router(RouterConfig(SETTINGS), RedisRegistry(redis_server.client()),
+                    RedisStreamEventBus(redis_server.client()))
+    router.sync()
+    assert router.cached_prefix(tokens(3, 16 * 8))["p0"] == 8
