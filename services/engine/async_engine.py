@@ -6,11 +6,17 @@ torch releases the GIL inside its kernels, so the event loop stays responsive.
 
 KV events leave the engine thread only through the ``on_events`` callback, one batch per step
 or command that produced any; without a callback they are dropped.
+
+Faults: a step that raises fails that step's requests (``EngineError``, blocks freed) and the
+engine goes on. A fault it cannot recover from (a device error, or ``MAX_STEP_FAILURES`` failed
+steps in a row) stops it: every request fails with ``EngineDeadError``, new ones are refused,
+and ``check_health`` raises, so Ray Serve replaces the worker. Each fault is logged once, here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -18,14 +24,24 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
+from services.engine.faults import FatalEngineFault
 from services.engine.kv_events import KVEvent
 from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import EngineStats, RequestOutput
+from services.engine.outputs import EngineDeadError, EngineError, EngineStats, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+# This many failed steps in a row stop the engine: the fault is not one request's.
+MAX_STEP_FAILURES = 3
+# Errors that leave the device (and so the engine) in an unknown state.
+_FATAL: tuple[type[BaseException], ...] = (FatalEngineFault, MemoryError,
+                                           *((torch.AcceleratorError,)
+                                             if hasattr(torch, "AcceleratorError") else ()))
 
 
 @dataclass
@@ -62,6 +78,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Start | _Call | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Start] = {}
         self._stats = engine.stats
+        self._step_failures = 0  # in a row
+        self.health_error: str | None = None  # why the engine stopped; None while it runs
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -69,6 +87,17 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """A snapshot taken after the engine's latest step."""
         return self._stats
+
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine stopped (Ray Serve's health check)."""
+        if self.health_error is None and not self._thread.is_alive():
+            self.health_error = "the engine thread has stopped"
+        if self.health_error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.health_error}")
+
+    @property
+    def healthy(self) -> bool:
+        return self.health_error is None and self._thread.is_alive()
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                  params: SamplingParams, cache_salt: str | None = None,
@@ -125,6 +154,14 @@ class AsyncEngine:
     # -- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in the loop itself: never die silently
+            log.exception("the engine loop failed")
+            self._die(f"the engine loop failed: {exc!r}")
+            self._serve_dead()
+
+    def _loop(self) -> None:
         while True:
             idle = not self.llm.has_unfinished_requests()
             try:
@@ -140,7 +177,14 @@ class AsyncEngine:
                 except queue.Empty:
                     command = _NO_COMMAND
             if self.llm.has_unfinished_requests():
-                outputs = self.llm.step()
+                try:
+                    outputs = self.llm.step()
+                except Exception as exc:
+                    if self._step_failed(exc):
+                        self._serve_dead()
+                        return
+                    continue
+                self._step_failures = 0
                 self._stats = self.llm.stats
                 self._hand_out_events()
                 for out in outputs:
@@ -172,6 +216,60 @@ class AsyncEngine:
             self._hand_out_events()
             self._streams[command.request_id] = command
         self._stats = self.llm.stats
+
+    def _step_failed(self, exc: Exception) -> bool:
+        """Fail the step's requests; True when the engine must stop instead."""
+        self._step_failures += 1
+        fatal = isinstance(exc, _FATAL) or self._step_failures >= MAX_STEP_FAILURES
+        if fatal:
+            log.error("engine step failed (%d in a row); stopping the engine", self._step_failures,
+                      exc_info=exc)
+            self._die(f"{exc!r} (after {self._step_failures} failed step(s) in a row)")
+            return True
+        try:
+            failed = self.llm.fail_step()
+        except Exception as cleanup:
+            log.error("engine step failed and its requests could not be freed; stopping",
+                      exc_info=cleanup)
+            self._die(f"{exc!r}, then freeing its requests failed: {cleanup!r}")
+            return True
+        log.error("engine step failed; failing its %d request(s): %s", len(failed),
+                  ", ".join(failed), exc_info=exc)
+        for request_id in failed:
+            self._fail(request_id, EngineError(
+                f"the engine failed while running request {request_id}: {exc}"))
+        self._stats = self.llm.stats
+        self._hand_out_events()
+        return False
+
+    def _die(self, reason: str) -> None:
+        """Stop for good: fail every stream, free what can be freed, refuse what comes."""
+        self.health_error = reason
+        for request_id in list(self._streams):
+            self._fail(request_id, EngineDeadError(f"the engine stopped: {reason}"))
+        for request_id in list(self.llm.requests):
+            try:
+                self.llm.abort_request(request_id)
+            except Exception:  # the engine is broken; the replica is replaced anyway
+                break
+        with contextlib.suppress(Exception):
+            self._stats = self.llm.stats
+
+    def _serve_dead(self) -> None:
+        """Answer commands with ``EngineDeadError`` until shutdown."""
+        error = f"the engine stopped: {self.health_error}"
+        while (command := self._commands.get()) is not None:
+            if isinstance(command, _Call):
+                command.loop.call_soon_threadsafe(_resolve, command.future, None,
+                                                  EngineDeadError(error))
+            elif isinstance(command, _Start):
+                command.loop.call_soon_threadsafe(command.outputs.put_nowait,
+                                                  EngineDeadError(error))
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
 
     def _hand_out_events(self) -> None:
         events = self.llm.take_events()

@@ -11,6 +11,7 @@ import torch
 from services.engine.attention import get_attention_backend
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.faults import fault_hook_from_env
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from services.engine.kv_events import KVEvent
 from services.engine.model import LlamaModel
@@ -88,6 +89,8 @@ class LLMEngine:
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.num_preemptions = 0
         self._generate_ids = itertools.count()
+        self._stepping: list[str] = []  # the requests of the step in progress
+        self.fault_hook = fault_hook_from_env()  # test-only; see services/engine/faults.py
 
     # -- requests -------------------------------------------------------------------------
 
@@ -145,14 +148,10 @@ class LLMEngine:
 
         Leading blocks this engine already caches are reused; the caller transfers the rest,
         then calls ``commit_import`` (or ``recompute_import``, or ``abort_request``). Raises
-        ``EngineOverloadedError`` when the blocks are not free now.
+        ``EngineOverloadedError`` when the blocks are not free now (see ``queue_import``).
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise RequestError(f"first token {first_token} is outside the vocabulary")
-        if seq.sampling.max_tokens < 2 or seq.num_tokens + 1 >= self.max_model_len:
-            raise RequestError("nothing left to decode after the first token")
-        seq.token_ids.append(first_token)
+        seq = self._imported_sequence(request_id, prompt_token_ids, first_token, params,
+                                      cache_salt)
         num_cached_blocks = self.scheduler.begin_import(seq)
         if num_cached_blocks is None:
             bm = self.block_manager
@@ -160,6 +159,26 @@ class LLMEngine:
             raise EngineOverloadedError(
                 f"no room to import {num_needed} KV blocks ({bm.num_free_blocks} free)")
         return ImportSlot(request_id, tuple(seq.block_ids), num_cached_blocks)
+
+    def queue_import(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
+                     params: SamplingParams | None = None, cache_salt: str | None = None
+                     ) -> None:
+        """No room to import the prompt's KV now: queue it (its first token known) to be
+        prefilled here when blocks free up, as a preempted request is. So a decode worker
+        takes every request it was sent, within its waiting-queue bound."""
+        seq = self._imported_sequence(request_id, prompt_token_ids, first_token, params,
+                                      cache_salt)
+        self.scheduler.add(seq)
+
+    def _imported_sequence(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
+                           params: SamplingParams | None, cache_salt: str | None) -> Sequence:
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
+        if not 0 <= first_token < self.model_config.vocab_size:
+            raise RequestError(f"first token {first_token} is outside the vocabulary")
+        if seq.sampling.max_tokens < 2 or seq.num_tokens + 1 >= self.max_model_len:
+            raise RequestError("nothing left to decode after the first token")
+        seq.token_ids.append(first_token)
+        return seq
 
     def commit_import(self, request_id: str) -> None:
         """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding."""
@@ -204,13 +223,27 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------------------
 
+    def fail_step(self) -> list[str]:
+        """After ``step`` raised: abort the requests of that step (freeing their blocks) and
+        return their ids. If it failed before scheduling anything, every running and waiting
+        request is failed, so a fault that repeats cannot hold them forever."""
+        ids = self._stepping or [s.request_id for s in (*self.scheduler.running,
+                                                        *self.scheduler.waiting)]
+        self._stepping = []
+        failed = [i for i in ids if self.abort_request(i)]
+        return failed
+
     def step(self) -> list[RequestOutput]:
+        self._stepping = []
         if self.proposer is not None:
             self._propose()
         plan = self.scheduler.schedule()
         self.num_preemptions += len(plan.preempted)
         if not plan.scheduled:
             return []
+        self._stepping = [item.seq.request_id for item in plan.scheduled]
+        if self.fault_hook is not None:
+            self.fault_hook(item.seq for item in plan.scheduled)
         result = self.runner.execute(plan.scheduled)
         reached_end = set(map(id, result.sampled))
         for item in plan.scheduled:

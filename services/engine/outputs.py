@@ -19,6 +19,24 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; retry later."""
 
 
+class EngineError(RuntimeError):
+    """The engine failed while running the request (a fault in a step, not in the request);
+    the request's blocks were freed and the engine goes on with its other requests."""
+
+
+class EngineDeadError(EngineError):
+    """The engine stopped after a fault it cannot recover from (a device error, repeated step
+    failures): its worker is unhealthy and is replaced; send the request elsewhere."""
+
+
+class UnavailableError(RuntimeError):
+    """Nothing can serve the request now (no healthy worker of a role); retry later."""
+
+
+class DeadlineExceededError(TimeoutError):
+    """The request's deadline passed before it finished; it was aborted and its blocks freed."""
+
+
 @dataclass(frozen=True)
 class PinnedKV:
     """A prefill-only request's prompt KV, held in ``block_ids`` until ``release_kv``."""

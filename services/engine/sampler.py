@@ -79,6 +79,7 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token once the mass before it already reaches top_p; the best always stays.
         drop = cumulative - sorted_logits.softmax(-1) >= p.top_p
+        drop[0] = False  # even a top_p that rounds to 0 in float32 (5e-324)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
     return scaled.softmax(-1)

@@ -50,3 +50,15 @@ def test_logprobs_of_sampled_token_and_top_n(make_engine):
         assert math.isclose(lp.top[0][1], lp.logprob, abs_tol=1e-5)
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
         assert lp.logprob <= 0.0
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_best_token() -> None:
+    """5e-324 is 0 in float32: without the guard every token was dropped (NaN, a failed step)."""
+    import torch
+
+    from services.engine.sampler import probabilities
+
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    for top_p in (5e-324, 1e-300, 1e-9):
+        probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert probs.tolist() == [0.0, 1.0, 0.0]

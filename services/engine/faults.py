@@ -1,0 +1,72 @@
+"""A test-only fault hook: off unless ``TANDEM_TEST_FAULTS`` is set in the worker's environment.
+
+The fault tests need real faults at exact points inside real worker processes. The variable
+holds ``[role:]kind=seed`` items, comma-separated; a request sampled with that seed triggers
+the fault, on workers of that role (prefill, decode, colocated) or, without a role, on all:
+
+- ``step``: the engine step that runs the request raises (the engine fails that step's
+  requests and goes on);
+- ``fatal``: the step raises ``FatalEngineFault``, which the engine treats as a device error
+  (it stops and its worker reports unhealthy);
+- ``sigstop``: (prefill role) the prefill worker sends its result, then stops its process
+  with SIGSTOP (as a hung machine would) when the decode worker calls about that request:
+  at its pairing if the two have not paired yet, else when it releases the lease after the
+  pull.
+
+Unset, nothing is installed and steps pay nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+
+from services.engine.sequence import Sequence
+
+ENV = "TANDEM_TEST_FAULTS"
+KINDS = ("step", "fatal", "sigstop")
+
+FaultHook = Callable[[Iterable[Sequence]], None]
+
+
+class InjectedFault(RuntimeError):
+    """An injected failure of one engine step."""
+
+
+class FatalEngineFault(RuntimeError):
+    """An injected unrecoverable fault, as a CUDA error would be."""
+
+
+def planned_faults(role: str | None = None, environ: Mapping[str, str] | None = None
+                   ) -> dict[int, str]:
+    """seed -> fault kind, for a worker of ``role`` (None: only faults for every role)."""
+    spec = (os.environ if environ is None else environ).get(ENV, "").strip()
+    faults: dict[int, str] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        target, _, assignment = item.rpartition(":")
+        kind, _, seed = assignment.partition("=")
+        if kind not in KINDS or not seed.lstrip("-").isdigit():
+            raise ValueError(f"{ENV}: expected [role:]kind=seed items with kind in {KINDS}, "
+                             f"got {item!r}")
+        if not target or target == role:
+            faults[int(seed)] = kind
+    return faults
+
+
+def fault_hook_from_env(role: str | None = None, environ: Mapping[str, str] | None = None
+                        ) -> FaultHook | None:
+    """The step hook for a worker of ``role``, or None when no step fault is planned."""
+    seeds = {seed: kind for seed, kind in planned_faults(role, environ).items()
+             if kind in ("step", "fatal")}
+    if not seeds:
+        return None
+
+    def hook(scheduled: Iterable[Sequence]) -> None:
+        for seq in scheduled:
+            kind = seeds.get(seq.sampling.seed) if seq.sampling.seed is not None else None
+            if kind == "fatal":
+                raise FatalEngineFault(f"injected fatal fault (request {seq.request_id})")
+            if kind == "step":
+                raise InjectedFault(f"injected step fault (request {seq.request_id})")
+
+    return hook
