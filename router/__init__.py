@@ -15,6 +15,7 @@ from router.errors import (
     RouterError,
     SettingsMismatch,
 )
+from router.fallback_registry import FallbackRegistry
 from router.forwarder import WorkerEventForwarder, attach_worker
 from router.hashing import PromptHasher
 from router.index import PrefixIndex
@@ -37,6 +38,7 @@ __all__ = [
     "BusUnavailable",
     "EventBus",
     "EventSubscription",
+    "FallbackRegistry",
     "InProcessEventBus",
     "InProcessRegistry",
     "NoHealthyWorkers",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import redis
 
 from router.errors import BusReset, BusUnavailable
-from router.redis_conn import CONNECTION_ERRORS, server_run_id
+from router.redis_conn import REDIS_ERRORS, server_run_id
 from router.wire import WorkerEvent, decode_event, encode_event
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,8 @@ class RedisStreamEventBus:
 
     Every replica has its own group, so every replica sees every event. Groups are read with
     NOACK: a replica that restarts re-reads the stream from its start anyway, so a pending-entries
-    list would only grow.
+    list would only grow. Every Redis failure (no connection, a timeout, an error reply such as
+    READONLY or OOM) raises ``BusUnavailable``; only a vanished group raises ``BusReset``.
     """
 
     def __init__(
@@ -47,7 +48,7 @@ class RedisStreamEventBus:
                         approximate=True,
                     )
                 pipe.execute()
-        except (*CONNECTION_ERRORS, redis.ResponseError) as exc:
+        except REDIS_ERRORS as exc:
             # An error reply (READONLY replica, OOM under noeviction) loses the batch just like a
             # dropped connection: the forwarder marks itself for a resync.
             raise BusUnavailable(f"cannot publish KV events: {exc}") from exc
@@ -61,20 +62,20 @@ class RedisStreamEventBus:
                 pipe.info("server")
                 pipe.get(self._snapshot_key)
                 info, requests = pipe.execute()
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise BusUnavailable(f"cannot read bus generation: {exc}") from exc
         return f"{info['run_id']}:{int(requests or 0)}"
 
     def request_snapshots(self) -> None:
         try:
             self.client.incr(self._snapshot_key)
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise BusUnavailable(f"cannot request snapshots: {exc}") from exc
 
     def run_id(self) -> str:
         try:
             return server_run_id(self.client)
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise BusUnavailable(str(exc)) from exc
 
 
@@ -91,10 +92,10 @@ class RedisStreamSubscription:
                 client.xgroup_create(stream, self.group, id="0", mkstream=True)
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
-                    raise
+                    raise  # READONLY, OOM, ...: unavailable, below
                 # A replica restarting under the same id starts with an empty index: re-read.
                 client.xgroup_setid(stream, self.group, id="0")
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise BusUnavailable(f"cannot open consumer group {self.group}: {exc}") from exc
 
     def read(self, max_events: int = 1000, block_s: float = 0.0) -> list[WorkerEvent]:
@@ -112,7 +113,7 @@ class RedisStreamSubscription:
             if "NOGROUP" in str(exc):
                 raise BusReset(f"stream or group {self.group} vanished") from exc
             raise BusUnavailable(f"cannot read KV events: {exc}") from exc
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise BusUnavailable(f"cannot read KV events: {exc}") from exc
         events: list[WorkerEvent] = []
         for _stream, entries in _entries_of(reply):
@@ -127,7 +128,7 @@ class RedisStreamSubscription:
         return events
 
     def close(self) -> None:
-        with contextlib.suppress(redis.ResponseError, *CONNECTION_ERRORS):
+        with contextlib.suppress(*REDIS_ERRORS):
             self._bus.client.xgroup_destroy(self._bus.stream, self.group)
 
 

@@ -10,12 +10,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-# The exceptions that mean "the server is not reachable right now".
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    OSError,
-)
+# Every way a command can fail: no connection, a timeout, or an error reply such as READONLY (the
+# server was made a replica), OOM (``maxmemory`` reached under ``noeviction``) or LOADING. Redis
+# holds soft state only, so callers handle each of them like a disconnect.
+REDIS_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 
 
 def connect(url: str, timeout_s: float = 0.5) -> redis.Redis:

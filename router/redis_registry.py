@@ -9,7 +9,7 @@ import time
 import redis
 
 from router.errors import RegistryUnavailable, SettingsMismatch
-from router.redis_conn import CONNECTION_ERRORS
+from router.redis_conn import REDIS_ERRORS
 from router.registry import IDLE, Clock, WorkerInfo, WorkerLoad, WorkerRecord, validate_info
 from services.engine.block_hash import HashSettings
 
@@ -18,7 +18,10 @@ log = logging.getLogger(__name__)
 
 class RedisRegistry:
     """Keys: ``{prefix}:workers`` (set of ids), ``{prefix}:worker:{id}`` (hash, PEXPIRE ttl),
-    ``{prefix}:hash-settings`` (JSON, written once by the first router)."""
+    ``{prefix}:hash-settings`` (JSON, written once by the first router).
+
+    Every Redis failure (no connection, a timeout, an error reply such as READONLY or OOM)
+    raises ``RegistryUnavailable``."""
 
     def __init__(
         self,
@@ -62,7 +65,7 @@ class RedisRegistry:
                 pipe.pexpire(key, max(int(self.ttl_s * 1000), 1))
                 pipe.sadd(self._ids_key, info.worker_id)
                 pipe.execute()
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise RegistryUnavailable(f"cannot register {info.worker_id}: {exc}") from exc
 
     def deregister(self, worker_id: str) -> None:
@@ -71,7 +74,7 @@ class RedisRegistry:
                 pipe.delete(self._worker_key(worker_id))
                 pipe.srem(self._ids_key, worker_id)
                 pipe.execute()
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise RegistryUnavailable(f"cannot deregister {worker_id}: {exc}") from exc
 
     def workers(self) -> list[WorkerRecord]:
@@ -81,13 +84,9 @@ class RedisRegistry:
                 for worker_id in ids:
                     pipe.hgetall(self._worker_key(worker_id))
                 rows = pipe.execute()
-            lapsed = [w for w, row in zip(ids, rows, strict=True) if not row]
-            if lapsed:
-                # Only drops ids whose record is still absent, so a racing re-register survives.
-                for worker_id in lapsed:
-                    self._forget_if_absent(worker_id)
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise RegistryUnavailable(f"cannot list workers: {exc}") from exc
+        self._forget_lapsed([w for w, row in zip(ids, rows, strict=True) if not row])
         records = []
         for worker_id, row in zip(ids, rows, strict=True):
             if not row:
@@ -101,7 +100,7 @@ class RedisRegistry:
     def cluster_settings(self) -> HashSettings | None:
         try:
             raw = self.client.get(self._settings_key)
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise RegistryUnavailable(f"cannot read cluster settings: {exc}") from exc
         if raw is None:
             return None
@@ -116,22 +115,28 @@ class RedisRegistry:
         )
         try:
             self.client.set(self._settings_key, raw, nx=True)
-        except CONNECTION_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             raise RegistryUnavailable(f"cannot publish cluster settings: {exc}") from exc
         current = self.cluster_settings()
         if current is not None and current != settings:
             raise SettingsMismatch(f"cluster uses {current}, this router {settings}")
 
-    def _forget_if_absent(self, worker_id: str) -> None:
-        # EXISTS and SREM in one MULTI would still race; a Lua script makes it atomic.
-        self.client.eval(
-            "if redis.call('EXISTS', KEYS[2]) == 0 then return redis.call('SREM', KEYS[1], ARGV[1])"
-            " end return 0",
-            2,
-            self._ids_key,
-            self._worker_key(worker_id),
-            worker_id,
-        )
+    def _forget_lapsed(self, worker_ids: list[str]) -> None:
+        """Drop lapsed ids from the set, unless they re-registered meanwhile. Best effort: a
+        read-only or full Redis still lists workers (lapsed ids are skipped either way)."""
+        for worker_id in worker_ids:
+            try:
+                # EXISTS and SREM in one MULTI would still race; a Lua script makes it atomic.
+                self.client.eval(
+                    "if redis.call('EXISTS', KEYS[2]) == 0 then return redis.call('SREM',"
+                    " KEYS[1], ARGV[1]) end return 0",
+                    2,
+                    self._ids_key,
+                    self._worker_key(worker_id),
+                    worker_id,
+                )
+            except REDIS_ERRORS:
+                return
 
 
 def _parse(worker_id: str, row: dict[bytes, bytes]) -> WorkerRecord:

@@ -190,7 +190,9 @@ class Router:
         self._registry_ok = True
         now = self._clock()
         with self._lock:
-            self._apply_records(records, now)
+            returned = self._apply_records(records, now)
+        if returned:  # outside the lock: route() never waits on Redis
+            self._request_snapshots()
 
     def _publish_settings(self, starting: bool = False) -> None:
         """Record the cluster's hash settings. A router whose settings differ from those already
@@ -207,8 +209,11 @@ class Router:
                       self.replica_id, exc)
         self._settings_published = True
 
-    def _apply_records(self, records: list[WorkerRecord], now: float) -> None:
+    def _apply_records(self, records: list[WorkerRecord], now: float) -> bool:
+        """Take a registry snapshot. True if a forgotten worker came back (its entries were
+        dropped, so it must republish its cache)."""
         live: dict[str, WorkerRecord] = {}
+        returned = False
         for record in records:
             worker_id = record.worker_id
             reason = settings_mismatch(record.info, self.config.settings)
@@ -232,7 +237,7 @@ class Router:
             self._lapsed_since.pop(worker_id, None)
             if worker_id in self._forgotten:
                 self._forgotten.discard(worker_id)
-                self._request_snapshots()
+                returned = True
         for worker_id in self._workers.keys() - live.keys():
             log.warning("router %s: worker %s lapsed; routing around it", self.replica_id,
                         worker_id)
@@ -245,6 +250,7 @@ class Router:
                 self._inflight.forget_worker(worker_id)
                 self._forgotten.add(worker_id)
         self._workers = live
+        return returned
 
     def _request_snapshots(self) -> None:
         if self.bus is None:

@@ -1,11 +1,14 @@
 """Fixtures for router tests: a real redis-server on a free loopback port, and a cluster helper.
 
-``redis_server`` can be killed and restarted on the same port mid-test.
+``redis_server`` can be killed and restarted on the same port mid-test, or paused (SIGSTOP);
+``redis_later`` is one not started yet (its port refuses connections until ``start()``).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -20,7 +23,7 @@ from router import connect
 STARTUP_DEADLINE_S = 10.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -45,8 +48,9 @@ class RedisServer:
             pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
         self.binary = binary
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._paused = False
 
     @property
     def url(self) -> str:
@@ -87,14 +91,28 @@ class RedisServer:
         finally:
             probe.close()
 
+    def pause(self) -> None:
+        """SIGSTOP: connections open, nothing answers (commands time out)."""
+        assert self._proc is not None
+        os.kill(self._proc.pid, signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after ``pause``."""
+        if self._proc is not None and self._paused:
+            os.kill(self._proc.pid, signal.SIGCONT)
+        self._paused = False
+
     def kill(self) -> None:
         """SIGKILL, as a crash would: everything in memory is lost."""
+        self.resume()
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait(timeout=10)
             self._proc = None
 
     def stop(self) -> None:
+        self.resume()
         if self._proc is not None:
             self._proc.terminate()
             try:
@@ -119,7 +137,17 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         except RuntimeError:
             if attempt == 2:
                 raise
-            server.port = _free_port()
+            server.port = free_port()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_later(tmp_path: Path) -> Iterator[RedisServer]:
+    """A RedisServer whose port nothing listens on until the test calls ``start()``."""
+    server = RedisServer(tmp_path)
     try:
         yield server
     finally:
