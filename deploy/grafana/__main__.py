@@ -2,5 +2,5 @@
 
 from deploy.grafana import dashboards, rules
 
-for path in [*dashboards.write(), rules.write()]:
+for path in [*dashboards.write(), *rules.write()]:
     print(path)

