@@ -26,24 +26,37 @@ from services.serving.workers import DecodeReplica, PrefillReplica
 
 __all__ = ["AppConfig", "ConfigError", "app_builder", "build_app"]
 
-# Serve's own queue limit per replica; the engines' admission control (max_waiting) is the
-# real one, so this only has to be above it.
-_MAX_ONGOING = 100_000
+# Serve's own bound on calls a replica runs at once: the gateway's admission bound plus room for
+# probes and status polls, so Serve never queues what the gateway admitted (nor admits more).
+PROBE_ROOM = 32
+
+
+# Serve calls each replica's ``check_health`` this often; a replica whose engine stopped, or
+# that does not answer within the timeout (a hung or SIGSTOPped process), is replaced.
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
 
 
 def build_app(config: AppConfig) -> Application:
     # Workers take CPU from the engine's threads, not from Ray's bookkeeping.
     options = {"num_cpus": 0}
+    max_ongoing = config.in_flight_limit() + PROBE_ROOM
     gateway = serve.deployment(GatewayIngress, name="gateway", ray_actor_options=options,
-                               max_ongoing_requests=_MAX_ONGOING)
+                               max_ongoing_requests=max_ongoing,
+                               health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                               health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
     if config.colocated:
         return gateway.bind(config)
     router = RequestRouterConfig(
         request_router_class="services.serving.request_router:TandemRequestRouter")
     def worker(cls: type, role: str, replicas: int):  # type: ignore[no-untyped-def]
         return serve.deployment(cls, name=role, num_replicas=replicas, ray_actor_options=options,
-                                max_ongoing_requests=_MAX_ONGOING, request_router_config=router,
-                                graceful_shutdown_timeout_s=5)
+                                # a prefill replica also answers D's lease calls
+                                max_ongoing_requests=2 * max_ongoing,
+                                request_router_config=router,
+                                graceful_shutdown_timeout_s=5,
+                                health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                                health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
 
     prefill = worker(PrefillReplica, "prefill", config.prefill_replicas).bind(config)
     # Decode replicas call the prefill replicas themselves (pair, release, reject).

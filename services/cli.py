@@ -83,7 +83,8 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device", "prefill": 
              "routing_policy": "routing_policy",
              "threads": "threads_per_worker",
              "max_num_batched_tokens": "max_num_batched_tokens",
-             "spec": "spec", "spec_k": "spec_k", "draft_model": "draft_model"}
+             "spec": "spec", "spec_k": "spec_k", "draft_model": "draft_model",
+             "request_timeout": "request_timeout_s", "max_in_flight": "max_in_flight"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -111,6 +112,11 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--threads", type=int, help="torch threads per worker engine (1)")
     up.add_argument("--max-num-batched-tokens", type=int,
                     help="per-step token budget (the prefill chunk size)")
+    up.add_argument("--request-timeout", type=float, metavar="S",
+                    help="the longest a request may take, in seconds (600); then 504")
+    up.add_argument("--max-in-flight", type=int, metavar="N",
+                    help="requests admitted at once; beyond it 429 + Retry-After "
+                         "(default: 2 x decode replicas x max_num_seqs)")
     _add_spec_args(up, defaults=False)
     up.set_defaults(func=_up)
 

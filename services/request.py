@@ -26,6 +26,11 @@ class GenerationRequest:
     arrival_time: float = field(default_factory=time.monotonic)  # the gateway's clock
     trace: dict[str, str] | None = None  # W3C trace context of the gateway's request span
     prefill: PrefillResult | None = None  # P's result, forwarded to D as it came; None: no P
+    deadline: float | None = None  # time.time() by which it must end (clocks of every process)
+
+    def remaining_s(self) -> float | None:
+        """Seconds until the deadline (negative once past); None: no deadline."""
+        return None if self.deadline is None else self.deadline - time.time()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,6 +28,7 @@ class DecodeMetrics:
     transfer_failures: int = 0  # read errors, timeouts, checksum mismatches, lost leases
     checksum_failures: int = 0
     recomputes: int = 0
+    queued: int = 0  # imports with no room for the KV now, queued to prefill here instead
     rejects: Counter[str] = field(default_factory=Counter)  # by reason
 
     def observe_transfer(self, seconds: float) -> None:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 class KVSource(enum.StrEnum):
     TRANSFER = "transfer"  # pulled from the prefill worker
     RECOMPUTE = "recompute"  # the transfer failed; prefilled here
+    QUEUED = "queued"  # no room to import the KV; queued to prefill here when blocks free
     LOCAL = "local"  # no prefill worker involved
 
 
@@ -219,7 +220,8 @@ class DecodeWorker:
             with use_span(trace.transfer(), end_on_exit=True) as span:
                 slot = await self._reserve(request_id, prompt, prefill.first_token, params,
                                            cache_salt, link, kv)
-                failure = await self._pull(request_id, link, kv, slot, span)
+                failure = None if slot is None else await self._pull(request_id, link, kv,
+                                                                     slot, span)
                 if failure is not None:
                     tracing.mark_failed(span, failure)
         except asyncio.CancelledError:
@@ -229,7 +231,12 @@ class DecodeWorker:
             self._phases.pop(request_id, None)
 
         start: Callable[[LLMEngine], None]
-        if failure is None:
+        if slot is None:
+            self.metrics.queued += 1
+            first = prefill.first_token
+            start, source = (lambda e: e.queue_import(request_id, prompt, first, params,
+                                                      cache_salt)), KVSource.QUEUED
+        elif failure is None:
             start, source = (lambda e: e.commit_import(request_id)), KVSource.TRANSFER
         elif self.config.on_transfer_failure == "fail":
             await self.engine.call(lambda e: e.abort_request(request_id))
@@ -255,14 +262,17 @@ class DecodeWorker:
 
     async def _reserve(self, request_id: str, prompt: list[int], first_token: int,
                        params: SamplingParams, cache_salt: str | None, link: PeerLink | None,
-                       kv: KVHandle) -> ImportSlot:
+                       kv: KVHandle) -> ImportSlot | None:
+        """Blocks for the import, or None (the lease rejected) when none are free now: the
+        request is then queued to prefill here, never refused after its first token."""
         try:
             return await self.engine.call(lambda e: e.begin_import(
                 request_id, prompt, first_token, params, cache_salt))
         except EngineOverloadedError as exc:
+            log.info("%s: request %s: %s; queued to prefill here", self.worker_id, request_id,
+                     exc)
             await self._reject(link, kv, "no_capacity")
-            raise DecodeRejectedError(f"decode worker {self.worker_id} has no room for "
-                                      f"request {request_id!r}: {exc}") from exc
+            return None
         except RequestError:
             await self._reject(link, kv, "invalid_request")
             raise

@@ -44,6 +44,15 @@ class MultiWorkerStats(Protocol):
     def worker_stats(self) -> Mapping[str, EngineStats]: ...
 
 
+@runtime_checkable
+class HealthReporting(Protocol):
+    """Optional: a backend that can tell it cannot serve (the gateway's /health says 503)."""
+
+    def health_problem(self) -> str | None:
+        """None while the backend can serve; else why not, for an operator."""
+        ...
+
+
 class EngineBackend:
     """Colocated mode: one in-process engine does prefill and decode."""
 
@@ -57,6 +66,9 @@ class EngineBackend:
     @property
     def stats(self) -> EngineStats:
         return self.engine.stats
+
+    def health_problem(self) -> str | None:
+        return None if self.engine.healthy else f"the engine stopped: {self.engine.health_error}"
 
     @property
     def model_id(self) -> str:

@@ -15,6 +15,8 @@ class GatewayConfig:
     default_max_tokens: int | None = None  # cap when a request sets none; None: context length
     retry_after_s: int = 1  # Retry-After on 429
     worker_name: str = "colocated"  # the `worker` label of a single-engine backend's stats
+    request_timeout_s: float | None = 600.0  # the longest a request may take (504 after)
+    max_in_flight: int | None = None  # requests admitted at once; beyond: 429. None: no bound
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -23,5 +25,9 @@ class GatewayConfig:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain an empty key")

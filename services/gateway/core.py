@@ -5,16 +5,16 @@ from __future__ import annotations
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from services.engine.outputs import EngineStats
 from services.engine.tokenizer import Tokenizer
-from services.gateway.backend import GenerationBackend, MultiWorkerStats
+from services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import model_not_found, unauthorized
+from services.gateway.errors import model_not_found, overloaded, unauthorized
 from services.gateway.inputs import SamplingOptions, build_request
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import REJECTED, GatewayMetrics
 from services.gateway.pipeline import Delta, generate_deltas
 from services.gateway.request_trace import RequestTrace
 from services.request import GenerationRequest
@@ -33,10 +33,18 @@ class Gateway:
         self.model_name = self.config.served_model_name or backend.model_id
         self.created = int(time.time())
         self.metrics = GatewayMetrics(self.model_name, self._worker_stats)
+        self.in_flight = 0  # admitted requests that have not ended
+        self.metrics.in_flight_limit.labels(self.model_name).set(self.config.max_in_flight or 0)
 
     @property
     def max_model_len(self) -> int:
         return self.backend.max_model_len
+
+    def health_problem(self) -> str | None:
+        """None while requests can be served; else why not (/health answers 503)."""
+        if isinstance(self.backend, HealthReporting):
+            return self.backend.health_problem()
+        return None
 
     def check_model(self, model: str | None) -> None:
         """An empty or missing model name means the served one."""
@@ -60,13 +68,19 @@ class Gateway:
                       ) -> GenerationRequest:
         return build_request(request_id, prompt_token_ids, options, self.max_model_len,
                              cache_salt, self.config.default_max_tokens, arrival_time,
-                             prompt_param)
+                             prompt_param, self.config.request_timeout_s)
 
     async def start(self, request: GenerationRequest, trace: RequestTrace | None = None
                     ) -> Generation:
         """Submit the request and wait for its first step (rejections raise ``GatewayError``).
         ``trace`` (the request's span) ends with the generation."""
         timer = self.metrics.start_request(request.arrival_time)
+        limit = self.config.max_in_flight
+        if limit is not None and self.in_flight >= limit:  # shed before any work or any 200
+            timer.fail(REJECTED)
+            raise overloaded(f"{self.in_flight} requests are in flight, the limit is {limit}",
+                             self.config.retry_after_s)
+        self._admitted(1)
         deltas = generate_deltas(self.backend, self.tokenizer, request, timer,
                                  self.config.retry_after_s)
         if trace is not None:
@@ -76,11 +90,18 @@ class Gateway:
             with trace.active() if trace is not None else contextlib.nullcontext():
                 first = await anext(deltas)
         except BaseException:
-            await deltas.aclose()
+            try:
+                await deltas.aclose()
+            finally:
+                self._admitted(-1)
             raise
         if trace is not None:
             trace.first_token()
-        return Generation(request, first, deltas, trace)
+        return Generation(request, first, deltas, trace, lambda: self._admitted(-1))
+
+    def _admitted(self, change: int) -> None:
+        self.in_flight += change
+        self.metrics.in_flight.labels(self.model_name).set(self.in_flight)
 
     def _worker_stats(self) -> Mapping[str, EngineStats]:
         if isinstance(self.backend, MultiWorkerStats):
@@ -96,6 +117,7 @@ class Generation:
     first: Delta
     rest: AsyncGenerator[Delta, None]
     trace: RequestTrace | None = None
+    on_end: Callable[[], None] | None = None  # called once, when it is closed
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
@@ -121,6 +143,9 @@ class Generation:
         finally:
             if self.trace is not None:
                 self.trace.end()
+            on_end, self.on_end = self.on_end, None
+            if on_end is not None:
+                on_end()
 
     async def collect(self) -> Delta:
         """Run to the end and merge every delta into one."""

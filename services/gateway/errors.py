@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.engine.outputs import EngineOverloadedError, RequestError
+from services.engine.outputs import (
+    DeadlineExceededError,
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    RequestError,
+    UnavailableError,
+)
 
 
 @dataclass
@@ -54,10 +61,31 @@ def overloaded(message: str, retry_after_s: int) -> GatewayError:
                         code="engine_overloaded", retry_after_s=retry_after_s)
 
 
-def from_backend(exc: Exception, retry_after_s: int) -> GatewayError | None:
-    """The client-facing form of a backend exception, or None for an internal failure."""
+def unavailable(message: str, retry_after_s: int) -> GatewayError:
+    return GatewayError(503, f"The service is unavailable: {message}", type="server_error",
+                        code="unavailable", retry_after_s=retry_after_s)
+
+
+def timed_out(message: str) -> GatewayError:
+    return GatewayError(504, f"The request timed out: {message}", type="timeout_error",
+                        code="timeout")
+
+
+def engine_failed(message: str) -> GatewayError:
+    return GatewayError(500, message, type="server_error", code="engine_error")
+
+
+def from_backend(exc: BaseException, retry_after_s: int) -> GatewayError | None:
+    """The client-facing form of a backend exception, or None for an unexpected failure (a
+    bug: the caller logs it). The backend's own faults were logged where they happened."""
     if isinstance(exc, EngineOverloadedError):
         return overloaded(str(exc), retry_after_s)
     if isinstance(exc, RequestError):
         return bad_request(str(exc))
+    if isinstance(exc, EngineDeadError | UnavailableError):  # another worker, or a replacement
+        return unavailable(str(exc), retry_after_s)
+    if isinstance(exc, EngineError):
+        return engine_failed(str(exc))
+    if isinstance(exc, DeadlineExceededError):
+        return timed_out(str(exc))
     return None

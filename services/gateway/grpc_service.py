@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -36,7 +40,9 @@ _STATUS_CODES = {
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
     503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -51,12 +57,14 @@ def status_code(error: GatewayError) -> grpc.StatusCode:
 
 async def generate_responses(gateway: Gateway, request: pb.GenerateRequest,
                              authorization: str | None = None,
-                             metadata: Mapping[str, str] | None = None
+                             metadata: Mapping[str, str] | None = None,
+                             timeout_s: float | None = None
                              ) -> AsyncIterator[pb.GenerateResponse]:
     """The call's messages; rejections raise ``GatewayError`` before the first one.
 
     Transport-free, so a Ray Serve gRPC deployment can reuse it with its own context.
-    ``metadata`` may carry the caller's W3C ``traceparent``.
+    ``metadata`` may carry the caller's W3C ``traceparent``; ``timeout_s`` is what is left of
+    the call's deadline (the request ends with DEADLINE_EXCEEDED when it passes).
     """
     arrival = time.monotonic()
     trace = RequestTrace("grpc", "Generate", metadata)
@@ -65,7 +73,9 @@ async def generate_responses(gateway: Gateway, request: pb.GenerateRequest,
         with trace.phase("gateway.parse"):
             gateway.check_api_key(authorization)
             gateway.check_model(request.model)
-            options = _sampling_options(request)
+            options = dataclasses.replace(_sampling_options(request),
+                                          timeout_s=None if timeout_s is None
+                                          else max(timeout_s, 1e-3))
         with trace.phase("gateway.tokenize") as span:
             prompt = _prompt_token_ids(gateway, request)
             span.set_attribute("tandem.prompt_tokens", len(prompt))
@@ -90,13 +100,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
-    async def Generate(self, request: pb.GenerateRequest,  # noqa: N802 (the RPC's name)
+    async def Generate(self, request: pb.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid GenerateRequest: {request.reason}")
+            return
         metadata = {key: _as_str(value) or "" for key, value in
                     context.invocation_metadata() or () if not key.endswith("-bin")}
         try:
             async for response in generate_responses(self.gateway, request,
-                                                      metadata.get("authorization"), metadata):
+                                                      metadata.get("authorization"), metadata,
+                                                      context.time_remaining()):
                 yield response
         except GatewayError as exc:
             trailers: Sequence[tuple[str, str]] = ()
@@ -110,35 +125,81 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
 
 
+HEALTH_REFRESH_S = 1.0  # how often gRPC health follows the gateway's health
+
+
 @dataclass
 class GrpcFrontEnd:
-    """A grpc.aio server with Generation, health checking and reflection."""
+    """A grpc.aio server with Generation, health checking and reflection. Health says
+    SERVING while the gateway can serve (``Gateway.health_problem``), else NOT_SERVING."""
 
     server: grpc.aio.Server
     port: int  # the bound port (the address may ask for port 0)
     health: health.aio.HealthServicer
+    gateway: Gateway
+    _watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.server.start()
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._refresh()
+        self._watch = asyncio.create_task(self._follow(), name="tandem-grpc-health")
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         await self.health.enter_graceful_shutdown()  # NOT_SERVING while calls drain
         await self.server.stop(grace_s)
+
+    async def _refresh(self) -> None:
+        serving = self.gateway.health_problem() is None
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_REFRESH_S)
+            await self._refresh()
 
 
 def create_grpc_server(gateway: Gateway, address: str = "127.0.0.1:50051") -> GrpcFrontEnd:
     """Build (not start) the gRPC front end; messages over the body limit get RESOURCE_EXHAUSTED."""
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", gateway.config.max_body_bytes)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(gateway), server)
+    _add_generation_servicer(GenerationServicer(gateway), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(address)
-    return GrpcFrontEnd(server, port, health_servicer)
+    return GrpcFrontEnd(server, port, health_servicer, gateway)
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Bytes that do not parse as a GenerateRequest (corrupt wire format, a string field that is
+    not UTF-8): ``Generate`` answers INVALID_ARGUMENT, where grpc would say UNKNOWN."""
+
+    reason: str
+
+
+def _parse_request(data: bytes) -> pb.GenerateRequest | MalformedRequest:
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return MalformedRequest(str(exc))
+
+
+def _add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """``pb_grpc.add_GenerationServicer_to_server`` with a request parser that does not raise."""
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=_parse_request,
+        response_serializer=pb.GenerateResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def _as_str(value: str | bytes | None) -> str | None:

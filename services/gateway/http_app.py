@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,7 +26,11 @@ from services.gateway.inputs import (
     tokenize_prompt,
 )
 from services.gateway.openai_format import SSE_DONE, ResponseContext, sse
-from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+)
 from services.gateway.pipeline import Delta
 from services.gateway.request_trace import RequestTrace
 from services.gateway.token_text import TokenText
@@ -49,8 +53,9 @@ def create_http_app(gateway: Gateway) -> FastAPI:
     """Build the ASGI app around a gateway (serve it with uvicorn, or as a Ray Serve ingress)."""
     # FastAPI's own request spans stay off: the gateway.request span (request_trace.py) is the
     # HTTP and gRPC server span alike, and probes of /health and /metrics are not traced.
-    app = FastAPI(title="Tandem", version="1", docs_url=None, redoc_url=None, openapi_url=None,
-                  telemetry={"tracing": False})
+    app = FastAPI(title="Tandem", version="1", docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", telemetry={"tracing": False})
+    _add_schemas(app, ChatCompletionRequest, CompletionRequest)
     app.state.gateway = gateway
     app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes)
     token_text = TokenText(gateway.tokenizer)
@@ -79,26 +84,30 @@ def create_http_app(gateway: Gateway) -> FastAPI:
         return JSONResponse(error.to_json(), status_code=500)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        problem = gateway.health_problem()
+        if problem is not None:  # no worker of some role can serve: take us out of rotation
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
         body, content_type = gateway.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_error_responses(401))
     async def list_models(request: Request) -> dict[str, object]:
         gateway.check_api_key(request.headers.get("authorization"))
         return {"object": "list", "data": [_model_card(gateway)]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=_error_responses(401, 404))
     async def get_model(model: str, request: Request) -> dict[str, object]:
         gateway.check_api_key(request.headers.get("authorization"))
         gateway.check_model(model)
         return _model_card(gateway)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
+              responses=_generation_responses())
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         trace = RequestTrace("http", "chat.completions", request.headers)
@@ -123,7 +132,8 @@ def create_http_app(gateway: Gateway) -> FastAPI:
             merged = await _unless_disconnected(request, _run(gateway, greq, trace))
             return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
+              responses=_generation_responses())
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         trace = RequestTrace("http", "completions", request.headers)
@@ -152,6 +162,69 @@ def create_http_app(gateway: Gateway) -> FastAPI:
             return JSONResponse(ctx.completion(merged, want_logprobs, prompt))
 
     return app
+
+
+# The OpenAPI document (/openapi.json, /docs). The generation routes parse their bodies themselves
+# (``_parse``), so the document takes their schemas from the pydantic models.
+_SCHEMA_REF = "#/components/schemas/{model}"
+_ERROR_WHEN = {
+    400: "Invalid JSON, a field of the wrong type or out of range, an unsupported feature, or a "
+         "prompt over the context length; `param` names the field.",
+    401: "API keys are configured and `Authorization: Bearer <key>` is missing or wrong.",
+    404: "Unknown model.",
+    413: "The request body is over the size limit.",
+    429: "The server is overloaded: retry after `Retry-After` seconds.",
+    500: "An internal failure.",
+    503: "No worker can serve the request now: retry after `Retry-After` seconds.",
+    504: "The request ran past its deadline (its `timeout`, or the server's limit).",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                "schema": {"type": "integer"}}}
+
+
+def _error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """Documented error responses, each with OpenAI's error body."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_WHEN[status],
+                     **({"headers": _RETRY_AFTER} if status in (429, 503) else {})}
+            for status in statuses}
+
+
+def _generation_responses() -> dict[int | str, dict[str, Any]]:
+    # Before OpenAPI 3.2's itemSchema, an event stream's schema describes each event.
+    event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+             "description": "One server-sent event: a chunk as JSON, an error as JSON "
+                            "(`{\"error\": {...}}`), or `[DONE]` last."}
+    ok = {"description": "The completion as JSON or, with `stream: true`, its chunks as "
+                         "server-sent events ending with `data: [DONE]`.",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": event}}}
+    return {200: ok, **_error_responses(400, 401, 404, 413, 429, 500, 503, 504)}
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's ``openapi_extra``: the JSON body it parses itself as ``model`` (whose schema
+    ``_add_schemas`` puts in the document's components)."""
+    schema = {"$ref": _SCHEMA_REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _add_schemas(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Add the models' JSON schemas, and those of the models they use (pydantic's ``$defs``), to
+    the OpenAPI document's ``components.schemas``, where ``_json_body`` refers to them."""
+    schemas: dict[str, Any] = {}
+    for model in models:
+        schema = model.model_json_schema(ref_template=_SCHEMA_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            build().setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _model_card(gateway: Gateway) -> dict[str, object]:

@@ -38,6 +38,7 @@ class SamplingOptions:
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
     speculative: bool = True  # speculative decoding, where the server runs it
     num_speculative_tokens: int | None = None  # cap on draft tokens per step
+    timeout_s: float | None = None  # the client's deadline for the whole request, if any
 
 
 def new_request_id(prefix: str) -> str:
@@ -74,8 +75,11 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "pro
 def build_request(request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
                   max_model_len: int, cache_salt: str | None = None,
                   default_max_tokens: int | None = None, arrival_time: float | None = None,
-                  prompt_param: str = "prompt") -> GenerationRequest:
-    """Check the request against the context length and turn options into SamplingParams."""
+                  prompt_param: str = "prompt", max_timeout_s: float | None = None
+                  ) -> GenerationRequest:
+    """Check the request against the context length and turn options into SamplingParams.
+    Its deadline is the client's ``timeout_s`` or ``max_timeout_s`` (the server's limit),
+    whichever is sooner."""
     num_prompt = len(prompt_token_ids)
     room = max_model_len - num_prompt
     if room < 1:
@@ -114,8 +118,11 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
     except ValueError as exc:  # SamplingParams names the field first in its messages
         field_name = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), param=field_name) from exc
+    timeouts = [t for t in (options.timeout_s, max_timeout_s) if t is not None]
+    deadline = time.time() + min(timeouts) if timeouts else None
     return GenerationRequest(request_id, prompt_token_ids, params, options.stop, cache_salt or None,
-                             time.monotonic() if arrival_time is None else arrival_time)
+                             time.monotonic() if arrival_time is None else arrival_time,
+                             deadline=deadline)
 
 
 # The same bounds for every front end (HTTP's pydantic models state them too).
@@ -132,6 +139,10 @@ def _check_ranges(options: SamplingOptions) -> None:
     if options.top_k is not None and options.top_k < -1:
         raise bad_request(f"top_k must be >= -1 (0 or -1: off), got {options.top_k}",
                           param="top_k")
+    if options.timeout_s is not None and not (math.isfinite(options.timeout_s)
+                                              and options.timeout_s > 0):
+        raise bad_request(f"timeout must be a number of seconds > 0, got {options.timeout_s}",
+                          param="timeout")
     if options.max_tokens is not None and options.max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {options.max_tokens}",
                           param="max_tokens")

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -18,6 +18,7 @@ from prometheus_client.utils import floatToGoString
 
 from services.engine.outputs import EngineStats
 from services.engine.sequence import FinishReason
+from services.gateway.errors import GatewayError
 
 # vLLM's buckets, so dashboards and SLO queries carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -36,10 +37,15 @@ GOODPUT_TTFT_LIMITS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 GOODPUT_TPOT_LIMITS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5)
 
 # Reasons of tandem_request_failures_total.
-REJECTED = "rejected"  # the backend was full: 429 with Retry-After
+REJECTED = "rejected"  # overloaded (the gateway's or a worker's bound): 429 with Retry-After
 INVALID = "invalid"  # the backend refused the request as invalid: 400
+TIMEOUT = "timeout"  # its deadline (or a hop's timeout) passed: 504
+ENGINE_ERROR = "engine_error"  # a worker's engine failed while running it: 500
+UNAVAILABLE = "unavailable"  # no healthy worker could take it: 503 with Retry-After
 ERROR = "error"  # anything else: the request failed inside Tandem
-FAILURE_REASONS = (REJECTED, INVALID, ERROR)
+FAILURE_REASONS = (REJECTED, INVALID, TIMEOUT, ENGINE_ERROR, UNAVAILABLE, ERROR)
+_REASON_BY_STATUS = {429: REJECTED, 400: INVALID, 504: TIMEOUT, 500: ENGINE_ERROR,
+                     503: UNAVAILABLE}
 
 StatsSource = Callable[[], Mapping[str, EngineStats]]
 
@@ -75,8 +81,18 @@ class GatewayMetrics:
                                   [*labels, "ttft_le", "tpot_le"], registry=self.registry)
         self.failures = Counter("tandem_request_failures",
                                 "Requests that failed: rejected (overloaded, 429), invalid "
-                                "(refused by the backend, 400), error (internal).",
+                                "(refused by the backend, 400), timeout (deadline, 504), "
+                                "engine_error (a worker's engine failed, 500), unavailable "
+                                "(no healthy worker, 503), error (internal).",
                                 [*labels, "reason"], registry=self.registry)
+        self.in_flight = Gauge("tandem_requests_in_flight",
+                               "Requests the gateway admitted that have not ended.", labels,
+                               registry=self.registry)
+        self.in_flight_limit = Gauge("tandem_requests_in_flight_limit",
+                                     "The gateway's admission bound (beyond it: 429); 0 = none.",
+                                     labels, registry=self.registry)
+        self.in_flight.labels(model_name)
+        self.in_flight_limit.labels(model_name)
         # Every series from the start, so that rate() sees the first request of each.
         for ttft_le, tpot_le in goodput_cells():
             self.within_slo.labels(model_name, ttft_le, tpot_le)
@@ -92,6 +108,13 @@ class GatewayMetrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def failure_reason(error: GatewayError) -> str:
+    """The ``reason`` label for a request that failed with ``error``."""
+    if error.status == 500 and error.code != "engine_error":
+        return ERROR
+    return _REASON_BY_STATUS.get(error.status, ERROR)
 
 
 def goodput_cells(ttft: float = 0.0, tpot: float = 0.0) -> list[tuple[str, str]]:

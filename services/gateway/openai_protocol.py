@@ -6,16 +6,26 @@ result but are not implemented are rejected by ``unsupported_fields`` instead of
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from services.gateway.errors import GatewayError, unsupported
 from services.gateway.inputs import SamplingOptions
 
 
+def _integral(value: object) -> object:
+    """JSON Schema's integers include 8.0 (what the OpenAPI document promises): take it as 8."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Strict: a value of another JSON type is a 400, not converted (`"seed": true` is not seed 1,
+    # nor `"max_tokens": "8"` 8), as OpenAI does; integers are numbers, 8.0 is an integer (`Int`).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):
@@ -24,13 +34,13 @@ class StreamOptions(_Body):
 
 class _CommonRequest(_Body):
     model: str | None = None  # missing: the served model
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1: off
-    seed: int | None = None
+    top_k: Int | None = Field(None, ge=-1)  # extension; 0 or -1: off
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
+    n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, not used: end users may share cached prefixes
@@ -38,8 +48,10 @@ class _CommonRequest(_Body):
     ignore_eos: bool = False  # extension
     # Extensions: speculative decoding (when the server runs it) per request.
     speculative: bool = True  # false: decode this request without drafts
-    num_speculative_tokens: int | None = Field(None, ge=1, le=16)  # cap on drafts per step
+    num_speculative_tokens: Int | None = Field(None, ge=1, le=16)  # cap on drafts per step
     return_token_ids: bool = False  # extension: token ids in every choice (and the prompt's)
+    # Extension: seconds the whole request may take (504 after); the server's limit caps it.
+    timeout: float | None = Field(None, gt=0.0)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -92,9 +104,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -118,15 +130,16 @@ class ChatCompletionRequest(_CommonRequest):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop_strings(), ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens)
+            speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
+            timeout_s=self.timeout)
 
 
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def unsupported_fields(self) -> GatewayError | None:
         if self.echo:
@@ -152,4 +165,20 @@ class CompletionRequest(_CommonRequest):
             max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=self.stop_strings(),
             ignore_eos=self.ignore_eos, logprobs=self.logprobs, speculative=self.speculative,
-            num_speculative_tokens=self.num_speculative_tokens)
+            num_speculative_tokens=self.num_speculative_tokens, timeout_s=self.timeout)
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: ``param`` names the offending field where there is one."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, the shape of every error response (``GatewayError.to_json``); it is
+    only described in the OpenAPI document, not built."""
+
+    error: ErrorDetail

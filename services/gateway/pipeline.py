@@ -7,19 +7,23 @@ stream early for any reason (client gone, cancellation) closes the backend strea
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from services.engine.outputs import EngineOverloadedError, RequestError, RequestOutput
+from services.engine.outputs import DeadlineExceededError, RequestOutput
 from services.engine.sequence import TokenLogprobs
 from services.engine.tokenizer import Tokenizer
 from services.gateway.backend import GenerationBackend
 from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.errors import from_backend
-from services.gateway.metrics import ERROR, INVALID, REJECTED, RequestTimer
+from services.gateway.errors import GatewayError, from_backend
+from services.gateway.metrics import ERROR, RequestTimer, failure_reason
 from services.gateway.stop_strings import StopStringMatcher
 from services.request import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,10 @@ class Delta:
 async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
                           request: GenerationRequest, timer: RequestTimer,
                           retry_after_s: int = 1) -> AsyncGenerator[Delta, None]:
-    """Stream deltas; backend rejections surface as ``GatewayError`` on the first ``anext``."""
+    """Stream deltas; backend rejections surface as ``GatewayError`` on the first ``anext``,
+    later failures (an engine fault, the deadline) as ``GatewayError`` on a later one. When
+    the request's deadline passes, the backend stream is closed (the request is aborted on
+    every worker) and a 504 ``GatewayError`` raised."""
     detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
     stops = StopStringMatcher(request.stop)
     num_prompt, num_output, num_cached = len(request.prompt_token_ids), 0, 0
@@ -56,17 +63,25 @@ async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
     started = False
     finish: str | None = None
     stream = backend.generate(request)
+    loop = asyncio.get_running_loop()
+    remaining = request.remaining_s()
+    deadline = None if remaining is None else loop.time() + remaining
     try:
         async with contextlib.aclosing(stream):
             while finish is None:
                 try:
-                    out = await anext(stream)
+                    async with asyncio.timeout_at(deadline):
+                        out = await anext(stream)
                 except StopAsyncIteration:
                     out = None
-                except (RequestError, EngineOverloadedError) as exc:
-                    error = from_backend(exc, retry_after_s)
-                    assert error is not None
-                    timer.fail(REJECTED if error.status == 429 else INVALID)
+                except Exception as exc:
+                    if isinstance(exc, TimeoutError) and not isinstance(
+                            exc, DeadlineExceededError):  # ours: the request's deadline
+                        exc = DeadlineExceededError(
+                            f"request {request.request_id} did not finish within its deadline")
+                    error = _failed(exc, timer, retry_after_s)
+                    if error is exc:
+                        raise
                     raise error from exc
                 started = True
                 delta = Delta()
@@ -92,6 +107,16 @@ async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
     finally:
         if started:  # ended early: the client left or the call was cancelled
             timer.end("abort", num_prompt, num_output)
+
+
+def _failed(exc: BaseException, timer: RequestTimer, retry_after_s: int) -> BaseException:
+    """Count the failure by its reason; the client-facing error, or ``exc`` itself if it is
+    unexpected (then the front end logs it)."""
+    error = from_backend(exc, retry_after_s) if not isinstance(exc, GatewayError) else exc
+    timer.fail(failure_reason(error) if error is not None else ERROR)
+    if error is not None and error.status == 504:
+        log.warning("%s", error.message)  # nobody else logs a timeout
+    return error if error is not None else exc
 
 
 def _apply_output(out: RequestOutput, delta: Delta, detok: IncrementalDetokenizer,

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -19,10 +20,19 @@ from opentelemetry.context import Context
 from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from router import Router, RoutingDecision
+from router import NoHealthyWorkers, Router, RoutingDecision
 from services import tracing
 from services.decode.errors import DecodeRejectedError
-from services.engine.outputs import EngineOverloadedError, EngineStats, RequestError, RequestOutput
+from services.engine.outputs import (
+    DeadlineExceededError,
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    EngineStats,
+    RequestError,
+    RequestOutput,
+    UnavailableError,
+)
 from services.engine.sequence import FinishReason
 from services.prefill.result import PrefillResult
 from services.request import GenerationRequest
@@ -36,9 +46,19 @@ log = logging.getLogger(__name__)
 MAX_FAILOVERS = 2
 
 
+@dataclass(frozen=True)
+class BackendTimeouts:
+    """Per-hop limits (the request's own deadline is the gateway's to enforce)."""
+
+    prefill_s: float = 60.0  # a prefill call; then the router's next choice (or D) prefills
+    stream_idle_s: float = 60.0  # the longest a decode stream may go without a batch
+
+
 class DisaggBackend:
     def __init__(self, router: Router, view: ClusterView, prefill: DeploymentHandle,
-                 decode: DeploymentHandle, model_id: str, max_model_len: int) -> None:
+                 decode: DeploymentHandle, model_id: str, max_model_len: int,
+                 timeouts: BackendTimeouts | None = None) -> None:
+        self.timeouts = timeouts or BackendTimeouts()
         self.router = router
         self.view = view
         self.prefill = prefill
@@ -64,6 +84,9 @@ class DisaggBackend:
 
     def snapshots(self) -> list[WorkerSnapshot]:
         return list(self.view.workers.values())
+
+    def health_problem(self) -> str | None:
+        return self.view.health_problem()
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         # The caller's trace context now (the gateway's request span) parents the router's and
@@ -98,6 +121,12 @@ class DisaggBackend:
         try:
             decision = self.router.route(request.prompt_token_ids, cache_salt=request.cache_salt,
                                          request_id=request.request_id)
+            if decision.decode_worker is None:
+                self.router.release(request.request_id)
+                raise UnavailableError("no healthy decode worker; retry shortly")
+        except NoHealthyWorkers as exc:
+            tracing.end_with_error(span, exc)
+            raise UnavailableError(f"{exc}; retry shortly") from None
         except BaseException as exc:
             tracing.end_with_error(span, exc)
             raise
@@ -115,13 +144,21 @@ class DisaggBackend:
             worker = decision.prefill_worker
             assert worker is not None
             try:
-                result, report = await _call(self.prefill.prefill.remote(request,
-                                                                         route_to=worker))
-            except ReplicaGoneError:
+                async with asyncio.timeout(self.timeouts.prefill_s):
+                    result, report = await _call(self.prefill.prefill.remote(request,
+                                                                             route_to=worker))
+            except (ReplicaGoneError, EngineDeadError, TimeoutError) as exc:
+                if isinstance(exc, TimeoutError):
+                    log.warning("request %s: prefill worker %s did not answer within %.1f s",
+                                request.request_id, worker, self.timeouts.prefill_s)
                 self.router.release(request.request_id)
+                self.router.mark_down(worker, _failover_reason(exc))
                 if attempt == MAX_FAILOVERS:
+                    if isinstance(exc, TimeoutError):
+                        raise DeadlineExceededError(
+                            f"no prefill worker answered within {self.timeouts.prefill_s:.0f} s"
+                        ) from None
                     raise
-                self.router.mark_down(worker, "replica_gone")
                 decision = self._route(request, parent)
                 if decision.prefill_worker is None:  # nothing left to prefill on: D does it
                     return request, decision
@@ -143,7 +180,7 @@ class DisaggBackend:
             finished = False
             started = False
             try:
-                async for batch in _stream(stream):
+                async for batch in self._batches(stream, worker):
                     started = True
                     # Reports first: the caller stops reading at the finished output, and the
                     # last batch carries the worker's report (its load and KV events) after it.
@@ -155,17 +192,42 @@ class DisaggBackend:
                             finished = item.finished
                             yield _with_cached(item, request.num_prompt_tokens, cached)
                 return
-            except ReplicaGoneError:
+            except (ReplicaGoneError, EngineDeadError) as exc:
+                if isinstance(exc, EngineDeadError) and worker is not None:
+                    self.router.mark_down(worker, "unhealthy")
                 if started or attempt == MAX_FAILOVERS or worker is None:
                     raise
-                self.router.mark_down(worker, "replica_gone")
-                worker = self.router.route(request.prompt_token_ids,
-                                           cache_salt=request.cache_salt,
-                                           request_id=request.request_id).decode_worker
+                if isinstance(exc, ReplicaGoneError):
+                    self.router.mark_down(worker, "replica_gone")
+                try:
+                    worker = self._route(request, None).decode_worker
+                except UnavailableError:  # nowhere else to go: the first failure says why
+                    raise exc from None
                 self.router.release(request.request_id)
             finally:
                 if not finished:
                     stream.cancel()
+
+    async def _batches(self, stream: Any, worker: str | None) -> AsyncIterator[Any]:
+        """D's batches; a stream that sends nothing for ``stream_idle_s`` (a hung worker)
+        ends with ``DeadlineExceededError`` and the router routes around the worker."""
+        batches = _stream(stream)
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.timeouts.stream_idle_s):
+                        batch = await anext(batches)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    if worker is not None:
+                        self.router.mark_down(worker, "timeout")
+                    raise DeadlineExceededError(
+                        f"decode worker {worker} sent nothing for "
+                        f"{self.timeouts.stream_idle_s:.0f} s") from None
+                yield batch
+        finally:
+            await batches.aclose()
 
     def _reject_later(self, worker_id: str, lease_id: str, request_id: str) -> None:
         async def reject() -> None:
@@ -208,6 +270,12 @@ def decision_attributes(decision: RoutingDecision) -> dict[str, Any]:
     return attributes
 
 
+def _failover_reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    return "unhealthy" if isinstance(exc, EngineDeadError) else "replica_gone"
+
+
 def _first_output(request_id: str, first: PrefillResult, num_prompt: int) -> RequestOutput:
     return RequestOutput(request_id, [first.first_token], list(first.logprobs),
                          first.finished,
@@ -228,6 +296,9 @@ def _clean(exc: BaseException) -> BaseException:
         return ReplicaGoneError(str(cause))
     if isinstance(cause, RequestError):
         return RequestError(str(cause))
+    for kind in (EngineDeadError, EngineError, DeadlineExceededError, UnavailableError):
+        if isinstance(cause, kind):  # the most specific first: EngineDeadError is an EngineError
+            return kind(str(cause))
     if isinstance(cause, EngineOverloadedError | DecodeRejectedError):
         return EngineOverloadedError(str(cause))
     return exc

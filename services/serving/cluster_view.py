@@ -4,7 +4,9 @@ In-process mode it is also the router's registry feed and KV-event relay: each w
 (load + numbered events) is registered in an ``InProcessRegistry`` and published on an
 ``InProcessEventBus``. When the router finds a gap in a worker's event numbers it asks the bus
 for snapshots; the next status poll (started at once) asks every worker for one. With Redis the
-workers do all of that themselves and this only keeps stats (and never touches Redis).
+workers publish their events and heartbeat themselves; this keeps stats and registers the
+workers it polls in a local registry, the router's fallback while Redis has no record of them
+(``router.FallbackRegistry``). It never touches Redis.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from services.serving.replica_ids import known_replicas
 
 log = logging.getLogger(__name__)
 
+_NO_STATS = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0)
+
 
 @dataclass
 class WorkerSnapshot:
@@ -36,6 +40,8 @@ class WorkerSnapshot:
     metrics: dict[str, Any] = field(default_factory=dict)
     leases: int = 0
     max_model_len: int = 0
+    healthy: bool = True
+    health_error: str | None = None  # why the worker's engine stopped
 
 
 class ClusterView:
@@ -57,19 +63,20 @@ class ClusterView:
 
     def ingest(self, report: WorkerReport) -> None:
         """A worker's load and KV events, from a response or a status poll."""
-        if self.bus is None:
-            return
         worker_id = report.worker_id
         events = [decode_event(raw) for raw in report.events]
-        if events:
+        if events and self.bus is not None:
             self.bus.publish(events)
-        newest = report.seq > self._report_seq.get(worker_id, 0)
+        known = self.workers.get(worker_id)
+        newest = report.seq > self._report_seq.get(worker_id, 0) and (
+            known is None or known.healthy)  # an unhealthy worker is never registered again
         info = self._infos.get(worker_id)
         if newest and info is not None and self.registry is not None:
             self._report_seq[worker_id] = report.seq
             self.registry.register(info, report.load)
-        self.router.sync()
-        self._check_generation()
+        if self.bus is not None:  # with Redis the router syncs in its own thread
+            self.router.sync()
+            self._check_generation()
 
     def _check_generation(self) -> None:
         """The router asked for snapshots (a gap in some worker's events): poll now."""
@@ -111,11 +118,30 @@ class ClusterView:
             if snapshot:
                 self._snapshots_due = True  # retry with the next poll
             return
+        healthy = bool(status.get("healthy", True))
+        was_healthy = self.workers.get(replica_id, WorkerSnapshot("", "", _NO_STATS)).healthy
         self.workers[replica_id] = WorkerSnapshot(
             replica_id, role, EngineStats(**status["engine"]), status.get("metrics", {}),
-            int(status.get("leases", 0)), int(status["max_model_len"]))
+            int(status.get("leases", 0)), int(status["max_model_len"]), healthy,
+            status.get("health_error"))
         self._infos[replica_id] = WorkerInfo(**status["info"])
+        if not healthy:
+            # Its engine stopped; Serve replaces the replica. Route around it now, and never
+            # register it again (its replacement has a new id).
+            if was_healthy:
+                log.error("%s worker %s is unhealthy: %s", role, replica_id,
+                          status.get("health_error"))
+                self.router.mark_down(replica_id, "unhealthy")
+            return
         self.ingest(status["report"])
+
+    def health_problem(self) -> str | None:
+        """None while some healthy prefill and decode worker is known; else what is missing."""
+        missing = [role for role in self.handles
+                   if not any(w.role == role and w.healthy for w in self.workers.values())]
+        if not missing:
+            return None
+        return f"no healthy {' or '.join(missing)} worker"
 
     async def _status(self, handle: DeploymentHandle, replica_id: str | None,
                       snapshot: bool = False) -> dict[str, Any] | None:

@@ -51,6 +51,15 @@ class AppConfig:
     spec: str = "none"  # speculative decoding on decode engines: none | ngram | draft | self
     spec_k: int = 4  # draft tokens per step, at most
     draft_model: str | None = None  # spec "draft": .gguf or HF dir sharing the tokenizer
+    # Failure semantics (docs/operations.md "Deadlines and overload"): every hop has a timeout.
+    request_timeout_s: float = 600.0  # a whole request, at most (a client may ask for less)
+    prefill_timeout_s: float = 60.0  # a prefill call; then another worker (or D) prefills
+    control_timeout_s: float = 5.0  # pair / release / reject between workers
+    kv_transfer_timeout_s: float = 10.0  # one KV pull; then D recomputes the prompt
+    stream_idle_timeout_s: float = 60.0  # the longest gap in a decode worker's stream
+    # Admission: requests in flight at the gateway, at most; beyond it 429 with Retry-After.
+    # None: 2 x the decode batch (decode_replicas x max_num_seqs; colocated: max_num_seqs).
+    max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,7 +84,11 @@ class AppConfig:
                 raise ConfigError(f"{name} must be 0..65535, got {getattr(self, name)}")
         if self.port and self.port == self.grpc_port:
             raise ConfigError(f"port and grpc_port must differ, both are {self.port}")
-        for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s"):
+        if self.max_in_flight is not None:
+            _at_least("max_in_flight", self.max_in_flight, 1)
+        for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s",
+                     "request_timeout_s", "prefill_timeout_s", "control_timeout_s",
+                     "kv_transfer_timeout_s", "stream_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.spec not in SPEC_METHODS:
@@ -105,6 +118,12 @@ class AppConfig:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.threads_per_worker)
+
+    def in_flight_limit(self) -> int:
+        """The gateway's admission bound (``max_in_flight`` or its default)."""
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        return 2 * self.max_num_seqs * (1 if self.colocated else self.decode_replicas)
 
     def engine_device(self) -> str:
         """Resolved where the engine is built (a GPU worker pod, not the machine that wrote

@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from router import (
+    FallbackRegistry,
     InProcessEventBus,
     InProcessRegistry,
     RedisRegistry,
@@ -35,7 +36,7 @@ from services.gateway import (
     create_http_app,
 )
 from services.serving import metrics
-from services.serving.backend import DisaggBackend
+from services.serving.backend import BackendTimeouts, DisaggBackend
 from services.serving.cluster_view import ClusterView, WorkerSnapshot
 from services.serving.config import AppConfig
 
@@ -53,7 +54,9 @@ class GatewayIngress:
         self.view: ClusterView | None = None
         self.router: Router | None = None
         gateway_config = GatewayConfig(served_model_name=config.served_model_name,
-                                       max_body_bytes=config.max_body_bytes)
+                                       max_body_bytes=config.max_body_bytes,
+                                       request_timeout_s=config.request_timeout_s,
+                                       max_in_flight=config.in_flight_limit())
         if config.colocated:
             from services.engine.async_engine import AsyncEngine
             from services.engine.llm_engine import LLMEngine
@@ -77,26 +80,45 @@ class GatewayIngress:
                              decode: DeploymentHandle) -> DisaggBackend:
         settings = HashSettings(config.block_size, model_id)
         router_config = RouterConfig(settings, policy=config.routing_policy)
-        registry: InProcessRegistry | None = None
+        # The workers this gateway polls through Serve: the whole registry in-process, and with
+        # Redis the fallback for workers Redis has no record of (it is soft state: down,
+        # read-only or full, it must not keep a worker from being routed to).
+        registry = InProcessRegistry(settings)
         bus: InProcessEventBus | None = None
         if config.redis_url:
-            router = Router(router_config, RedisRegistry(connect(config.redis_url)),
-                            RedisStreamEventBus(connect(config.redis_url)))
-            router.start()
+            url = config.redis_url
+            # In a thread: publishing the settings waits out Redis' timeouts when it is down.
+            router = await asyncio.to_thread(
+                Router, router_config, FallbackRegistry(RedisRegistry(connect(url)), registry),
+                RedisStreamEventBus(connect(url)))
         else:
-            registry, bus = InProcessRegistry(settings), InProcessEventBus()
+            bus = InProcessEventBus()
             router = Router(router_config, registry, bus)
         self.router = router
         self.view = ClusterView(router, {"prefill": prefill, "decode": decode}, registry, bus,
                                 config.poll_interval_s)
         await self.view.wait_for({"prefill": config.prefill_replicas,
                                   "decode": config.decode_replicas}, WORKERS_READY_TIMEOUT_S)
+        if config.redis_url:
+            await asyncio.to_thread(router.sync)  # knows the polled workers before it is ready
+            router.start()
         self.view.start()
         max_len = min(w.max_model_len for w in self.view.workers.values())
-        return DisaggBackend(router, self.view, prefill, decode, model_id, max_len)
+        return DisaggBackend(router, self.view, prefill, decode, model_id, max_len,
+                             BackendTimeouts(config.prefill_timeout_s,
+                                             config.stream_idle_timeout_s))
 
     def _colocated_snapshot(self) -> list[WorkerSnapshot]:
-        return [WorkerSnapshot("colocated", "colocated", self.gateway.backend.stats)]
+        backend = self.gateway.backend
+        return [WorkerSnapshot("colocated", "colocated", backend.stats,
+                               healthy=backend.health_problem() is None)]
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a colocated engine that stopped fails it (its workers'
+        faults are theirs to report; the gateway's /health says 503 while none can serve)."""
+        backend = self.gateway.backend
+        if isinstance(backend, EngineBackend):
+            backend.engine.check_health()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return create_http_app(self.gateway)

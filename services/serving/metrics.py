@@ -68,11 +68,18 @@ class WorkerCollector(Collector):
         recomputes = counter("tandem_decode_recomputes",
                              "Imports whose KV pull failed, so the decode worker recomputed "
                              "the prompt.")
+        queued = counter("tandem_decode_queued_imports",
+                         "Imports a decode worker had no free blocks for: it rejected the "
+                         "lease and queued the prompt to prefill itself.")
+        healthy = GaugeMetricFamily("tandem_worker_healthy",
+                                    "1 while the worker's engine runs; 0 once it stopped after a "
+                                    "fault (it is being replaced).", labels=labels)
         rejects = counter("tandem_decode_rejects",
                           "Leases a decode worker rejected, by reason.", ("reason",))
         for w in self._source():
             key = [self._model_name, w.worker_id, w.role]
             info.add_metric(key, 1)
+            healthy.add_metric(key, 1.0 if w.healthy else 0.0)
             free.add_metric(key, w.stats.num_free_blocks)
             total.add_metric(key, w.stats.num_blocks)
             m = w.metrics
@@ -91,10 +98,11 @@ class WorkerCollector(Collector):
                 checksums.add_metric(key, _number(m, "checksum_failures"))
                 imports.add_metric(key, _number(m, "imports"))
                 recomputes.add_metric(key, _number(m, "recomputes"))
+                queued.add_metric(key, _number(m, "queued"))
                 for reason, count in sorted(m.get("rejects", {}).items()):
                     rejects.add_metric([*key, reason], float(count))
         yield from (info, free, total, leases, prefills, granted, ended, moved, seconds,
-                    transfers, failures, checksums, imports, recomputes, rejects)
+                    transfers, failures, checksums, imports, recomputes, queued, rejects, healthy)
 
 
 class RouterCollector(Collector):

@@ -14,6 +14,9 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,10 +28,11 @@ from router import WorkerInfo, WorkerLoad
 from services import tracing
 from services.decode.config import DecodeConfig
 from services.decode.worker import DecodeWorker
+from services.engine.faults import fault_hook_from_env, planned_faults
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
 from services.kv_transfer.factory import make_transport
-from services.kv_transfer.pairing import PairingInfo
+from services.kv_transfer.pairing import PairingError, PairingInfo
 from services.prefill.config import PrefillConfig
 from services.prefill.result import PrefillResult
 from services.prefill.worker import PrefillWorker
@@ -38,6 +42,7 @@ from services.serving.messages import ReplicaGoneError, WorkerReport
 from services.serving.worker_events import WorkerEvents
 
 Worker = PrefillWorker | DecodeWorker
+log = logging.getLogger(__name__)
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -59,6 +64,8 @@ class _Replica:
         tracing.configure(self.role)
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         self.engine = LLMEngine(config.engine_config(decodes=self.role == "decode"))
+        self.engine.fault_hook = fault_hook_from_env(self.role)  # test-only, off by default
+        self._faults = planned_faults(self.role)
         self.events = WorkerEvents(self.worker_id, config.redis_url)
         # Reports can reach the gateway out of order (a slow status poll after a response);
         # the sequence lets it keep the newest load.
@@ -73,6 +80,11 @@ class _Replica:
         if route_to is not None and route_to != self.worker_id:
             raise ReplicaGoneError(f"{self.role} replica {route_to} is gone (the call reached "
                                    f"{self.worker_id})")
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raises once the engine stopped after a fatal fault, so
+        Serve replaces this replica (the gateway stops routing to it at its next poll)."""
+        self.worker.engine.check_health()
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(self.worker_id, self.role, self.host, self.config.block_size,
@@ -96,8 +108,14 @@ class _Replica:
         router found a gap in its numbered events)."""
         if route_to is not None and route_to != self.worker_id:
             return None
+        engine = self.worker.engine
+        if not engine.healthy:  # its stats would wait on a stopped engine
+            return {"worker_id": self.worker_id, "healthy": False,
+                    "health_error": engine.health_error, "engine": dataclasses.asdict(
+                        engine.stats), "info": dataclasses.asdict(self.info()),
+                    "max_model_len": self.engine.max_model_len}
         status = await self.worker.status()
-        return {**status, "report": self.report(snapshot),
+        return {**status, "healthy": True, "report": self.report(snapshot),
                 "info": dataclasses.asdict(self.info()),
                 "max_model_len": self.engine.max_model_len}
 
@@ -110,11 +128,12 @@ class PrefillReplica(_Replica):
 
     async def __init__(self, config: AppConfig) -> None:
         engine = self._setup(config)
+        self._tripwire: str | None = None
         self.worker = PrefillWorker(engine, self._transport(),
                                     PrefillConfig(lease_ttl_s=config.lease_ttl_s), self.worker_id,
                                     on_events=self.events.on_engine_events)
         await self.worker.start()
-        self.events.start(self.info(), self.load)
+        self.events.start(self.info(), self.load, lambda: self.worker.engine.healthy)
 
     async def prefill(self, request: GenerationRequest, route_to: str | None = None
                       ) -> tuple[PrefillResult, WorkerReport]:
@@ -122,7 +141,19 @@ class PrefillReplica(_Replica):
         with tracing.attached(request.trace):  # the gateway's request span parents this one
             result = await self.worker.prefill(request.request_id, request.prompt_token_ids,
                                                request.params, request.cache_salt)
+        seed = request.params.seed
+        if seed is not None and self._faults.get(seed) == "sigstop" and result.kv is not None:
+            self._tripwire = result.kv.lease_id  # test-only: see _trip
         return result, self.report()
+
+    def _trip(self, lease_id: str | None = None) -> None:
+        """Test-only (services/engine/faults.py ``sigstop``): at the decode worker's next call
+        about an armed lease (its pairing, if first, or the lease's release), stop this process
+        with SIGSTOP before answering, as a hung machine would."""
+        if self._tripwire is not None and lease_id in (None, self._tripwire):
+            self._tripwire = None
+            log.warning("%s: stopping this process (injected sigstop fault)", self.worker_id)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     # The lease calls run in ``control.<method>`` spans under the caller's (the decode worker's
     # kv_transfer span), as the same calls do over the control RPC of workers run without Ray.
@@ -130,12 +161,14 @@ class PrefillReplica(_Replica):
     async def pair(self, decode: PairingInfo, route_to: str | None = None,
                    trace: dict[str, str] | None = None) -> PairingInfo:
         self._check_route(route_to)
+        self._trip()
         with tracing.served("control.pair", trace):
             return await self.worker.pair(decode)
 
     async def release(self, lease_id: str, route_to: str | None = None,
                       trace: dict[str, str] | None = None) -> bool:
         self._check_route(route_to)
+        self._trip(lease_id)
         with tracing.served("control.release", trace):
             return await self.worker.release(lease_id)
 
@@ -177,13 +210,15 @@ class DecodeReplica(_Replica):
 
     async def __init__(self, config: AppConfig, prefill: DeploymentHandle) -> None:
         engine = self._setup(config)
-        self.worker = DecodeWorker(engine, self._transport(), DecodeConfig(), self.worker_id,
+        decode_config = DecodeConfig(transfer_timeout_s=config.kv_transfer_timeout_s,
+                                     control_timeout_s=config.control_timeout_s)
+        self.worker = DecodeWorker(engine, self._transport(), decode_config, self.worker_id,
                                    on_events=self.events.on_engine_events)
         await self.worker.start()
         self.prefill = prefill
         self._pairing: dict[str, asyncio.Lock] = {}  # one lock per prefill worker
         self._paired: set[str] = set()
-        self.events.start(self.info(), self.load)
+        self.events.start(self.info(), self.load, lambda: self.worker.engine.healthy)
 
     async def decode(self, request: GenerationRequest, route_to: str | None = None
                      ) -> AsyncIterator[list[RequestOutput | WorkerReport]]:
@@ -223,13 +258,25 @@ class DecodeReplica(_Replica):
             await stream.aclose()
 
     async def _pair(self, prefill_id: str) -> None:
+        """Meet the prefill worker once (a lock per peer: a hung one holds up only the requests
+        from it). A pairing that fails or times out is logged and left for the next request
+        to retry; this request's pull then fails and D recomputes the prompt."""
         if prefill_id in self._paired:
             return
         async with self._pairing.setdefault(prefill_id, asyncio.Lock()):
             if prefill_id in self._paired:
                 return
-            with tracing.tracer().start_as_current_span("kv_transfer.pair"):
-                await self.worker.pair(ServePrefillPeer(self.prefill, prefill_id))
+            with tracing.tracer().start_as_current_span("kv_transfer.pair") as span:
+                try:
+                    async with asyncio.timeout(self.config.control_timeout_s):
+                        await self.worker.pair(ServePrefillPeer(self.prefill, prefill_id))
+                except PairingError:  # the cluster is misconfigured: say so to the client
+                    raise
+                except Exception as exc:  # a timeout, the replica gone
+                    tracing.mark_failed(span, exc)
+                    log.warning("%s: pairing with prefill worker %s failed (%r); recomputing "
+                                "its requests' prompts here", self.worker_id, prefill_id, exc)
+                    return
             self._paired.add(prefill_id)
 
     async def __del__(self) -> None:

@@ -169,16 +169,24 @@ def test_expired_lease_frees_blocks_and_late_pull_recomputes(loaded_model, promp
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_decode_without_room_rejects(loaded_model, prompts, transport):
+def test_decode_without_room_queues_the_prompt_and_refuses_only_when_draining(
+        loaded_model, prompts, references, transport):
+    """No free blocks for the import: D frees P's lease at once and queues the prompt to
+    prefill itself when blocks free up, so a request is never refused after its first token."""
     async def scenario() -> None:
         async with local_pair(loaded_model, transport,
                               decode_engine={"num_kv_blocks": 20}) as (p, d):
-            d.engine.llm.begin_import("hog", prompts[4], 1, SHORT)  # 10 of 20 blocks
+            await d.engine.call(lambda e: e.begin_import("hog", prompts[4], 1, SHORT))
             first = await p.prefill("r", prompts[PROMPT], SHORT)
-            with pytest.raises(DecodeRejectedError, match="no room"):
-                await d.generate("r", prompts[PROMPT], SHORT, first)
+            result = asyncio.ensure_future(d.generate("r", prompts[PROMPT], SHORT, first))
+            while d.metrics.queued == 0:  # queued, waiting for blocks
+                await asyncio.sleep(0.01)
             assert p.metrics.reject_reasons == {"no_capacity": 1}
             assert await free_blocks(p) == p.engine.llm.block_manager.num_blocks
+            await d.engine.call(lambda e: e.abort_request("hog"))
+            decoded = await result
+            assert decoded.kv_source is KVSource.QUEUED
+            compare_prefix(decoded.output_token_ids, references[PROMPT], "queued import")
             d.drain()
             first = await p.prefill("r2", prompts[0], SHORT)
             with pytest.raises(DecodeRejectedError, match="shutting down"):

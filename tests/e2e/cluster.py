@@ -31,6 +31,7 @@ class UpProcess:
     args: list[str]
     log_path: Path
     ready_timeout_s: float = 240.0
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     http_url: str = ""
     grpc_target: str = ""
     ready_s: float = 0.0
@@ -39,7 +40,7 @@ class UpProcess:
 
     def start(self) -> UpProcess:
         port, grpc_port = free_port(), free_port()
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", **self.env}
         started = time.monotonic()
         self.process = subprocess.Popen(
             [str(TANDEM), "up", "--port", str(port), "--grpc-port", str(grpc_port), *self.args],

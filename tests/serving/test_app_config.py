@@ -1,4 +1,5 @@
-"""AppConfig's speculative-decoding settings: validated up front, applied to decode engines only."""
+"""AppConfig: speculative-decoding settings (decode engines only) and the failure settings
+(timeouts, admission bound), validated up front with messages naming the field."""
 
 from __future__ import annotations
 
@@ -24,3 +25,22 @@ def test_spec_settings_reach_decode_engines_only():
 def test_bad_spec_settings_fail_with_a_clear_message(settings, message):
     with pytest.raises(ConfigError, match=message):
         AppConfig.from_dict(settings, "test")
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"request_timeout_s": 0}, "request_timeout_s must be > 0"),
+    ({"prefill_timeout_s": -1.0}, "prefill_timeout_s must be > 0"),
+    ({"control_timeout_s": 0.0}, "control_timeout_s must be > 0"),
+    ({"kv_transfer_timeout_s": 0}, "kv_transfer_timeout_s must be > 0"),
+    ({"stream_idle_timeout_s": 0}, "stream_idle_timeout_s must be > 0"),
+    ({"max_in_flight": 0}, "max_in_flight must be >= 1"),
+])
+def test_bad_failure_settings_fail_with_a_clear_message(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        AppConfig(**settings)
+
+
+def test_the_in_flight_bound_defaults_to_twice_the_decode_batch():
+    assert AppConfig(max_num_seqs=32, decode_replicas=3).in_flight_limit() == 192
+    assert AppConfig(max_num_seqs=8, colocated=True, decode_replicas=3).in_flight_limit() == 16
+    assert AppConfig(max_in_flight=5).in_flight_limit() == 5
