@@ -17,7 +17,7 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from router import NoHealthyWorkers, Router, RoutingDecision
@@ -291,6 +291,8 @@ def _with_cached(out: RequestOutput, num_prompt: int, cached: int) -> RequestOut
 
 def _clean(exc: BaseException) -> BaseException:
     """Replica errors arrive wrapped in RayTaskError; give the gateway the plain error."""
+    if isinstance(exc, RayActorError):  # the replica's process died during the call
+        return ReplicaGoneError("the worker's replica died during the call")
     cause = exc.cause if isinstance(exc, RayTaskError) else exc
     if isinstance(cause, ReplicaGoneError):
         return ReplicaGoneError(str(cause))

@@ -59,6 +59,7 @@ class ClusterView:
         self._task: asyncio.Task[None] | None = None
         self._generation = bus.generation() if bus is not None else ""
         self._snapshots_due = False
+        self._unreachable: set[str] = set()  # workers whose last status poll failed
         self._resync: asyncio.Task[None] | None = None
 
     def ingest(self, report: WorkerReport) -> None:
@@ -99,9 +100,12 @@ class ClusterView:
                 continue
             await asyncio.gather(*(self._poll(role, handle, rid, snapshot) for rid in ids))
         for gone in set(self.workers) - self._live_ids():
+            if self.workers[gone].healthy and gone not in self._unreachable:
+                self.router.mark_down(gone, "replica_gone")  # Serve saw it die: at once
             del self.workers[gone]
             self._infos.pop(gone, None)
             self._report_seq.pop(gone, None)
+            self._unreachable.discard(gone)
         if self.bus is not None:  # with Redis the router syncs in its own thread
             self.router.sync()
 
@@ -117,7 +121,13 @@ class ClusterView:
         if status is None:
             if snapshot:
                 self._snapshots_due = True  # retry with the next poll
+            if replica_id in self.workers and replica_id not in self._unreachable:
+                # Dead or hung (its replacement has a new id): route around it now rather
+                # than when its registration lapses; an answer to a later poll brings it back.
+                self._unreachable.add(replica_id)
+                self.router.mark_down(replica_id, "unreachable")
             return
+        self._unreachable.discard(replica_id)
         healthy = bool(status.get("healthy", True))
         was_healthy = self.workers.get(replica_id, WorkerSnapshot("", "", _NO_STATS)).healthy
         self.workers[replica_id] = WorkerSnapshot(

@@ -15,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router import WorkerLoad
+from services.engine.outputs import UnavailableError
 
 
-class ReplicaGoneError(RuntimeError):
+class ReplicaGoneError(UnavailableError):
     """The replica the router named is not the one the call reached (it is gone or being
-    replaced). The caller fails over explicitly; see services/serving/request_router.py."""
+    replaced). The caller fails over explicitly; see services/serving/request_router.py.
+    With nowhere left to fail over to, the client gets 503 + Retry-After."""
 
 
 @dataclass(frozen=True)

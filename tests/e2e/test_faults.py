@@ -240,3 +240,41 @@ def test_a_fatal_engine_fault_replaces_the_replica(cluster: UpProcess,
     print(f"\nfatal fault -> first request served by the replacement: "
           f"{time.monotonic() - faulted:.1f} s")
     assert os.environ.get("TANDEM_TEST_FAULTS") is None  # the hook stayed in the cluster
+
+
+def _decode_replica(cluster: UpProcess) -> psutil.Process:
+    replicas = [p for p in cluster.descendants()
+                if "ServeReplica" in " ".join(p.cmdline()) and ":decode" in " ".join(p.cmdline())]
+    assert len(replicas) == 1, [p.cmdline() for p in replicas]
+    return replicas[0]
+
+
+@pytest.mark.timeout(600)  # two replacements on a slow machine
+def test_a_killed_decode_replica_ends_its_streams_clearly(cluster: UpProcess,
+                                                          expected: list[int]) -> None:
+    """SIGKILL of the decode replica mid-stream: the stream ends with an error event (never
+    hangs), new requests get a clear status (503 while no decode worker is left), and the
+    replacement serves exactly, with every block free."""
+    body = {"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{cluster.http_url}/v1/completions", json=body,
+                      timeout=120) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        while not next(lines).startswith("data: "):  # decoding has started
+            pass
+        _decode_replica(cluster).kill()
+        events = [line for line in lines if line.startswith("data: ")]
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == "unavailable" and "died" in error["message"], error
+    assert events[-1] == "data: [DONE]"
+
+    def answered() -> bool:
+        # A request sent before the gateway found the replica dead may wait out a hop's
+        # timeout (504); after that, 503 until the replacement serves.
+        response = _complete(cluster)
+        assert response.status_code in (200, 503, 504), response.text
+        return response.status_code == 200
+
+    wait_for(answered, 240, "a request served by the replacement decode replica")
+    _served_normally(cluster, expected)

@@ -39,6 +39,7 @@ MODEL = "peer-model"
 class PeerBehaviour:
     step_s: float = 0.0  # pause before each chunk: a stand-in decode step
     fail_every: int = 0  # every n-th request answers HTTP 500 (0: never)
+    break_every: int = 0  # every n-th stream ends with an error event after its first chunk
     stall: bool = False  # never finish a stream (for deadline tests)
     api_key: str | None = None
     cache_hit_fraction: float = 0.0  # of prompt tokens, as /metrics reports them
@@ -106,6 +107,7 @@ def create_app(tokenizer: Tokenizer, behaviour: PeerBehaviour, log: PeerLog) -> 
                  "total_tokens": prompt_tokens + max_tokens,
                  "prompt_tokens_details": {"cached_tokens": 0}}
         obj = "chat.completion.chunk" if chat else "text_completion"
+        breaks = bool(behaviour.break_every) and log.requests % behaviour.break_every == 0
 
         def event(data: dict[str, Any] | str) -> bytes:
             return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
@@ -128,6 +130,10 @@ def create_app(tokenizer: Tokenizer, behaviour: PeerBehaviour, log: PeerLog) -> 
                     await asyncio.sleep(behaviour.step_s)
                 finish = "length" if k == len(sizes) - 1 else None
                 yield event({"object": obj, "choices": [choice(" tok" * size, finish)]})
+                if breaks:  # as Tandem's gateway ends a failed stream: an error event, [DONE]
+                    yield event({"error": {"message": "peer broke", "type": "server_error"}})
+                    yield event("[DONE]")
+                    return
             if include_usage:
                 yield event({"object": obj, "choices": [], "usage": usage})
             log.usages.append(usage)

@@ -71,7 +71,7 @@ def test_http_run_writes_results_report_and_plots_matching_server_usage(
     report = (tmp_path / "report.md").read_text()
     row = report_row(report, "peer", "concurrency 3")
     assert row[2] == "12/12"
-    assert row[9:11] == [str(summary["input_tokens"]), str(summary["output_tokens"])]
+    assert row[10:12] == [str(summary["input_tokens"]), str(summary["output_tokens"])]
     assert "TTFT <= 60000 ms and TPOT <= 60000 ms" in report
 
 
@@ -164,7 +164,17 @@ def test_failed_and_cut_off_requests_are_reported(tokenizer: Tokenizer, tmp_path
     summary = load_results(tmp_path / "fail")["cells"][0]["summary"]
     assert (summary["completed"], summary["failed"]) == (4, 2)
     assert summary["errors"] == {"HTTP 500: peer failure": 2}
+    assert (summary["mid_stream_errors"], summary["rejected"]) == (0, 0)  # refused, not 429
     assert "2 failed: HTTP 500: peer failure" in (tmp_path / "fail" / "report.md").read_text()
+
+    with serve_peer(tokenizer, PeerBehaviour(break_every=2)) as (url, _):
+        assert cli.main(["--base-url", url, "--num-requests", "4", "--concurrency", "1",
+                         "--out", str(tmp_path / "break"), *COMMON]) == 0
+    summary = load_results(tmp_path / "break")["cells"][0]["summary"]
+    assert (summary["completed"], summary["failed"], summary["mid_stream_errors"]) == (2, 2, 2)
+    assert summary["errors"] == {"server error in stream: peer broke": 2}
+    assert "2 of the failed requests failed after the server had admitted them" in \
+        (tmp_path / "break" / "report.md").read_text()
 
     with serve_peer(tokenizer, PeerBehaviour(stall=True)) as (url, _):
         code = cli.main(["--base-url", url, "--num-requests", "5", "--concurrency", "2",

@@ -95,6 +95,21 @@ def test_throughput_and_tokens_count_completed_requests_only() -> None:
     assert s.itl is not None and s.itl.count == 1 and s.itl.mean == 500.0
 
 
+def test_rejections_are_neither_completed_nor_failed() -> None:
+    done = record(0.0, [0.5], 1.0, out=2)
+    refused = record(0.0, [], 0.0, out=0, error="HTTP 429: overloaded")
+    broken = record(0.0, [0.5], 0.75, out=1, error="server error in stream: boom")
+    unavailable = record(0.0, [], 0.125, out=0, error="HTTP 503: no worker")
+    done.admitted = broken.admitted = True
+    refused.rejected = True
+    assert [r.mid_stream_error for r in (done, refused, broken, unavailable)] == \
+        [False, False, True, False]
+    s = summarize([done, refused, broken, unavailable], 1.0, SLO())
+    assert (s.requests, s.completed, s.failed, s.rejected, s.mid_stream_errors) == \
+        (4, 1, 2, 1, 1)
+    assert s.errors == {"server error in stream: boom": 1, "HTTP 503: no worker": 1}
+
+
 def test_prefix_cache_hit_rate_from_cached_tokens() -> None:
     a = record(0.0, [1.0], 1.0, out=1, prompt=100)
     a.cached_tokens = 75
