@@ -116,7 +116,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     help="the longest a request may take, in seconds (600); then 504")
     up.add_argument("--max-in-flight", type=int, metavar="N",
                     help="requests admitted at once; beyond it 429 + Retry-After "
-                         "(default: 2 x decode replicas x max_num_seqs)")
+                         "(default: decode replicas x max_num_seqs, one decode batch)")
     _add_spec_args(up, defaults=False)
     up.set_defaults(func=_up)
 

@@ -326,7 +326,8 @@ def print_summary(cells: list[Cell], out: Path) -> None:
         s = cell.summary
         ttft = "-" if s.ttft is None else f"{s.ttft.p50:.1f}/{s.ttft.p99:.1f}"
         itl = "-" if s.itl is None else f"{s.itl.p50:.1f}/{s.itl.p99:.1f}"
-        print(f"{cell.label} @ {cell.load.label}: {s.completed}/{s.requests} ok, "
+        rejected = f"{s.rejected} rejected (429), " if s.rejected else ""
+        print(f"{cell.label} @ {cell.load.label}: {s.completed}/{s.requests} ok, {rejected}"
               f"{s.request_throughput:.2f} req/s, goodput {s.goodput:.2f} req/s, "
               f"{s.output_throughput:.1f} out tok/s, TTFT p50/p99 {ttft} ms, "
               f"ITL p50/p99 {itl} ms")

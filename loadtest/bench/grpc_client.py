@@ -92,6 +92,7 @@ class GrpcClient:
             call = self._stub.Generate(message, metadata=self._metadata,
                                        timeout=self.options.request_timeout_s)
             async for response in call:
+                record.admitted = True
                 now = time.perf_counter() - origin
                 if response.token_ids or response.text:
                     if record.first_token_s is None:
@@ -105,6 +106,11 @@ class GrpcClient:
                     record.cached_tokens = response.usage.cached_tokens
         except self._grpc.aio.AioRpcError as exc:
             record.error = f"gRPC {exc.code().name}: {exc.details()}"
+            # Overload, like HTTP 429: RESOURCE_EXHAUSTED with Retry-After (a body too large
+            # gets it without), before any message.
+            trailers = exc.trailing_metadata() or ()
+            record.rejected = (not record.admitted and any(k == "retry-after" for k, _ in trailers)
+                               and exc.code() is self._grpc.StatusCode.RESOURCE_EXHAUSTED)
             return record
         record.end_s = time.perf_counter() - origin
         if usage_tokens is None and streamed_ids:

@@ -84,7 +84,9 @@ class HttpClient:
                     if response.status_code != 200:
                         body = (await response.aread()).decode(errors="replace")
                         record.error = f"HTTP {response.status_code}: {_error_message(body)}"
+                        record.rejected = response.status_code == 429
                         return record
+                    record.admitted = True
                     await self._read_events(response, record, origin, chat)
         except TimeoutError:
             record.error = f"timed out after {self.options.request_timeout_s:g} s"

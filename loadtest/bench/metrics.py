@@ -6,6 +6,10 @@ between consecutive output chunks (pooled over requests). Throughputs divide by 
 duration. A request is *good* when TTFT <= the TTFT SLO and TPOT <= the TPOT SLO (an SLO not
 given always holds, and a single-token output passes the TPOT SLO, as in vLLM); goodput = good
 requests per second. Percentiles interpolate linearly (numpy's default, as vLLM).
+
+A request the server refuses as overloaded (HTTP 429, gRPC RESOURCE_EXHAUSTED with Retry-After)
+is *rejected*, not failed; a request that fails after the server admitted it (an error event, a
+cut stream) is a failure and a *mid-stream error*.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def distribution(seconds: Sequence[float]) -> Distribution | None:
 class Summary:
     requests: int  # sent or due
     completed: int
-    failed: int
+    failed: int  # not completed, rejections left out
     duration_s: float
     input_tokens: int  # over completed requests
     output_tokens: int
@@ -98,7 +102,9 @@ class Summary:
     itl: Distribution | None
     e2e: Distribution | None
     prompt_token_mismatches: int  # server's prompt count != the workload's (tokenizer mismatch)
-    errors: dict[str, int] = field(default_factory=dict)  # message -> count
+    errors: dict[str, int] = field(default_factory=dict)  # message -> count, of the failed
+    rejected: int = 0  # refused as overloaded (HTTP 429) before any work: not failures
+    mid_stream_errors: int = 0  # failed after the server admitted them (HTTP 200)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -114,8 +120,9 @@ def summarize(records: Iterable[RequestRecord], duration_s: float, slo: SLO,
     tpots = [t for r in done if (t := r.tpot) is not None]
     cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
     errors: dict[str, int] = {}
+    rejected = sum(1 for r in records if r.rejected)
     for r in records:
-        if not r.ok:
+        if not r.ok and not r.rejected:
             message = r.error or "incomplete"
             errors[message] = errors.get(message, 0) + 1
     input_tokens = sum(r.input_tokens for r in done)
@@ -125,7 +132,7 @@ def summarize(records: Iterable[RequestRecord], duration_s: float, slo: SLO,
     return Summary(
         requests=len(records) if requests is None else requests,
         completed=len(done),
-        failed=len(records) - len(done),
+        failed=len(records) - len(done) - rejected,
         duration_s=duration_s,
         input_tokens=input_tokens,
         output_tokens=output_tokens,
@@ -142,4 +149,6 @@ def summarize(records: Iterable[RequestRecord], duration_s: float, slo: SLO,
         prompt_token_mismatches=sum(1 for r in done if r.server_prompt_tokens is not None
                                     and r.server_prompt_tokens != r.prompt_tokens),
         errors=errors,
+        rejected=rejected,
+        mid_stream_errors=sum(1 for r in records if r.mid_stream_error),
     )

@@ -23,10 +23,17 @@ class RequestRecord:
     server_prompt_tokens: int | None = None  # the server's usage.prompt_tokens
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     error: str | None = None
+    admitted: bool = False  # the server took it: HTTP 200, or a first gRPC message
+    rejected: bool = False  # refused as overloaded before any work: HTTP 429 (gRPC: below)
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.first_token_s is not None and self.end_s is not None
+
+    @property
+    def mid_stream_error(self) -> bool:
+        """Admitted, then failed: an error event, a cut stream or a timeout after the 200."""
+        return self.admitted and not self.ok
 
     @property
     def ttft(self) -> float:
@@ -62,6 +69,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens, "server_prompt_tokens": self.server_prompt_tokens,
             "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source, "error": self.error,
+            "admitted": self.admitted, "rejected": self.rejected,
             "start_s": _round(self.start_s), "first_token_s": _round(self.first_token_s),
             "end_s": _round(self.end_s), "chunk_times_s": [_round(t) for t in self.chunk_times_s],
         }

@@ -45,9 +45,9 @@ def render_report(settings: dict[str, Any], targets: list[dict[str, str]], slo: 
                      for t in targets))
     lines += ["## Throughput and tokens", ""]
     lines += _table(
-        ["target", "load", "completed", "failed", "duration s", "req/s", "goodput req/s",
-         "output tok/s", "total tok/s", "input tokens", "output tokens", "cached tokens",
-         "prefix hit rate"],
+        ["target", "load", "completed", "failed", "rejected", "duration s", "req/s",
+         "goodput req/s", "output tok/s", "total tok/s", "input tokens", "output tokens",
+         "cached tokens", "prefix hit rate"],
         ([c.label, c.load.label, *_throughput_cells(c.summary)] for c in cells))
     if any(c.server_cache for c in cells):
         lines += ["## Server prefix cache (engine counters from /metrics, prompt tokens)", ""]
@@ -84,7 +84,7 @@ def render_report(settings: dict[str, Any], targets: list[dict[str, str]], slo: 
 
 def _throughput_cells(s: Summary) -> list[str]:
     hit = s.prefix_cache_hit_rate
-    return [f"{s.completed}/{s.requests}", str(s.failed), _f(s.duration_s, 2),
+    return [f"{s.completed}/{s.requests}", str(s.failed), str(s.rejected), _f(s.duration_s, 2),
             _f(s.request_throughput, 2), _f(s.goodput, 2), _f(s.output_throughput),
             _f(s.total_token_throughput), str(s.input_tokens), str(s.output_tokens),
             "-" if s.cached_tokens is None else str(s.cached_tokens), _percent(hit)]
@@ -112,6 +112,12 @@ def _notes(cells: list[Cell]) -> list[str]:
         s = c.summary
         for message, count in sorted(s.errors.items(), key=lambda kv: -kv[1]):
             lines.append(f"- {where}: {count} failed: {message}")
+        if s.mid_stream_errors:
+            lines.append(f"- {where}: {s.mid_stream_errors} of the failed requests failed after "
+                         "the server had admitted them (mid-stream errors)")
+        if s.rejected:
+            lines.append(f"- {where}: {s.rejected} rejected as overloaded (HTTP 429) before "
+                         "any work; neither completed nor failed")
         if s.prompt_token_mismatches:
             lines.append(f"- {where}: {s.prompt_token_mismatches} requests where the server "
                          "counted a different prompt length than the bench's tokenizer "

@@ -58,7 +58,8 @@ class AppConfig:
     kv_transfer_timeout_s: float = 10.0  # one KV pull; then D recomputes the prompt
     stream_idle_timeout_s: float = 60.0  # the longest gap in a decode worker's stream
     # Admission: requests in flight at the gateway, at most; beyond it 429 with Retry-After.
-    # None: 2 x the decode batch (decode_replicas x max_num_seqs; colocated: max_num_seqs).
+    # None: one decode batch (decode_replicas x max_num_seqs; colocated: max_num_seqs), so an
+    # admitted request waits for its prefill, not for a decode slot (loadtest/overload.py).
     max_in_flight: int | None = None
 
     def __post_init__(self) -> None:
@@ -123,7 +124,7 @@ class AppConfig:
         """The gateway's admission bound (``max_in_flight`` or its default)."""
         if self.max_in_flight is not None:
             return self.max_in_flight
-        return 2 * self.max_num_seqs * (1 if self.colocated else self.decode_replicas)
+        return self.max_num_seqs * (1 if self.colocated else self.decode_replicas)
 
     def engine_device(self) -> str:
         """Resolved where the engine is built (a GPU worker pod, not the machine that wrote

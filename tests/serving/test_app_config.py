@@ -40,7 +40,7 @@ def test_bad_failure_settings_fail_with_a_clear_message(settings, message):
         AppConfig(**settings)
 
 
-def test_the_in_flight_bound_defaults_to_twice_the_decode_batch():
-    assert AppConfig(max_num_seqs=32, decode_replicas=3).in_flight_limit() == 192
-    assert AppConfig(max_num_seqs=8, colocated=True, decode_replicas=3).in_flight_limit() == 16
+def test_the_in_flight_bound_defaults_to_one_decode_batch():
+    assert AppConfig(max_num_seqs=32, decode_replicas=3).in_flight_limit() == 96
+    assert AppConfig(max_num_seqs=8, colocated=True, decode_replicas=3).in_flight_limit() == 8
     assert AppConfig(max_in_flight=5).in_flight_limit() == 5
