@@ -109,6 +109,15 @@ def per_worker(values: dict[tuple[tuple[str, str], ...], float]) -> dict[str, fl
     return {dict(labels)["worker"]: value for labels, value in values.items()}
 
 
+def all_blocks_free(cluster: UpProcess, workers: int = 2) -> bool:
+    """Every KV block free on each of ``workers`` workers and no prefill lease held (from the
+    gateway's /metrics, which the workers' status polls refresh)."""
+    free = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_free_blocks"))
+    total = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_blocks"))
+    leases = per_worker(metric_values(cluster.http_url, "tandem_prefill_leases"))
+    return len(free) == workers and free == total and not any(leases.values())
+
+
 def wait_for(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not check():

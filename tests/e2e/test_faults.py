@@ -27,7 +27,7 @@ import yaml
 from openai import OpenAI
 
 from services.engine.sampling_params import SamplingParams
-from tests.e2e.cluster import UpProcess, metric_values, per_worker, wait_for
+from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
 
 STEP_SEED, FATAL_SEED, SIGSTOP_SEED = 666, 667, 668
 SETTINGS = {
@@ -84,17 +84,11 @@ def _tokens(response: httpx.Response) -> list[int]:
     return list(response.json()["choices"][0]["token_ids"])
 
 
-def _all_blocks_free(cluster: UpProcess) -> bool:
-    free = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_free_blocks"))
-    total = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_blocks"))
-    leases = per_worker(metric_values(cluster.http_url, "tandem_prefill_leases"))
-    return len(free) == 2 and free == total and not any(leases.values())
-
 
 def _served_normally(cluster: UpProcess, expected: list[int]) -> None:
     """Every block free again, then a normal request is served, exactly."""
     # Up to a replica's replacement: a worker stopped past its health check is replaced.
-    wait_for(lambda: _all_blocks_free(cluster), 90, "every KV block free on both workers")
+    wait_for(lambda: all_blocks_free(cluster), 90, "every KV block free on both workers")
     assert _tokens(_complete(cluster)) == expected
 
 

@@ -26,7 +26,7 @@ from openai import OpenAI
 
 from router import RedisRegistry
 from services.engine.sampling_params import SamplingParams
-from tests.e2e.cluster import UpProcess, metric_values, per_worker, wait_for
+from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
 from tests.router.conftest import RedisServer, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -324,9 +324,3 @@ def bus_connected(cluster: UpProcess) -> float:
 def index_blocks(cluster: UpProcess) -> float:
     return sum(metric_values(cluster.http_url, "tandem_router_index_blocks").values())
 
-
-def all_blocks_free(cluster: UpProcess) -> bool:
-    free = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_free_blocks"))
-    total = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_blocks"))
-    leases = per_worker(metric_values(cluster.http_url, "tandem_prefill_leases"))
-    return len(free) == 2 and free == total and not any(leases.values())

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI, OpenAI
 from services.engine.sampling_params import SamplingParams
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from tests.e2e.cluster import UpProcess, metric_values, per_worker, wait_for
+from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -116,7 +116,7 @@ def test_speculative_decoding_on_the_decode_worker(client: OpenAI, cluster: UpPr
                "liquor jugs. How vexingly quick daft zebras jump! ")
     prompt = passage * 3 + "The quick brown"
     extra = {**TOKEN_IDS, "ignore_eos": True}
-    wait_for(lambda: _all_blocks_free(cluster), 30, "an idle cluster")
+    wait_for(lambda: all_blocks_free(cluster), 30, "an idle cluster")
     before = _spec_counts(cluster)
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32,
                                          temperature=0, extra_body=extra)
@@ -126,12 +126,12 @@ def test_speculative_decoding_on_the_decode_worker(client: OpenAI, cluster: UpPr
     after = _spec_counts(cluster)
     assert after[0] > before[0]
     # Opting out per request: same tokens, no drafts.
-    wait_for(lambda: _all_blocks_free(cluster), 30, "an idle cluster")
+    wait_for(lambda: all_blocks_free(cluster), 30, "an idle cluster")
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=32,
                                          temperature=0, extra_body={**extra,
                                                                     "speculative": False})
     assert _tokens(response.choices[0]) == want
-    wait_for(lambda: _all_blocks_free(cluster), 30, "an idle cluster")
+    wait_for(lambda: all_blocks_free(cluster), 30, "an idle cluster")
     assert _spec_counts(cluster) == after
 
 
@@ -189,12 +189,6 @@ def test_sixteen_concurrent_streams(cluster: UpProcess, reference) -> None:  # t
             assert tokens == reference(ids, max_tokens=16, ignore_eos=True), i
 
 
-def _all_blocks_free(cluster: UpProcess) -> bool:
-    free = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_free_blocks"))
-    total = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_blocks"))
-    leases = per_worker(metric_values(cluster.http_url, "tandem_prefill_leases"))
-    return len(free) == 2 and free == total and not any(leases.values())
-
 
 def test_disconnect_frees_every_block(cluster: UpProcess) -> None:
     body = {"prompt": "Tell me a very long story about a lighthouse keeper." * 8,
@@ -207,7 +201,7 @@ def test_disconnect_frees_every_block(cluster: UpProcess) -> None:
             events += line.startswith("data: ")
             if events == 5:
                 break  # leave mid-stream
-    wait_for(lambda: _all_blocks_free(cluster), 30, "every KV block free on both workers")
+    wait_for(lambda: all_blocks_free(cluster), 30, "every KV block free on both workers")
     aborted = metric_values(cluster.http_url, "tandem_request_success_total")
     assert any(dict(k)["finished_reason"] == "abort" and v >= 1 for k, v in aborted.items())
 
