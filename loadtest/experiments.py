@@ -38,7 +38,7 @@ from loadtest.bench.compare import Metric, ratio
 from loadtest.bench.metrics import Summary
 from loadtest.bench.results import Cell
 from loadtest.bench.server_metrics import RoleCounters
-from loadtest.tandem_up import LaunchError, TandemUp, parse_cpus
+from loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
 
 PROG = "python -m loadtest.experiments"
 
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="KV blocks per engine (default: AppConfig's, from "
                                   "kv_cache_memory_gb)")
         servers.add_argument("--kv-transport", choices=("nixl", "tcp", "auto"), default="auto")
-        servers.add_argument("--cpus", type=_cpus, default=None, metavar="LIST",
+        servers.add_argument("--cpus", type=cpus_argument, default=None, metavar="LIST",
                              help="pin every server (and all it starts) to these CPUs with "
                                   "taskset, e.g. 0,1; the bench client stays unpinned")
         servers.add_argument("--ready-timeout", type=float, default=600.0,
@@ -212,12 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
                        out=Path("bench-results") / experiment.name)
     return parser
 
-
-def _cpus(text: str) -> str:
-    try:
-        return parse_cpus(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass

@@ -48,7 +48,7 @@ from loadtest.bench.runner import RunResult, run_workload
 from loadtest.bench.server_metrics import metrics_url
 from loadtest.bench.session import step_seed
 from loadtest.bench.workloads import LengthRange, WorkloadSpec, build_workload
-from loadtest.tandem_up import LaunchError, TandemUp, parse_cpus
+from loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
 
 PROG = "python -m loadtest.overload"
 MIB = 2**20
@@ -381,12 +381,6 @@ def _factors(text: str) -> list[float]:
     return factors
 
 
-def _cpus(text: str) -> str:
-    try:
-        return parse_cpus(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Goodput, TTFT, 429s and the gateway's "
@@ -412,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each run (s)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpus", type=_cpus, default=None, help="pin `tandem up` (taskset -c)")
+    p.add_argument("--cpus", type=cpus_argument, default=None, help="pin `tandem up` (taskset -c)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=Path("bench-results/overload"))
     return p

@@ -7,6 +7,7 @@ group (the Ray processes it started) can be killed without touching anything els
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
@@ -38,6 +39,14 @@ def parse_cpus(text: str) -> str:
     if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", text):
         raise ValueError(f"a CPU list is like 0,1 or 0-3, got {text!r}")
     return text
+
+
+def cpus_argument(text: str) -> str:
+    """``parse_cpus`` as an argparse ``type=``: a bad list is a usage error."""
+    try:
+        return parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass

@@ -29,8 +29,6 @@ from services.serving.replica_ids import known_replicas
 
 log = logging.getLogger(__name__)
 
-_NO_STATS = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0)
-
 
 @dataclass
 class WorkerSnapshot:
@@ -129,7 +127,8 @@ class ClusterView:
             return
         self._unreachable.discard(replica_id)
         healthy = bool(status.get("healthy", True))
-        was_healthy = self.workers.get(replica_id, WorkerSnapshot("", "", _NO_STATS)).healthy
+        previous = self.workers.get(replica_id)
+        was_healthy = previous is None or previous.healthy
         self.workers[replica_id] = WorkerSnapshot(
             replica_id, role, EngineStats(**status["engine"]), status.get("metrics", {}),
             int(status.get("leases", 0)), int(status["max_model_len"]), healthy,

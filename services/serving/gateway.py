@@ -109,9 +109,8 @@ class GatewayIngress:
                                              config.stream_idle_timeout_s))
 
     def _colocated_snapshot(self) -> list[WorkerSnapshot]:
-        backend = self.gateway.backend
-        return [WorkerSnapshot("colocated", "colocated", backend.stats,
-                               healthy=backend.health_problem() is None)]
+        return [WorkerSnapshot("colocated", "colocated", self.gateway.backend.stats,
+                               healthy=self.gateway.health_problem() is None)]
 
     def check_health(self) -> None:
         """Ray Serve's health check: a colocated engine that stopped fails it (its workers'

@@ -8,8 +8,10 @@ import pytest
 from services.engine.async_engine import AsyncEngine
 from services.engine.model_loader import LoadedModel
 from services.gateway.backend import EngineBackend
+from services.gateway.config import GatewayConfig
 from services.gateway.core import Gateway
-from services.gateway.runner import GatewayServer, ServeAddresses
+from services.gateway.runner import ServeAddresses
+from tests.gateway.helpers import FUZZ_MAX_TOKENS, serving
 
 MAX_MODEL_LEN = 1024
 
@@ -29,13 +31,22 @@ def gateway(async_engine: AsyncEngine, loaded_model: LoadedModel) -> Gateway:
 
 @pytest.fixture(scope="session")
 def server(gateway: Gateway) -> Iterator[ServeAddresses]:
-    srv = GatewayServer(gateway, http_port=0, grpc_port=0)
-    addresses = srv.start()
-    yield addresses
-    srv.stop()
+    with serving(gateway) as addresses:
+        yield addresses
 
 
 @pytest.fixture
 def client(server: ServeAddresses) -> openai.OpenAI:
     return openai.OpenAI(api_key="unused", base_url=f"{server.http_url}/v1", max_retries=0,
                          timeout=120)
+
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(async_engine: AsyncEngine, loaded_model: LoadedModel
+                ) -> Iterator[ServeAddresses]:
+    """A gateway whose requests without max_tokens stop after FUZZ_MAX_TOKENS tokens."""
+    gateway = Gateway(EngineBackend(async_engine), loaded_model.tokenizer,
+                      GatewayConfig(default_max_tokens=FUZZ_MAX_TOKENS))
+    with serving(gateway) as addresses:
+        yield addresses

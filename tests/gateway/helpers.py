@@ -1,14 +1,29 @@
-"""Shared helpers for the gateway tests: engine references and deadline polling."""
+"""Shared helpers for the gateway tests: served gateways, engine references, deadline polling."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from services.engine.async_engine import AsyncEngine
 from services.engine.sampling_params import SamplingParams
+from services.gateway.core import Gateway
+from services.gateway.runner import GatewayServer, ServeAddresses
+
+FUZZ_MAX_TOKENS = 4  # no fuzzed call runs longer than this many tokens (conftest's fuzz_server)
+
+
+@contextlib.contextmanager
+def serving(gateway: Gateway) -> Iterator[ServeAddresses]:
+    """The gateway's HTTP and gRPC front ends on free loopback ports, for the block."""
+    server = GatewayServer(gateway, http_port=0, grpc_port=0)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
 
 
 def engine_tokens(engine: AsyncEngine, prompt: list[int], max_tokens: int,

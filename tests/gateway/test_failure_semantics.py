@@ -19,8 +19,8 @@ from services.gateway.config import GatewayConfig
 from services.gateway.core import Gateway
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.runner import GatewayServer, ServeAddresses
-from tests.gateway.helpers import wait_engine_idle, wait_until
+from services.gateway.runner import ServeAddresses
+from tests.gateway.helpers import serving, wait_engine_idle, wait_until
 
 STEP_SEED, FATAL_SEED = 666, 667
 MAX_IN_FLIGHT = 2
@@ -45,10 +45,8 @@ def gateway(engine: AsyncEngine, loaded_model: LoadedModel) -> Gateway:
 
 @pytest.fixture(scope="module")
 def server(gateway: Gateway) -> Iterator[ServeAddresses]:
-    srv = GatewayServer(gateway, http_port=0, grpc_port=0)
-    addresses = srv.start()
-    yield addresses
-    srv.stop()
+    with serving(gateway) as addresses:
+        yield addresses
 
 
 @pytest.fixture(scope="module")

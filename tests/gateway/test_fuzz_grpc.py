@@ -15,32 +15,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway.backend import EngineBackend
-from services.gateway.config import GatewayConfig
 from services.gateway.core import Gateway
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.runner import GatewayServer, ServeAddresses
+from services.gateway.runner import ServeAddresses
 from tests.gateway.conftest import MAX_MODEL_LEN
-from tests.gateway.helpers import wait_engine_idle
+from tests.gateway.helpers import FUZZ_MAX_TOKENS, wait_engine_idle
 
-MAX_TOKENS = 4  # no generated call runs longer than this many tokens
+MAX_TOKENS = FUZZ_MAX_TOKENS
 MAX_EXAMPLES = 120
 UINT32 = 2**32 - 1
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.RESOURCE_EXHAUSTED}
 HUGE = 1100 * 1024  # over the 1 MiB message limit
 
-
-@pytest.fixture(scope="module")
-def fuzz_server(async_engine: AsyncEngine, loaded_model: LoadedModel
-                ) -> Iterator[ServeAddresses]:
-    gateway = Gateway(EngineBackend(async_engine), loaded_model.tokenizer,
-                      GatewayConfig(default_max_tokens=MAX_TOKENS))
-    srv = GatewayServer(gateway, http_port=0, grpc_port=0)
-    yield srv.start()
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ one, every invalid request a 4xx with an OpenAI error body, and the server keeps
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -24,17 +23,13 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway.backend import EngineBackend
-from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway
-from services.gateway.runner import GatewayServer, ServeAddresses
+from services.gateway.runner import ServeAddresses
 from tests.gateway.conftest import MAX_MODEL_LEN
-from tests.gateway.helpers import wait_engine_idle
+from tests.gateway.helpers import FUZZ_MAX_TOKENS, wait_engine_idle
 
 # Every generated request stops after a few tokens: unset max_tokens defaults to this, and larger
 # valid values are folded into 1..MAX_TOKENS (values over the context length stay: they are 400).
-MAX_TOKENS = 4
+MAX_TOKENS = FUZZ_MAX_TOKENS
 MAX_EXAMPLES = 40  # per operation and generation mode, in the fuzzing phase
 SEED = 20240611
 
@@ -63,15 +58,6 @@ def test_openapi_document_is_valid(server: ServeAddresses) -> None:
     docs = httpx.get(f"{server.http_url}/docs", timeout=30)
     assert docs.status_code == 200 and "/openapi.json" in docs.text
 
-
-@pytest.fixture(scope="module")
-def fuzz_server(async_engine: AsyncEngine, loaded_model: LoadedModel
-                ) -> Iterator[ServeAddresses]:
-    gateway = Gateway(EngineBackend(async_engine), loaded_model.tokenizer,
-                      GatewayConfig(default_max_tokens=MAX_TOKENS))
-    srv = GatewayServer(gateway, http_port=0, grpc_port=0)
-    yield srv.start()
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

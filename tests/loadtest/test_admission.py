@@ -18,8 +18,8 @@ from services.engine.model_loader import LoadedModel
 from services.gateway.backend import EngineBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.core import Gateway
-from services.gateway.runner import GatewayServer, ServeAddresses
-from tests.gateway.helpers import wait_until
+from services.gateway.runner import ServeAddresses
+from tests.gateway.helpers import serving, wait_until
 
 SMALL = ["--no-progress", "--input-len", "16", "--output-len", "4", "--seed", "3"]
 # Holds the one slot while the bench runs (hundreds of decode steps; it is aborted at the end).
@@ -37,9 +37,8 @@ def gateway(make_engine, loaded_model: LoadedModel  # type: ignore[no-untyped-de
 
 @pytest.fixture(scope="module")
 def server(gateway: Gateway) -> Iterator[ServeAddresses]:
-    srv = GatewayServer(gateway, http_port=0, grpc_port=0)
-    yield srv.start()
-    srv.stop()
+    with serving(gateway) as addresses:
+        yield addresses
 
 
 def summary(out: Path) -> dict[str, Any]:
