@@ -1,6 +1,6 @@
 """Build Tandem's Ray Serve application from one ``AppConfig``.
 
-    gateway (ingress: OpenAI HTTP via Serve's proxy, gRPC on its own port, router inside)
+    gateway (OpenAI HTTP and gRPC, each on its own port, served by the replica; router inside)
       ├── prefill workers  (config.prefill_replicas replicas, one engine each)
       └── decode workers   (config.decode_replicas replicas, one engine each)
 
@@ -9,7 +9,8 @@ the replica the gateway's prefix-/load-aware router picked. ``config.colocated``
 gateway alone, with one engine doing both phases.
 
 ``app_builder`` is the same application for a Serve config file (KubeRay's ``serveConfigV2``):
-``import_path: services.app:app_builder`` with the ``AppConfig`` settings as ``args``.
+``import_path: services.app:app_builder`` with the ``AppConfig`` settings as ``args``. Serve's
+HTTP proxy is not used (``proxy_location: Disabled``): the gateway replica owns its sockets.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from services.serving.workers import DecodeReplica, PrefillReplica
 
 __all__ = ["AppConfig", "ConfigError", "app_builder", "build_app"]
 
-# Serve's own bound on calls a replica runs at once: the gateway's admission bound plus room for
-# probes and status polls, so Serve never queues what the gateway admitted (nor admits more).
+# Serve's own bound on calls a worker replica runs at once: the gateway's admission bound plus
+# room for probes and status polls, so Serve never queues what the gateway admitted.
 PROBE_ROOM = 32
 
 
@@ -42,7 +43,6 @@ def build_app(config: AppConfig) -> Application:
     options = {"num_cpus": 0}
     max_ongoing = config.in_flight_limit() + PROBE_ROOM
     gateway = serve.deployment(GatewayIngress, name="gateway", ray_actor_options=options,
-                               max_ongoing_requests=max_ongoing,
                                health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
     if config.colocated:

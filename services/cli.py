@@ -84,7 +84,8 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device", "prefill": 
              "threads": "threads_per_worker",
              "max_num_batched_tokens": "max_num_batched_tokens",
              "spec": "spec", "spec_k": "spec_k", "draft_model": "draft_model",
-             "request_timeout": "request_timeout_s", "max_in_flight": "max_in_flight"}
+             "request_timeout": "request_timeout_s", "max_in_flight": "max_in_flight",
+             "client_read_timeout": "client_read_timeout_s"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -117,6 +118,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--max-in-flight", type=int, metavar="N",
                     help="requests admitted at once; beyond it 429 + Retry-After "
                          "(default: decode replicas x max_num_seqs, one decode batch)")
+    up.add_argument("--client-read-timeout", type=float, metavar="S",
+                    help="a streaming client that reads nothing this long is cut: request "
+                         "aborted, connection dropped (60)")
     _add_spec_args(up, defaults=False)
     up.set_defaults(func=_up)
 

@@ -17,7 +17,7 @@ from services.gateway.grpc_service import (
     GenerationServicer,
     GrpcFrontEnd,
     create_grpc_server,
-    generate_responses,
+    start_generation,
 )
 from services.gateway.http_app import create_http_app
 from services.gateway.runner import GatewayServer, ServeAddresses
@@ -36,5 +36,5 @@ __all__ = [
     "ServeAddresses",
     "create_grpc_server",
     "create_http_app",
-    "generate_responses",
+    "start_generation",
 ]

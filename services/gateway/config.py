@@ -17,6 +17,9 @@ class GatewayConfig:
     worker_name: str = "colocated"  # the `worker` label of a single-engine backend's stats
     request_timeout_s: float | None = 600.0  # the longest a request may take (504 after)
     max_in_flight: int | None = None  # requests admitted at once; beyond: 429. None: no bound
+    # A streaming client that reads nothing for this long (its connection's buffers full) is
+    # cut: its request aborted, its connection dropped. None: never.
+    client_read_timeout_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -29,5 +32,7 @@ class GatewayConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.client_read_timeout_s is not None and not self.client_read_timeout_s > 0:
+            raise ValueError(f"client_read_timeout_s must be > 0, got {self.client_read_timeout_s}")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys must not contain an empty key")

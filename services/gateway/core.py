@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ from services.gateway.backend import GenerationBackend, HealthReporting, MultiWo
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import model_not_found, overloaded, unauthorized
 from services.gateway.inputs import SamplingOptions, build_request
-from services.gateway.metrics import REJECTED, GatewayMetrics
+from services.gateway.metrics import REJECTED, SLOW_CLIENT, GatewayMetrics, RequestTimer
 from services.gateway.pipeline import Delta, generate_deltas
 from services.gateway.request_trace import RequestTrace
 from services.request import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 
 class Gateway:
@@ -97,7 +100,7 @@ class Gateway:
             raise
         if trace is not None:
             trace.first_token()
-        return Generation(request, first, deltas, trace, lambda: self._admitted(-1))
+        return Generation(request, first, deltas, trace, lambda: self._admitted(-1), timer)
 
     def _admitted(self, change: int) -> None:
         self.in_flight += change
@@ -118,6 +121,7 @@ class Generation:
     rest: AsyncGenerator[Delta, None]
     trace: RequestTrace | None = None
     on_end: Callable[[], None] | None = None  # called once, when it is closed
+    timer: RequestTimer | None = None  # its metrics
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
@@ -146,6 +150,15 @@ class Generation:
             on_end, self.on_end = self.on_end, None
             if on_end is not None:
                 on_end()
+
+    async def cut_slow_client(self, read_timeout_s: float) -> None:
+        """The client read nothing for ``read_timeout_s``: count and log it, abort the request
+        (the front end then drops the connection)."""
+        log.warning("request %s: the client read nothing for %g s; its stream is cut",
+                    self.request.request_id, read_timeout_s)
+        if self.timer is not None:
+            self.timer.fail(SLOW_CLIENT)
+        await self.aclose()
 
     async def collect(self) -> Delta:
         """Run to the end and merge every delta into one."""

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.gateway.core import Gateway
+from services.gateway.core import Gateway, Generation
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.inputs import (
     SamplingOptions,
@@ -55,17 +55,14 @@ def status_code(error: GatewayError) -> grpc.StatusCode:
     return _STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
-async def generate_responses(gateway: Gateway, request: pb.GenerateRequest,
-                             authorization: str | None = None,
-                             metadata: Mapping[str, str] | None = None,
-                             timeout_s: float | None = None
-                             ) -> AsyncIterator[pb.GenerateResponse]:
-    """The call's messages; rejections raise ``GatewayError`` before the first one.
-
-    Transport-free, so a Ray Serve gRPC deployment can reuse it with its own context.
-    ``metadata`` may carry the caller's W3C ``traceparent``; ``timeout_s`` is what is left of
-    the call's deadline (the request ends with DEADLINE_EXCEEDED when it passes).
-    """
+async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
+                           authorization: str | None = None,
+                           metadata: Mapping[str, str] | None = None,
+                           timeout_s: float | None = None) -> tuple[Generation, str]:
+    """Start the call's generation (rejections raise ``GatewayError``); with it, the request id
+    its responses echo. ``metadata`` may carry the caller's W3C ``traceparent``; ``timeout_s``
+    is what is left of the call's deadline (the request ends with DEADLINE_EXCEEDED when it
+    passes)."""
     arrival = time.monotonic()
     trace = RequestTrace("grpc", "Generate", metadata)
     trace.client_request_id(request.request_id)
@@ -88,31 +85,43 @@ async def generate_responses(gateway: Gateway, request: pb.GenerateRequest,
                                      request.cache_salt or None, arrival,
                                      prompt_param=request.WhichOneof("input") or "prompt")
         generation = await gateway.start(greq, trace)
-    echoed = request.request_id or greq.request_id
-    try:
-        async for delta in generation:
-            yield _response(echoed, delta)
-    finally:
-        await generation.aclose()
+    return generation, request.request_id or greq.request_id
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
+    """Writes each delta as it comes; a write waits while the call's HTTP/2 window and write
+    buffer are full, so a client that stops reading stops the stream. One that has read
+    nothing for ``client_read_timeout_s`` is cut (request aborted and counted, the call ended
+    with CANCELLED), as over HTTP (event_stream.py)."""
+
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
 
     async def Generate(self, request: pb.GenerateRequest | MalformedRequest,  # noqa: N802
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+                       context: grpc.aio.ServicerContext) -> None:
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the request is not a valid GenerateRequest: {request.reason}")
             return
         metadata = {key: _as_str(value) or "" for key, value in
                     context.invocation_metadata() or () if not key.endswith("-bin")}
+        read_timeout_s = self.gateway.config.client_read_timeout_s
         try:
-            async for response in generate_responses(self.gateway, request,
-                                                      metadata.get("authorization"), metadata,
-                                                      context.time_remaining()):
-                yield response
+            generation, echoed = await start_generation(
+                self.gateway, request, metadata.get("authorization"), metadata,
+                context.time_remaining())
+            try:
+                async for delta in generation:
+                    try:
+                        async with asyncio.timeout(read_timeout_s):
+                            await context.write(_response(echoed, delta))
+                    except TimeoutError:
+                        assert read_timeout_s is not None
+                        await generation.cut_slow_client(read_timeout_s)
+                        await context.abort(grpc.StatusCode.CANCELLED,
+                                            f"the client read nothing for {read_timeout_s:g} s")
+            finally:
+                await generation.aclose()
         except GatewayError as exc:
             trailers: Sequence[tuple[str, str]] = ()
             if exc.retry_after_s is not None:

@@ -7,18 +7,18 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.core import Gateway, Generation
 from services.gateway.errors import GatewayError, bad_request
+from services.gateway.event_stream import AbortConnection, EventStream
 from services.gateway.inputs import (
     check_token_ids,
     new_request_id,
@@ -49,8 +49,9 @@ class ClientDisconnected(Exception):
     """The client went away before the response started."""
 
 
-def create_http_app(gateway: Gateway) -> FastAPI:
-    """Build the ASGI app around a gateway (serve it with uvicorn, or as a Ray Serve ingress)."""
+def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None = None) -> FastAPI:
+    """Build the ASGI app around a gateway (served by ``FrontEnds``, runner.py).
+    ``abort_connection`` drops a slow client's connection (event_stream.py)."""
     # FastAPI's own request spans stay off: the gateway.request span (request_trace.py) is the
     # HTTP and gRPC server span alike, and probes of /health and /metrics are not traced.
     app = FastAPI(title="Tandem", version="1", docs_url="/docs", redoc_url=None,
@@ -59,6 +60,10 @@ def create_http_app(gateway: Gateway) -> FastAPI:
     app.state.gateway = gateway
     app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes)
     token_text = TokenText(gateway.tokenizer)
+
+    def event_stream(generation: Generation, events: AsyncGenerator[bytes, None]) -> EventStream:
+        return EventStream(generation, events, gateway.config.client_read_timeout_s,
+                           abort_connection)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
@@ -89,6 +94,13 @@ def create_http_app(gateway: Gateway) -> FastAPI:
         if problem is not None:  # no worker of some role can serve: take us out of rotation
             return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/-/healthz", include_in_schema=False)
+    async def serve_healthz() -> Response:
+        # Ray Serve's proxy health contract, which KubeRay probes on the head's HTTP port.
+        healthy = gateway.health_problem() is None
+        return PlainTextResponse("success" if healthy else "unhealthy",
+                                 status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -128,7 +140,7 @@ def create_http_app(gateway: Gateway) -> FastAPI:
                                   token_text, body.return_token_ids)
             if body.stream:
                 generation = await _unless_disconnected(request, gateway.start(greq, trace))
-                return _event_stream(generation, _chat_events(generation, ctx, body))
+                return event_stream(generation, _chat_events(generation, ctx, body))
             merged = await _unless_disconnected(request, _run(gateway, greq, trace))
             return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt))
 
@@ -157,7 +169,7 @@ def create_http_app(gateway: Gateway) -> FastAPI:
             want_logprobs = body.logprobs is not None
             if body.stream:
                 generation = await _unless_disconnected(request, gateway.start(greq, trace))
-                return _event_stream(generation, _completion_events(generation, ctx, body))
+                return event_stream(generation, _completion_events(generation, ctx, body))
             merged = await _unless_disconnected(request, _run(gateway, greq, trace))
             return JSONResponse(ctx.completion(merged, want_logprobs, prompt))
 
@@ -311,35 +323,6 @@ async def _wait_for_disconnect(request: Request) -> None:
     # The body has been read, so the server's next message is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _event_stream(generation: Generation, events: AsyncGenerator[bytes, None]
-                  ) -> StreamingResponse:
-    # The background task closes the generation even when the client leaves before the body
-    # iterator ever starts (then ``_guarded``'s own cleanup never runs).
-    return StreamingResponse(_guarded(generation, events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                             background=BackgroundTask(generation.aclose))
-
-
-async def _guarded(generation: Generation, events: AsyncGenerator[bytes, None]
-                   ) -> AsyncIterator[bytes]:
-    """Close the generation however the stream ends (done, failed, client gone); a failure after
-    the headers went out becomes an SSE error event, as OpenAI-compatible servers send."""
-    try:
-        async with contextlib.aclosing(events):
-            async for chunk in events:
-                yield chunk
-    except Exception as exc:
-        if isinstance(exc, GatewayError):
-            error = exc
-        else:
-            log.exception("stream failed", exc_info=exc)
-            error = GatewayError(500, "Internal server error.", type="server_error")
-        yield sse(error.to_json())
-        yield SSE_DONE
-    finally:
-        await generation.aclose()
 
 
 async def _chat_events(generation: Generation, ctx: ResponseContext,

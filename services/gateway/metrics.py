@@ -42,8 +42,9 @@ INVALID = "invalid"  # the backend refused the request as invalid: 400
 TIMEOUT = "timeout"  # its deadline (or a hop's timeout) passed: 504
 ENGINE_ERROR = "engine_error"  # a worker's engine failed while running it: 500
 UNAVAILABLE = "unavailable"  # no healthy worker could take it: 503 with Retry-After
+SLOW_CLIENT = "slow_client"  # the client read nothing for client_read_timeout_s: cut
 ERROR = "error"  # anything else: the request failed inside Tandem
-FAILURE_REASONS = (REJECTED, INVALID, TIMEOUT, ENGINE_ERROR, UNAVAILABLE, ERROR)
+FAILURE_REASONS = (REJECTED, INVALID, TIMEOUT, ENGINE_ERROR, UNAVAILABLE, SLOW_CLIENT, ERROR)
 _REASON_BY_STATUS = {429: REJECTED, 400: INVALID, 504: TIMEOUT, 500: ENGINE_ERROR,
                      503: UNAVAILABLE}
 
@@ -83,7 +84,8 @@ class GatewayMetrics:
                                 "Requests that failed: rejected (overloaded, 429), invalid "
                                 "(refused by the backend, 400), timeout (deadline, 504), "
                                 "engine_error (a worker's engine failed, 500), unavailable "
-                                "(no healthy worker, 503), error (internal).",
+                                "(no healthy worker, 503), slow_client (read nothing for "
+                                "client_read_timeout_s: cut), error (internal).",
                                 [*labels, "reason"], registry=self.registry)
         self.in_flight = Gauge("tandem_requests_in_flight",
                                "Requests the gateway admitted that have not ended.", labels,

@@ -57,6 +57,7 @@ class AppConfig:
     control_timeout_s: float = 5.0  # pair / release / reject between workers
     kv_transfer_timeout_s: float = 10.0  # one KV pull; then D recomputes the prompt
     stream_idle_timeout_s: float = 60.0  # the longest gap in a decode worker's stream
+    client_read_timeout_s: float = 60.0  # a streaming client that reads nothing this long: cut
     # Admission: requests in flight at the gateway, at most; beyond it 429 with Retry-After.
     # None: one decode batch (decode_replicas x max_num_seqs; colocated: max_num_seqs), so an
     # admitted request waits for its prefill, not for a decode slot (loadtest/overload.py).
@@ -89,7 +90,7 @@ class AppConfig:
             _at_least("max_in_flight", self.max_in_flight, 1)
         for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s",
                      "request_timeout_s", "prefill_timeout_s", "control_timeout_s",
-                     "kv_transfer_timeout_s", "stream_idle_timeout_s"):
+                     "kv_transfer_timeout_s", "stream_idle_timeout_s", "client_read_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.spec not in SPEC_METHODS:

@@ -1,5 +1,7 @@
-"""The gateway ingress replica: the committed FastAPI app over HTTP (Serve's proxy) and the
-gRPC front end on its own port, both over one backend (disaggregated or colocated).
+"""The gateway replica: the OpenAI HTTP app and the gRPC front end, each on its own port, over
+one backend (disaggregated or colocated). It serves both sockets itself (``FrontEnds``;
+Serve's HTTP proxy is off): no extra process and hop per request, and uvicorn's flow control
+reaches the gateway, which cuts clients that stop reading.
 
 Disaggregated, it holds the tokenizer and the router and imports no torch: the model's
 metadata is read without its weights (``load_model_metadata``). Colocated, it runs the engine
@@ -11,8 +13,6 @@ import asyncio
 import contextlib
 import logging
 
-from fastapi import FastAPI
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from router import (
@@ -32,9 +32,8 @@ from services.gateway import (
     EngineBackend,
     Gateway,
     GatewayConfig,
-    create_grpc_server,
-    create_http_app,
 )
+from services.gateway.runner import FrontEnds
 from services.serving import metrics
 from services.serving.backend import BackendTimeouts, DisaggBackend
 from services.serving.cluster_view import ClusterView, WorkerSnapshot
@@ -45,7 +44,6 @@ log = logging.getLogger(__name__)
 WORKERS_READY_TIMEOUT_S = 300.0
 
 
-@serve.ingress()
 class GatewayIngress:
     async def __init__(self, config: AppConfig, prefill: DeploymentHandle | None = None,
                    decode: DeploymentHandle | None = None) -> None:
@@ -56,7 +54,8 @@ class GatewayIngress:
         gateway_config = GatewayConfig(served_model_name=config.served_model_name,
                                        max_body_bytes=config.max_body_bytes,
                                        request_timeout_s=config.request_timeout_s,
-                                       max_in_flight=config.in_flight_limit())
+                                       max_in_flight=config.in_flight_limit(),
+                                       client_read_timeout_s=config.client_read_timeout_s)
         if config.colocated:
             from services.engine.async_engine import AsyncEngine
             from services.engine.llm_engine import LLMEngine
@@ -73,8 +72,10 @@ class GatewayIngress:
             source = backend.snapshots
         metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,
                          self.router)
-        self.grpc = create_grpc_server(self.gateway, f"{config.host}:{config.grpc_port}")
-        await self.grpc.start()
+        self.fronts = FrontEnds(self.gateway, config.host, config.port, config.grpc_port,
+                                log_level="warning", graceful_shutdown_s=1.0,
+                                configure_logging=False)  # Ray owns the replica's logging
+        await self.fronts.start()
 
     async def _disaggregated(self, config: AppConfig, model_id: str, prefill: DeploymentHandle,
                              decode: DeploymentHandle) -> DisaggBackend:
@@ -119,12 +120,9 @@ class GatewayIngress:
         if isinstance(backend, EngineBackend):
             backend.engine.check_health()
 
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_http_app(self.gateway)
-
     async def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            await self.grpc.stop(1.0)
+            await self.fronts.stop()
         if self.view is not None:
             await self.view.close()
         if self.router is not None:

@@ -41,9 +41,9 @@ def run(config: AppConfig, out: TextIO = sys.stdout) -> int:
              object_store_memory=128 * 1024 * 1024)
     _on_signals(stop)  # again: ray.init installs its own SIGTERM handler (it aborts)
     try:
-        serve.start(http_options={"host": config.host, "port": config.port},
-                    logging_config={"log_level": "WARNING"})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        # No Serve HTTP proxy: the gateway replica serves HTTP and gRPC itself.
+        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+        serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
         _wait_healthy(f"http://{config.host}:{config.port}/health", stop)
         if not stop.is_set():
             print(ready_line(config), file=out, flush=True)

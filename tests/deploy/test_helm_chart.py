@@ -265,7 +265,8 @@ def test_serve_config_is_tandems_application(helm: Helm, tmp_path: Path,
     ours = Rendered(rendered.name, values,
                     helm.template(*render_args(rendered.name), *extra))
     serve = ServeDeploySchema.model_validate(ours.serve_config)
-    assert serve.http_options.port == values["ports"]["http"]
+    # No Serve HTTP proxy: the gateway replica serves HTTP on ports.http itself (below).
+    assert serve.proxy_location == "Disabled"
     app = ours.application
     assert app["import_path"] == "services.app:app_builder"
     args = app["args"]
@@ -412,7 +413,12 @@ def test_services_reach_the_gateway_on_the_head(rendered: Rendered) -> None:
         assert port["name"] == kind
         assert port["targetPort"] == app_port and app_port in head_ports
         assert port["port"] == rendered.values["service"][kind]["port"]
-    assert rendered.serve_config["proxy_location"] == "HeadOnly"
+    assert rendered.serve_config["proxy_location"] == "Disabled"  # the gateway owns the port
+    # So no worker's readiness may wait for a Serve proxy (KubeRay's default probe would).
+    for role in ROLES:
+        (container,) = rendered.group(role)["template"]["spec"]["containers"]
+        probe = " ".join(container["readinessProbe"]["exec"]["command"])
+        assert "local_raylet_healthz" in probe and str(config["port"]) not in probe
 
 
 def test_network_policy_admits_cluster_traffic_only_from_the_release(rendered: Rendered) -> None:

@@ -118,8 +118,9 @@ def all_blocks_free(cluster: UpProcess, workers: int = 2) -> bool:
     return len(free) == workers and free == total and not any(leases.values())
 
 
-def wait_for(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def wait_for(check, timeout_s: float, what: str,  # type: ignore[no-untyped-def]
+             poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(0.1)
+        time.sleep(poll_s)

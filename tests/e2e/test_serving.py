@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 
 import grpc
 import httpx
@@ -204,6 +206,60 @@ def test_disconnect_frees_every_block(cluster: UpProcess) -> None:
     wait_for(lambda: all_blocks_free(cluster), 30, "every KV block free on both workers")
     aborted = metric_values(cluster.http_url, "tandem_request_success_total")
     assert any(dict(k)["finished_reason"] == "abort" and v >= 1 for k, v in aborted.items())
+
+
+SLOW_READERS = 50
+
+
+def test_fifty_slow_readers_are_cut_and_the_gateway_stays_small(cluster: UpProcess) -> None:
+    """50 streaming clients that read one byte a second (a small receive window): every stream
+    is cut after the read timeout (request aborted on the workers, blocks free), and the gateway
+    process grows by less than GROWTH_BOUND meanwhile; then a normal request is served."""
+    growth_bound = 64 * 1024 * 1024  # 50 streams x (uvicorn's 64 KiB + a few deltas) + slack
+    (gateway,) = [p for p in cluster.descendants()
+                  if "ServeReplica:tandem:gateway" in " ".join(p.cmdline())]
+    baseline = gateway.memory_info().rss
+    before = _failures(cluster)
+    body = json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": 1000,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "logprobs": True, "top_logprobs": 20}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: tandem\r\n"
+               b"Content-Type: application/json\r\n"
+               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    readers = []
+    for _ in range(SLOW_READERS):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect
+        sock.connect(("127.0.0.1", int(cluster.http_url.rsplit(":", 1)[1])))
+        sock.sendall(request)
+        sock.setblocking(False)
+        readers.append(sock)
+    peak = baseline
+    try:
+        def all_cut() -> bool:
+            nonlocal peak
+            for sock in readers:  # one byte each, once a second (wait_for's poll period)
+                with contextlib.suppress(BlockingIOError, ConnectionResetError):
+                    sock.recv(1)
+            peak = max(peak, gateway.memory_info().rss)
+            return _failures(cluster)["slow_client"] - before["slow_client"] == SLOW_READERS
+
+        wait_for(all_cut, 240, f"all {SLOW_READERS} slow streams to be cut", poll_s=1.0)
+    finally:
+        for sock in readers:
+            sock.close()
+    assert peak - baseline < growth_bound, (baseline, peak)
+    wait_for(lambda: all_blocks_free(cluster), 30, "every KV block free on both workers")
+    in_flight = metric_values(cluster.http_url, "tandem_requests_in_flight")
+    assert sum(in_flight.values()) == 0, in_flight
+    response = httpx.post(f"{cluster.http_url}/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": QUESTION, "max_tokens": 4})
+    assert response.status_code == 200, response.text
+
+
+def _failures(cluster: UpProcess) -> dict[str, float]:
+    values = metric_values(cluster.http_url, "tandem_request_failures_total")
+    return {dict(key)["reason"]: value for key, value in values.items()}
 
 
 def test_stop_string_ends_stream(client: OpenAI) -> None:

@@ -108,8 +108,7 @@ def main() -> None:
              object_store_memory=128 * 1024 * 1024)
     try:
         port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port},
-                    logging_config={"log_level": "WARNING"})
+        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         config = AppConfig(kv_transport="tcp", num_kv_blocks=256, port=port,
                            grpc_port=_free_port())
         serve.run(build_app(config), name=APP, route_prefix=None, blocking=False)

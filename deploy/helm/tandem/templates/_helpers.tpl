@@ -114,8 +114,9 @@ settings `tandem up --config` reads from its YAML file.
 {{- define "tandem.serveConfig" -}}
 {{- $gateway := dict "name" "gateway" "ray_actor_options" (dict "num_cpus" 0 "resources" (dict (include "tandem.rayResource" "gateway") 1)) }}
 {{- $deployments := list $gateway (include "tandem.workerDeployment" (dict "role" "prefill" "values" .Values.prefill) | fromYaml) (include "tandem.workerDeployment" (dict "role" "decode" "values" .Values.decode) | fromYaml) }}
-{{- $application := dict "name" "tandem" "route_prefix" "/" "import_path" "services.app:app_builder" "args" (include "tandem.appArgs" . | fromYaml) "deployments" $deployments }}
-{{- $config := dict "proxy_location" "HeadOnly" "http_options" (dict "host" "0.0.0.0" "port" .Values.ports.http) "applications" (list $application) }}
+{{- $application := dict "name" "tandem" "route_prefix" nil "import_path" "services.app:app_builder" "args" (include "tandem.appArgs" . | fromYaml) "deployments" $deployments }}
+{{- /* No Serve HTTP proxy: the gateway replica serves HTTP (and gRPC) on the head itself. */}}
+{{- $config := dict "proxy_location" "Disabled" "applications" (list $application) }}
 {{- toYaml $config }}
 {{- end }}
 
