@@ -173,10 +173,11 @@ def test_the_deadline_ends_a_request_with_504(cluster: UpProcess, client: OpenAI
     response = httpx.post(f"{cluster.http_url}/v1/completions", json=long, timeout=60)
     assert response.status_code == 504, response.text
     assert response.json()["error"]["code"] == "timeout"
-    # Streaming: the 200 went out, so the deadline ends the stream with an error event.
+    # Streaming: the 200 went out, so the deadline ends the stream with an error event (a
+    # longer deadline, so that the first token is out before it even on a loaded machine).
     events = []
     with httpx.stream("POST", f"{cluster.http_url}/v1/completions",
-                      json={**long, "stream": True}, timeout=60) as stream:
+                      json={**long, "stream": True, "timeout": 8.0}, timeout=60) as stream:
         assert stream.status_code == 200
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
     assert json.loads(events[-2][len("data: "):])["error"]["code"] == "timeout"
