@@ -124,3 +124,16 @@ def wait_for(check, timeout_s: float, what: str,  # type: ignore[no-untyped-def]
     while not check():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(poll_s)
+
+
+def resume_stopped_worker(cluster: UpProcess) -> None:
+    """SIGCONT the worker that stopped itself (the test-only ``sigstop`` fault, exactly one)."""
+    stopped: list[psutil.Process] = []
+
+    def find() -> bool:
+        stopped[:] = [p for p in cluster.descendants() if p.status() == psutil.STATUS_STOPPED]
+        return bool(stopped)
+
+    wait_for(find, 10, "the prefill worker to stop itself")
+    assert len(stopped) == 1
+    stopped[0].send_signal(signal.SIGCONT)

@@ -27,7 +27,13 @@ import yaml
 from openai import OpenAI
 
 from services.engine.sampling_params import SamplingParams
-from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
+from tests.e2e.cluster import (
+    UpProcess,
+    all_blocks_free,
+    metric_values,
+    resume_stopped_worker,
+    wait_for,
+)
 
 STEP_SEED, FATAL_SEED, SIGSTOP_SEED = 666, 667, 668
 SETTINGS = {
@@ -107,18 +113,6 @@ def _recomputed(cluster: UpProcess, before: float) -> None:
              10, "the decode worker's recompute on /metrics")
 
 
-def _resume_stopped_worker(cluster: UpProcess) -> None:
-    """SIGCONT the worker that stopped itself (exactly one must be stopped)."""
-    stopped: list[psutil.Process] = []
-
-    def find() -> bool:
-        stopped[:] = [p for p in cluster.descendants() if p.status() == psutil.STATUS_STOPPED]
-        return bool(stopped)
-
-    wait_for(find, 10, "the prefill worker to stop itself")
-    assert len(stopped) == 1
-    stopped[0].send_signal(signal.SIGCONT)
-
 
 def test_prefill_worker_hung_during_pairing_recomputes_on_decode(cluster: UpProcess,
                                                                  expected: list[int]) -> None:
@@ -126,7 +120,7 @@ def test_prefill_worker_hung_during_pairing_recomputes_on_decode(cluster: UpProc
     pairing times out (control_timeout_s), D recomputes the prompt: the exact output."""
     recomputes = _decode_metric(cluster, "tandem_decode_recomputes_total")
     response = _complete(cluster, seed=SIGSTOP_SEED)
-    _resume_stopped_worker(cluster)  # soon: Serve replaces a replica hung past its health check
+    resume_stopped_worker(cluster)  # soon: Serve replaces a replica hung past its health check
     assert _tokens(response) == expected
     _recomputed(cluster, recomputes)
     _served_normally(cluster, expected)
@@ -143,7 +137,7 @@ def test_prefill_worker_hung_during_the_kv_pull(cluster: UpProcess, expected: li
             hung = await http.post("/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                 "seed": SIGSTOP_SEED, "return_token_ids": True})
-            _resume_stopped_worker(cluster)
+            resume_stopped_worker(cluster)
             return _tokens(hung), _tokens(await bystander)
 
     recomputes = _decode_metric(cluster, "tandem_decode_recomputes_total")

@@ -19,7 +19,14 @@ from openai import AsyncOpenAI, OpenAI
 from services.engine.sampling_params import SamplingParams
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
+from tests.e2e.cluster import (
+    UpProcess,
+    all_blocks_free,
+    metric_values,
+    resume_stopped_worker,
+    wait_for,
+)
+from tests.e2e.conftest import HUNG_PREFILL_SEED
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -301,6 +308,25 @@ def test_bad_requests_get_4xx(cluster: UpProcess, body: object, status: int,
     ok = httpx.post(f"{cluster.http_url}/v1/completions", timeout=60,
                     json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_prefill_worker_hung_during_the_nixl_kv_pull(cluster: UpProcess,
+                                                     reference) -> None:  # type: ignore[no-untyped-def]
+    """tests/e2e/test_faults.py hangs a prefill worker during TCP pulls; here during a NIXL
+    one (paired already, P stops when D confirms the pull): D cannot vouch for the blocks it
+    read and recomputes the prompt; the output is exact, every block is free after."""
+    recomputes = sum(metric_values(cluster.http_url, "tandem_decode_recomputes_total").values())
+    response = httpx.post(f"{cluster.http_url}/v1/completions", timeout=120, json={
+        "prompt": "Describe a quiet harbour at dawn.", "max_tokens": 16, "temperature": 0,
+        "ignore_eos": True, "seed": HUNG_PREFILL_SEED, "return_token_ids": True})
+    resume_stopped_worker(cluster)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["token_ids"] == reference(body["prompt_token_ids"],
+                                                        max_tokens=16, ignore_eos=True)
+    wait_for(lambda: sum(metric_values(cluster.http_url, "tandem_decode_recomputes_total")
+                         .values()) > recomputes, 10, "the decode worker's recompute")
+    wait_for(lambda: all_blocks_free(cluster), 90, "every KV block free on both workers")
 
 
 def test_up_exits_cleanly_on_sigterm(cluster: UpProcess) -> None:
