@@ -175,8 +175,10 @@ class DecodeWorker:
 
     async def submit(self, request_id: str, prompt_token_ids: Sequence[int],
                      params: SamplingParams, prefill: PrefillResult | None,
-                     cache_salt: str | None = None) -> DecodeStream:
-        """Import the prompt's KV named by ``prefill`` (None: prefill here) and start decoding.
+                     cache_salt: str | None = None, output_token_ids: Sequence[int] = ()
+                     ) -> DecodeStream:
+        """Import the prompt's KV named by ``prefill`` (None: prefill here, after the tokens it
+        already generated elsewhere, ``output_token_ids``) and start decoding.
 
         Raises ``DecodeRejectedError`` when this worker will not take the request,
         ``KVTransferFailedError`` when the pull failed and ``on_transfer_failure`` is "fail",
@@ -186,19 +188,21 @@ class DecodeWorker:
         trace = DecodeTrace(request_id, self.worker_id, len(prompt_token_ids))
         try:
             return await self._submit(request_id, list(prompt_token_ids), params, prefill,
-                                      cache_salt, trace)
+                                      cache_salt, trace, list(output_token_ids))
         except BaseException as exc:
             trace.fail(exc)
             raise
 
     async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                       prefill: PrefillResult | None, cache_salt: str | None,
-                      trace: DecodeTrace) -> DecodeStream:
+                      trace: DecodeTrace, resumed: list[int]) -> DecodeStream:
         if prefill is None:
             if not self.accepting:
                 raise DecodeRejectedError(f"decode worker {self.worker_id} is shutting down")
             return self._stream(request_id, KVSource.LOCAL, lambda e: e.add_request(
-                request_id, prompt, params, cache_salt), trace)
+                request_id, prompt, params, cache_salt, output_token_ids=resumed), trace)
+        if resumed:
+            raise RequestError("a resumed request carries no prefill result")
         kv = prefill.kv
         if kv is None:
             raise RequestError(f"request {request_id!r} finished at its first token "
@@ -234,8 +238,8 @@ class DecodeWorker:
         if slot is None:
             self.metrics.queued += 1
             first = prefill.first_token
-            start, source = (lambda e: e.queue_import(request_id, prompt, first, params,
-                                                      cache_salt)), KVSource.QUEUED
+            start, source = (lambda e: e.add_request(request_id, prompt, params, cache_salt,
+                                                     output_token_ids=[first])), KVSource.QUEUED
         elif failure is None:
             start, source = (lambda e: e.commit_import(request_id)), KVSource.TRANSFER
         elif self.config.on_transfer_failure == "fail":

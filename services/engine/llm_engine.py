@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -24,7 +26,7 @@ from services.engine.outputs import (
     RequestError,
     RequestOutput,
 )
-from services.engine.sampler import Sampler, token_logprobs
+from services.engine.sampler import sample, token_logprobs, verify
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -77,7 +79,8 @@ class LLMEngine:
                            get_attention_backend(config.attention_backend),
                            max_positions=self.max_model_len, device=config.device)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device)
-        self.sampler = Sampler(config.seed)
+        # Seeds for sampled requests that come without one (the gateway sends one always).
+        self._seeds = random.Random(config.seed)
         spec = config.speculative
         if draft is not None and spec.method == "draft":
             from services.engine.speculative.draft import DraftModelProposer
@@ -86,7 +89,6 @@ class LLMEngine:
             self.proposer = build_proposer(config, model)
         self.spec_policy = SpecPolicy(spec)
         self.spec_stats = SpecStats()
-        self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.num_preemptions = 0
         self._generate_ids = itertools.count()
         self._stepping: list[str] = []  # the requests of the step in progress
@@ -96,10 +98,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Seq[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None,
-                    prefill_only: bool = False) -> None:
+                    prefill_only: bool = False, output_token_ids: Seq[int] = ()) -> None:
         """Queue a request. ``prefill_only`` (the prefill role) stops it after the first token
-        and pins the prompt's blocks: that output carries a ``PinnedKV``; see ``release_kv``."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
+        and pins the prompt's blocks: that output carries a ``PinnedKV``; see ``release_kv``.
+        ``output_token_ids``: tokens it already generated elsewhere (a resumed request: they
+        are recomputed, or found in the prefix cache, and it goes on from the next one, with
+        ``max_tokens`` counting them)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt,
+                                 output_token_ids)
         seq.prefill_only = prefill_only
         self.scheduler.add(seq)
 
@@ -148,7 +154,8 @@ class LLMEngine:
 
         Leading blocks this engine already caches are reused; the caller transfers the rest,
         then calls ``commit_import`` (or ``recompute_import``, or ``abort_request``). Raises
-        ``EngineOverloadedError`` when the blocks are not free now (see ``queue_import``).
+        ``EngineOverloadedError`` when the blocks are not free now (then ``add_request`` with
+        ``output_token_ids=[first_token]`` queues it to be prefilled here).
         """
         seq = self._imported_sequence(request_id, prompt_token_ids, first_token, params,
                                       cache_salt)
@@ -160,25 +167,10 @@ class LLMEngine:
                 f"no room to import {num_needed} KV blocks ({bm.num_free_blocks} free)")
         return ImportSlot(request_id, tuple(seq.block_ids), num_cached_blocks)
 
-    def queue_import(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
-                     params: SamplingParams | None = None, cache_salt: str | None = None
-                     ) -> None:
-        """No room to import the prompt's KV now: queue it (its first token known) to be
-        prefilled here when blocks free up, as a preempted request is. So a decode worker
-        takes every request it was sent, within its waiting-queue bound."""
-        seq = self._imported_sequence(request_id, prompt_token_ids, first_token, params,
-                                      cache_salt)
-        self.scheduler.add(seq)
-
     def _imported_sequence(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
                            params: SamplingParams | None, cache_salt: str | None) -> Sequence:
-        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt)
-        if not 0 <= first_token < self.model_config.vocab_size:
-            raise RequestError(f"first token {first_token} is outside the vocabulary")
-        if seq.sampling.max_tokens < 2 or seq.num_tokens + 1 >= self.max_model_len:
-            raise RequestError("nothing left to decode after the first token")
-        seq.token_ids.append(first_token)
-        return seq
+        return self._new_sequence(request_id, prompt_token_ids, params, cache_salt,
+                                  [first_token])
 
     def commit_import(self, request_id: str) -> None:
         """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding."""
@@ -191,8 +183,11 @@ class LLMEngine:
     # -- internals: requests --------------------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int],
-                      params: SamplingParams | None, cache_salt: str | None) -> Sequence:
+                      params: SamplingParams | None, cache_salt: str | None,
+                      output_token_ids: Seq[int] = ()) -> Sequence:
         params = params or SamplingParams()
+        if not params.greedy and params.seed is None:
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         if self.scheduler.get(request_id) is not None:
             raise RequestError(f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
@@ -203,8 +198,13 @@ class LLMEngine:
                 f"prompt has {len(prompt)} tokens, but the context length is "
                 f"{self.max_model_len} (prompt + at least 1 generated token)"
             )
+        outputs = list(output_token_ids)
+        if outputs and (len(outputs) >= params.max_tokens
+                        or len(prompt) + len(outputs) >= self.max_model_len):
+            raise RequestError(f"a resumed request has {len(outputs)} tokens already: "
+                               "nothing is left of max_tokens or the context")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in prompt + outputs if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
@@ -213,7 +213,7 @@ class LLMEngine:
             )
         extra_keys = (self.model_config.model_id, cache_salt) if cache_salt else (
             self.model_config.model_id,)
-        return Sequence(request_id, prompt, len(prompt), params, extra_keys)
+        return Sequence(request_id, prompt + outputs, len(prompt), params, extra_keys)
 
     def _importing(self, request_id: str) -> Sequence:
         seq = self.scheduler.get(request_id)
@@ -253,10 +253,10 @@ class LLMEngine:
         if not result.sampled:
             return []
         plain = [i for i, seq in enumerate(result.sampled) if not seq.spec_token_ids]
-        plain_tokens = self.sampler.sample(
+        plain_tokens = sample(
             result.logits[[result.first_rows[i] for i in plain]],
-            [result.sampled[i].request_id for i in plain],
-            [result.sampled[i].sampling for i in plain])
+            [result.sampled[i].sampling for i in plain],
+            [result.sampled[i].num_output_tokens for i in plain])
         emitted: dict[int, list[int]] = dict(zip(plain, ([t] for t in plain_tokens),
                                                  strict=True))
         outputs = []
@@ -268,10 +268,7 @@ class LLMEngine:
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         drafts = seq.spec_token_ids
-        probs = self._draft_probs.pop(seq.request_id, None)
-        if probs is not None:
-            probs = probs[:len(drafts)]  # the scheduler may have cut the drafts to its budget
-        tokens = self.sampler.verify(logits, seq.request_id, seq.sampling, drafts, probs)
+        tokens = verify(logits, seq.sampling, seq.num_output_tokens, drafts)
         accepted = len(tokens) - 1
         self.spec_stats.draft_tokens += len(drafts)
         self.spec_stats.accepted_tokens += accepted
@@ -338,7 +335,6 @@ class LLMEngine:
             proposal = proposals.get(seq.request_id)
             if proposal is not None:
                 seq.spec_token_ids = proposal.token_ids
-                self._draft_probs[seq.request_id] = proposal.probs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[list[int]]:
@@ -394,10 +390,8 @@ class LLMEngine:
         self._forget(seq)
 
     def _forget(self, seq: Sequence) -> None:
-        """Drop per-request state kept outside the sequence (sampling, speculation)."""
-        self.sampler.forget(seq.request_id)
+        """Drop per-request state kept outside the sequence (speculation)."""
         seq.spec_token_ids = []
-        self._draft_probs.pop(seq.request_id, None)
         self.spec_policy.forget(seq.request_id)
         if self.proposer is not None:
             self.proposer.forget(seq.request_id)

@@ -1,71 +1,81 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, logprobs, with draws keyed by position.
+
+A sampled request's token at output position ``i`` is ``argmax(probs / E)``, where ``E`` holds
+one Exp(1) variate per vocabulary entry drawn from a generator seeded by ``(seed, i)`` alone:
+the exponential race, which picks token x with probability ``probs[x]``. The draw depends on
+nothing else (not the batch, the worker, the step, nor what came before), so a request
+continues exactly on any worker: colocated, disaggregated, after a migration, and with or
+without speculation. Every sampled request has a seed: the client's, or one the gateway (or,
+called directly, the engine) chose and recorded in the request.
+
+Speculative decoding verifies drafts by the same rule (``verify``): the target draws its own
+token at each drafted position and a draft is accepted while it equals that draw, so the
+emitted tokens are exactly those plain decoding emits. A draft model drafts with the same
+noise (``sample`` at the same positions), so where it is close to the target its draws agree.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence as Seq
 
 import torch
 
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import TokenLogprobs
-from services.engine.speculative.acceptance import (
-    AcceptanceRule,
-    accept_greedy,
-    rejection_sample,
-)
+
+_MASK64 = (1 << 64) - 1
 
 
-class Sampler:
-    def __init__(self, seed: int = 0, acceptance_rule: AcceptanceRule = rejection_sample,
-                 stream: int = 0) -> None:
-        """``stream`` separates samplers that see the same seeded requests: a draft model's
-        random draws must be independent of the target's acceptance draws."""
-        self._shared = torch.Generator().manual_seed(seed)
-        self._per_request: dict[str, torch.Generator] = {}
-        self._stream = stream
-        self.acceptance_rule = acceptance_rule
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a request's draw at output ``position`` (SplitMix64 of both)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
-    def forget(self, request_id: str) -> None:
-        self._per_request.pop(request_id, None)
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self._shared
-        gen = self._per_request.get(request_id)
-        if gen is None:
-            seed = (params.seed + self._stream * 0x9E3779B97F4A7C15) % 2**63
-            gen = self._per_request[request_id] = torch.Generator().manual_seed(seed)
-        return gen
+def exponential_noise(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """Exp(1) variates, one per vocabulary entry, for the draw at ``position`` (CPU)."""
+    generator = torch.Generator().manual_seed(position_seed(seed, position))
+    noise = torch.empty(vocab_size).exponential_(generator=generator)
+    return noise.clamp_min_(torch.finfo(torch.float32).tiny)  # never 0 (then 0/0 = NaN)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> list[int]:
-        """One token per row of float32 ``logits`` [N, vocab]."""
-        tokens = logits.argmax(dim=-1).tolist()
-        for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
-            if not p.greedy:
-                # Seeded generators live on the CPU, so a row is sampled there.
-                probs = probabilities(logits[row].cpu(), p)
-                gen = self._generator(request_id, p)
-                tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
-        return tokens
 
-    def draw(self, logits: torch.Tensor, request_id: str, params: SamplingParams
-             ) -> tuple[int, torch.Tensor | None]:
-        """One token from one row of logits, with the distribution it came from (None when
-        greedy: the argmax)."""
-        if params.greedy:
-            return int(logits.argmax()), None
-        probs = probabilities(logits.cpu(), params)
-        gen = self._generator(request_id, params)
-        return int(torch.multinomial(probs, 1, generator=gen)), probs
+def sample(logits: torch.Tensor, params: Seq[SamplingParams], positions: Seq[int]
+           ) -> list[int]:
+    """One token per row of float32 ``logits`` [N, vocab]: row i is a draw of ``params[i]``'s
+    request at output position ``positions[i]``."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, (p, position) in enumerate(zip(params, positions, strict=True)):
+        if not p.greedy:
+            if p.seed is None:
+                raise ValueError("a sampled request needs a seed (the engine assigns one)")
+            probs = probabilities(logits[row].float().cpu(), p)
+            noise = exponential_noise(p.seed, position, probs.shape[-1])
+            tokens[row] = int((probs / noise).argmax())
+    return tokens
 
-    def verify(self, logits: torch.Tensor, request_id: str, params: SamplingParams,
-               draft_tokens: list[int], draft_probs: torch.Tensor | None) -> list[int]:
-        """The tokens a step emits for a sequence that verified ``draft_tokens``: the accepted
-        drafts, then one from the target. ``logits`` has one row more than the drafts."""
-        if params.greedy:
-            return accept_greedy(logits.argmax(dim=-1).tolist(), draft_tokens)
-        target = torch.stack([probabilities(row, params) for row in logits.cpu()])
-        return self.acceptance_rule(target, draft_tokens, draft_probs,
-                                    self._generator(request_id, params))
+
+def verify(logits: torch.Tensor, params: SamplingParams, first_position: int,
+           draft_tokens: list[int]) -> list[int]:
+    """The tokens a step emits for a sequence that verified ``draft_tokens`` at output
+    positions ``first_position``...: the drafts that equal the target's own draws, then the
+    target's draw at the first mismatch (or after the last draft). ``logits`` has one row
+    more than the drafts."""
+    rows = len(draft_tokens) + 1
+    targets = sample(logits[:rows], [params] * rows, range(first_position, first_position + rows))
+    return accept_matching(targets, draft_tokens)
+
+
+def accept_matching(targets: list[int], draft_tokens: list[int]) -> list[int]:
+    """``targets[i]`` is the target's token after draft i (row 0: before any)."""
+    emitted: list[int] = []
+    for i, draft in enumerate(draft_tokens):
+        emitted.append(targets[i])
+        if targets[i] != draft:
+            return emitted
+    emitted.append(targets[len(draft_tokens)])
+    return emitted
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

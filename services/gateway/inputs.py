@@ -6,6 +6,7 @@ Both front ends go through here, so HTTP and gRPC accept and reject exactly the 
 from __future__ import annotations
 
 import math
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -103,13 +104,18 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
     top_k = options.top_k if options.top_k is not None else 0
     if top_k == -1:  # vLLM's spelling of "off"
         top_k = 0
+    seed = options.seed
+    if seed is None and options.temperature != 0:
+        # Chosen here, once: prefill, decode and any worker a stream migrates to draw the
+        # request's tokens from it (engine/sampler.py).
+        seed = secrets.randbits(63)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if options.temperature is None else options.temperature,
             top_k=top_k,
             top_p=1.0 if options.top_p is None else options.top_p,
-            seed=options.seed,
+            seed=seed,
             ignore_eos=options.ignore_eos,
             logprobs=options.logprobs,
             speculative=options.speculative,

@@ -62,3 +62,32 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_best_token() -> None:
     for top_p in (5e-324, 1e-300, 1e-9):
         probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p))
         assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_a_resumed_request_continues_exactly(make_engine):
+    """Draws depend on (seed, position) only: an engine given a request's first tokens as
+    ``output_token_ids`` (a migration) emits exactly the rest, sampled or greedy, with or
+    without speculation."""
+    from services.engine.config import SpeculativeConfig
+
+    first, other = make_engine(), make_engine(speculative=SpeculativeConfig(method="ngram"))
+    prompt = chat(first, "Write a short poem about rain.")
+    for params in (SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11,
+                                  ignore_eos=True),
+                   SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)):
+        whole = first.generate([prompt], params)[0]
+        for done in (1, 10):
+            other.add_request(f"resumed-{done}", prompt, params, output_token_ids=whole[:done])
+            rest: list[int] = []
+            while other.has_unfinished_requests():
+                for out in other.step():
+                    rest += out.new_token_ids
+            assert whole[:done] + rest == whole, (params, done)
+
+
+def test_a_sampled_request_without_a_seed_gets_one(make_engine):
+    engine = make_engine()
+    prompt = chat(engine, "Name a colour.")
+    engine.add_request("unseeded", prompt, SamplingParams(max_tokens=2, temperature=1.0))
+    assert engine.scheduler.get("unseeded").sampling.seed is not None
+    engine.abort_request("unseeded")

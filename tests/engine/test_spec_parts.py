@@ -1,15 +1,14 @@
-"""The model-free parts of speculative decoding: prompt lookup, greedy acceptance, the
-load-adaptive policy, configuration errors."""
+"""The model-free parts of speculative decoding: prompt lookup, acceptance of drafts that match
+the target's draws, the load-adaptive policy, configuration errors."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from services.engine.config import SpeculativeConfig
+from services.engine.sampler import accept_matching
 from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
-from services.engine.speculative.acceptance import accept_greedy, rejection_sample
 from services.engine.speculative.ngram import lookup
 from services.engine.speculative.policy import SpecPolicy
 
@@ -29,19 +28,11 @@ def test_lookup_prefers_the_longest_and_latest_match():
     assert lookup([4], 3, 1, 3) == []
 
 
-def test_accept_greedy():
-    assert accept_greedy([7, 8, 9], [7, 8]) == [7, 8, 9]  # all accepted, then a bonus
-    assert accept_greedy([7, 4, 9], [7, 8]) == [7, 4]  # second rejected: target's token
-    assert accept_greedy([3, 8, 9], [7, 8]) == [3]
-    assert accept_greedy([3], []) == [3]
-
-
-def test_rejection_sample_with_a_point_mass_draft():
-    gen = torch.Generator().manual_seed(0)
-    certain = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-    assert rejection_sample(certain, [1], None, gen) == [1, 2]  # p(x)=1: always accepted
-    never = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
-    assert rejection_sample(never, [1], None, gen) == [0]  # p(x)=0: residual is p minus x
+def test_accept_matching():
+    assert accept_matching([7, 8, 9], [7, 8]) == [7, 8, 9]  # all accepted, then a bonus
+    assert accept_matching([7, 4, 9], [7, 8]) == [7, 4]  # second rejected: target's token
+    assert accept_matching([3, 8, 9], [7, 8]) == [3]
+    assert accept_matching([3], []) == [3]
 
 
 def test_policy_shares_a_draft_budget_across_the_batch():

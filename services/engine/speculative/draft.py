@@ -15,25 +15,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from services.engine.model import LlamaModel
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
-from services.engine.sampler import Sampler
+from services.engine.sampler import sample
 from services.engine.scheduler import ScheduledSequence
 from services.engine.sequence import Sequence
 from services.engine.speculative.proposer import Proposal
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, seed: int) -> None:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager) -> None:
         self.runner = runner
         self.blocks = blocks
-        self.sampler = Sampler(seed, stream=1)
         self.shadows: dict[str, Sequence] = {}
         self._synced: dict[str, int] = {}  # target tokens already copied into the shadow
 
@@ -44,7 +41,7 @@ class DraftModelProposer:
         runner = ModelRunner(model, allocate_kv_cache(spec, config.device), config.block_size,
                              config.device)
         blocks = BlockManager(spec.num_blocks, config.block_size, enable_prefix_caching=False)
-        return cls(runner, blocks, config.seed + 1)
+        return cls(runner, blocks)
 
     @classmethod
     def load(cls, path: str | Path | LoadedModel, config: EngineConfig, target: LlamaModel
@@ -62,7 +59,6 @@ class DraftModelProposer:
     def propose(self, requests: list[tuple[Sequence, int]]) -> dict[str, Proposal]:
         active = {seq.request_id: (self._sync(seq), k) for seq, k in requests}
         drafted: dict[str, list[int]] = {rid: [] for rid in active}
-        probs: dict[str, list[torch.Tensor | None]] = {rid: [] for rid in active}
         while active:
             # Feed each shadow what its cache lacks: on the first round everything since the
             # last sync (possibly the whole prompt), then the token drafted one round before.
@@ -78,21 +74,22 @@ class DraftModelProposer:
             result = self.runner.execute(scheduled)
             for item in scheduled:
                 item.seq.num_computed_tokens += item.num_new_tokens
-            for shadow, row in zip(result.sampled, result.first_rows, strict=True):
+            # The draft draws with the noise the target will draw with at the same positions
+            # (sampler.py): where the two models agree, so do their tokens.
+            tokens = sample(result.logits[result.first_rows],
+                            [shadow.sampling for shadow in result.sampled],
+                            [shadow.num_output_tokens for shadow in result.sampled])
+            for shadow, token in zip(result.sampled, tokens, strict=True):
                 rid = shadow.request_id
-                token, dist = self.sampler.draw(result.logits[row], rid, shadow.sampling)
                 shadow.token_ids.append(token)
                 drafted[rid].append(token)
-                probs[rid].append(dist)
                 if len(drafted[rid]) >= active[rid][1]:
                     del active[rid]
-        return {rid: Proposal(tokens, _stack(probs[rid])) for rid, tokens in drafted.items()
-                if tokens}
+        return {rid: Proposal(tokens) for rid, tokens in drafted.items() if tokens}
 
     def forget(self, request_id: str) -> None:
         shadow = self.shadows.pop(request_id, None)
         self._synced.pop(request_id, None)
-        self.sampler.forget(request_id)
         if shadow is not None:
             self.blocks.free(shadow)
 
@@ -118,9 +115,3 @@ class DraftModelProposer:
         self._synced[seq.request_id] = seq.num_tokens
         return shadow
 
-
-def _stack(dists: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """Greedy drafts carry no distribution (the target's argmax decides alone)."""
-    if any(d is None for d in dists):
-        return None
-    return torch.stack(dists)  # type: ignore[arg-type]

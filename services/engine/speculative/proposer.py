@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from services.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -17,9 +15,6 @@ if TYPE_CHECKING:
 @dataclass
 class Proposal:
     token_ids: list[int]  # at most the k asked for; may be empty
-    # The distribution each token was drawn from, [len(token_ids), vocab] float32, for
-    # rejection sampling; None when the proposer is deterministic (a point mass on each token).
-    probs: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
