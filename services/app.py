@@ -54,7 +54,9 @@ def build_app(config: AppConfig) -> Application:
                                 # a prefill replica also answers D's lease calls
                                 max_ongoing_requests=2 * max_ongoing,
                                 request_router_config=router,
-                                graceful_shutdown_timeout_s=5,
+                                # a stopped worker finishes its calls this long; then its
+                                # streams migrate (services/serving/backend.py)
+                                graceful_shutdown_timeout_s=config.drain_timeout_s,
                                 health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                 health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
 

@@ -27,6 +27,9 @@ class GenerationRequest:
     trace: dict[str, str] | None = None  # W3C trace context of the gateway's request span
     prefill: PrefillResult | None = None  # P's result, forwarded to D as it came; None: no P
     deadline: float | None = None  # time.time() by which it must end (clocks of every process)
+    # Tokens it already generated (a stream migrated after its decode worker failed): the next
+    # worker recomputes them with the prompt (or finds them cached) and goes on from there.
+    output_token_ids: tuple[int, ...] = ()
 
     def remaining_s(self) -> float | None:
         """Seconds until the deadline (negative once past); None: no deadline."""

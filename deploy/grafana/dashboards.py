@@ -303,6 +303,18 @@ def disaggregation() -> dashboard_b.Dashboard:
             "Decode rejects by reason", "Leases decode workers turned down: no_capacity, "
             "transfer_failed, invalid_request, shutting_down.",
             [Query(f"sum by (reason) ({rejects})", "{{reason}}")], "ops", width=8))
+        .with_row(dashboard_b.Row("Stream migrations"))
+        .with_panel(time_series(
+            "Migrations by reason", "Decode streams moved to another decode worker per "
+            "second after theirs failed: replica_gone, unhealthy, timeout.",
+            [Query(f"sum by (reason) ({rate('tandem_request_migrations_total')})",
+                   "{{reason}}")], "ops", width=12))
+        .with_panel(time_series(
+            "Time to resume", "From a decode worker's failure to the migrated stream's next "
+            "token.",
+            [Query(f"histogram_quantile({q}, sum by (le) "
+                   f"({rate('tandem_migration_resume_seconds_bucket')}))",
+                   f"p{round(q * 100)}") for q in (0.5, 0.99)], "s", width=12))
     )
 
 

@@ -11,7 +11,8 @@ the fault, on workers of that role (prefill, decode, colocated) or, without a ro
 - ``sigstop``: (prefill role) the prefill worker sends its result, then stops its process
   with SIGSTOP (as a hung machine would) when the decode worker calls about that request:
   at its pairing if the two have not paired yet, else when it releases the lease after the
-  pull.
+  pull;
+- ``sigkill``: (prefill role) the same, with SIGKILL (the machine died after the first token).
 
 Unset, nothing is installed and steps pay nothing.
 """
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from services.engine.sequence import Sequence
 
 ENV = "TANDEM_TEST_FAULTS"
-KINDS = ("step", "fatal", "sigstop")
+KINDS = ("step", "fatal", "sigstop", "sigkill")
 
 FaultHook = Callable[[Iterable[Sequence]], None]
 

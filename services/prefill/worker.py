@@ -59,6 +59,15 @@ class PrefillWorker:
                                             self.transport)
         self._reaper = asyncio.create_task(self._reap(), name=f"{self.worker_id}-leases")
 
+    async def drain(self, timeout_s: float, poll_s: float = 0.1) -> int:
+        """Before stopping: wait (at most ``timeout_s``) until every lease is released,
+        rejected or expired, so that decode workers pull the KV they were promised; returns
+        how many were still held."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.leases) and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        return len(self.leases)
+
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()

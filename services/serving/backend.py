@@ -3,14 +3,23 @@
 Token ids in, ``RequestOutput``s out, like the colocated ``EngineBackend``. The decode worker
 streams lists of outputs (whatever its engine produced since the previous list), so a request
 costs one streaming call to D, not one remote call per token.
+
+A decode stream whose worker fails (its replica died, its engine stopped, it went silent for
+``stream_idle_s``) migrates: the request goes to the router's next decode worker with the
+tokens it already produced (``GenerationRequest.output_token_ids``); that worker recomputes
+them with the prompt (or finds them in its prefix cache) and continues. Sampling draws depend
+only on the request's seed and the token's position (engine/sampler.py), so the caller sees one
+stream, exactly as an undisturbed worker would have produced it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +53,29 @@ log = logging.getLogger(__name__)
 
 # Calls that find the chosen replica gone are sent to another worker at most this many times.
 MAX_FAILOVERS = 2
+# Time from a decode worker's failure to the migrated stream's next token.
+RESUME_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class StreamStalledError(DeadlineExceededError):
+    """A decode worker sent nothing for ``stream_idle_s``."""
+
+
+@dataclass
+class MigrationStats:
+    """Decode streams moved to another worker, by reason, and how long each took to resume."""
+
+    by_reason: dict[str, int] = dataclasses.field(default_factory=dict)
+    resume_buckets: list[int] = dataclasses.field(
+        default_factory=lambda: [0] * (len(RESUME_SECONDS_BUCKETS) + 1))  # the last: +Inf
+    resume_sum: float = 0.0
+
+    def migrated(self, reason: str) -> None:
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+
+    def resumed(self, seconds: float) -> None:
+        self.resume_buckets[bisect.bisect_left(RESUME_SECONDS_BUCKETS, seconds)] += 1
+        self.resume_sum += seconds
 
 
 @dataclass(frozen=True)
@@ -52,6 +84,7 @@ class BackendTimeouts:
 
     prefill_s: float = 60.0  # a prefill call; then the router's next choice (or D) prefills
     stream_idle_s: float = 60.0  # the longest a decode stream may go without a batch
+    max_migrations: int = 3  # decode worker failures one request survives; then its error
 
 
 class DisaggBackend:
@@ -66,6 +99,7 @@ class DisaggBackend:
         self._model_id = model_id
         self._max_model_len = max_model_len
         self._background: set[asyncio.Task[Any]] = set()
+        self.migrations = MigrationStats()
 
     @property
     def model_id(self) -> str:
@@ -173,15 +207,20 @@ class DisaggBackend:
 
     async def _decode(self, request: GenerationRequest, decision: RoutingDecision
                       ) -> AsyncIterator[RequestOutput]:
+        """D's outputs. A D that fails before its first output is replaced by the router's
+        next choice (the same request: P's lease may still hold); one that fails later is
+        migrated from (the request goes on elsewhere with ``output_token_ids``)."""
         worker = decision.decode_worker
         cached = 0 if request.prefill is None else request.prefill.num_cached_tokens
-        for attempt in range(MAX_FAILOVERS + 1):
+        emitted = [] if request.prefill is None else [request.prefill.first_token]
+        failed_at: float | None = None  # when the stream being migrated failed
+        failovers = migrations = 0
+        while True:
             stream = self.decode.decode.remote(request, route_to=worker)
             finished = False
             started = False
             try:
                 async for batch in self._batches(stream, worker):
-                    started = True
                     # Reports first: the caller stops reading at the finished output, and the
                     # last batch carries the worker's report (its load and KV events) after it.
                     for item in batch:
@@ -189,21 +228,37 @@ class DisaggBackend:
                             self.view.ingest(item)
                     for item in batch:
                         if isinstance(item, RequestOutput):
+                            started = True
                             finished = item.finished
+                            if failed_at is not None:
+                                self.migrations.resumed(time.monotonic() - failed_at)
+                                failed_at = None
+                            emitted += item.new_token_ids
                             yield _with_cached(item, request.num_prompt_tokens, cached)
                 return
-            except (ReplicaGoneError, EngineDeadError) as exc:
-                if isinstance(exc, EngineDeadError) and worker is not None:
-                    self.router.mark_down(worker, "unhealthy")
-                if started or attempt == MAX_FAILOVERS or worker is None:
+            except (ReplicaGoneError, EngineDeadError, StreamStalledError) as exc:
+                reason = _failover_reason(exc)
+                if worker is not None:
+                    self.router.mark_down(worker, reason)
+                migrate = started or request.output_token_ids != ()
+                if worker is None or (migrations if migrate else failovers) >= (
+                        self.timeouts.max_migrations if migrate else MAX_FAILOVERS):
                     raise
-                if isinstance(exc, ReplicaGoneError):
-                    self.router.mark_down(worker, "replica_gone")
                 try:
                     worker = self._route(request, None).decode_worker
                 except UnavailableError:  # nowhere else to go: the first failure says why
                     raise exc from None
                 self.router.release(request.request_id)
+                if migrate:
+                    migrations += 1
+                    failed_at = failed_at or time.monotonic()
+                    self.migrations.migrated(reason)
+                    log.warning("request %s: decode worker failed after %d tokens (%s); "
+                                "resuming on %s", request.request_id, len(emitted), exc, worker)
+                    request = dataclasses.replace(request, prefill=None,
+                                                  output_token_ids=tuple(emitted))
+                else:
+                    failovers += 1
             finally:
                 if not finished:
                     stream.cancel()
@@ -220,9 +275,7 @@ class DisaggBackend:
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
-                    if worker is not None:
-                        self.router.mark_down(worker, "timeout")
-                    raise DeadlineExceededError(
+                    raise StreamStalledError(
                         f"decode worker {worker} sent nothing for "
                         f"{self.timeouts.stream_idle_s:.0f} s") from None
                 yield batch
@@ -271,7 +324,7 @@ def decision_attributes(decision: RoutingDecision) -> dict[str, Any]:
 
 
 def _failover_reason(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, TimeoutError | StreamStalledError):
         return "timeout"
     return "unhealthy" if isinstance(exc, EngineDeadError) else "replica_gone"
 

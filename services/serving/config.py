@@ -58,6 +58,10 @@ class AppConfig:
     kv_transfer_timeout_s: float = 10.0  # one KV pull; then D recomputes the prompt
     stream_idle_timeout_s: float = 60.0  # the longest gap in a decode worker's stream
     client_read_timeout_s: float = 60.0  # a streaming client that reads nothing this long: cut
+    max_migrations: int = 3  # decode worker failures a stream survives (it moves on, exactly)
+    # A worker Serve stops (scale-down, upgrade, a draining node) finishes its calls for this
+    # long; then it is stopped and its streams migrate.
+    drain_timeout_s: float = 30.0
     # Admission: requests in flight at the gateway, at most; beyond it 429 with Retry-After.
     # None: one decode batch (decode_replicas x max_num_seqs; colocated: max_num_seqs), so an
     # admitted request waits for its prefill, not for a decode slot (loadtest/overload.py).
@@ -88,9 +92,11 @@ class AppConfig:
             raise ConfigError(f"port and grpc_port must differ, both are {self.port}")
         if self.max_in_flight is not None:
             _at_least("max_in_flight", self.max_in_flight, 1)
+        _at_least("max_migrations", self.max_migrations, 0)
         for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s",
                      "request_timeout_s", "prefill_timeout_s", "control_timeout_s",
-                     "kv_transfer_timeout_s", "stream_idle_timeout_s", "client_read_timeout_s"):
+                     "kv_transfer_timeout_s", "stream_idle_timeout_s", "client_read_timeout_s",
+                     "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.spec not in SPEC_METHODS:

@@ -64,14 +64,16 @@ class GatewayIngress:
             self.gateway = Gateway(EngineBackend(AsyncEngine(engine)), engine.tokenizer,
                                    gateway_config)
             source = self._colocated_snapshot
+            migrations = None
         else:
             assert prefill is not None and decode is not None
             meta = await asyncio.to_thread(load_model_metadata, config.model)
             backend = await self._disaggregated(config, meta.model_id, prefill, decode)
             self.gateway = Gateway(backend, meta.tokenizer, gateway_config)
             source = backend.snapshots
+            migrations = backend.migrations
         metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,
-                         self.router)
+                         self.router, migrations)
         self.fronts = FrontEnds(self.gateway, config.host, config.port, config.grpc_port,
                                 log_level="warning", graceful_shutdown_s=1.0,
                                 configure_logging=False)  # Ray owns the replica's logging
@@ -107,7 +109,8 @@ class GatewayIngress:
         max_len = min(w.max_model_len for w in self.view.workers.values())
         return DisaggBackend(router, self.view, prefill, decode, model_id, max_len,
                              BackendTimeouts(config.prefill_timeout_s,
-                                             config.stream_idle_timeout_s))
+                                             config.stream_idle_timeout_s,
+                                             config.max_migrations))
 
     def _colocated_snapshot(self) -> list[WorkerSnapshot]:
         return [WorkerSnapshot("colocated", "colocated", self.gateway.backend.stats,

@@ -3,7 +3,7 @@ recomputes (from the workers' polled status), and the router's decisions (from i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
 from typing import Any
 
@@ -19,6 +19,7 @@ from prometheus_client.utils import floatToGoString
 
 from router import Router
 from services.decode.metrics import TRANSFER_SECONDS_BUCKETS
+from services.serving.backend import RESUME_SECONDS_BUCKETS, MigrationStats
 from services.serving.cluster_view import WorkerSnapshot
 
 SnapshotSource = Callable[[], list[WorkerSnapshot]]
@@ -153,15 +154,45 @@ def _number(metrics: dict[str, Any], key: str) -> float:
     return float(metrics.get(key, 0))
 
 
-def _buckets(counts: list[int] | None) -> list[tuple[str, float]]:
-    """Per-bucket transfer counts as Prometheus' cumulative (le, count) pairs."""
-    counts = counts or [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1)
-    bounds = [*(floatToGoString(b) for b in TRANSFER_SECONDS_BUCKETS), "+Inf"]
-    return [(le, float(c)) for le, c in zip(bounds, accumulate(counts), strict=True)]
+def _buckets(counts: list[int] | None, bounds: Sequence[float] = TRANSFER_SECONDS_BUCKETS
+             ) -> list[tuple[str, float]]:
+    """Per-bucket counts (the last: above every bound) as Prometheus' cumulative (le, count)
+    pairs."""
+    counts = counts or [0] * (len(bounds) + 1)
+    les = [*(floatToGoString(b) for b in bounds), "+Inf"]
+    return [(le, float(c)) for le, c in zip(les, accumulate(counts), strict=True)]
+
+
+MIGRATION_REASONS = ("replica_gone", "unhealthy", "timeout")
+
+
+class MigrationCollector(Collector):
+    def __init__(self, model_name: str, stats: MigrationStats) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        total = CounterMetricFamily(
+            "tandem_request_migrations", "Decode streams moved to another decode worker after "
+            "theirs failed: replica_gone (died), unhealthy (its engine stopped), timeout (it "
+            "sent nothing for stream_idle_timeout_s).", labels=["model_name", "reason"])
+        for reason in MIGRATION_REASONS:
+            total.add_metric([self._model_name, reason],
+                             self._stats.by_reason.get(reason, 0))
+        resume = HistogramMetricFamily(
+            "tandem_migration_resume_seconds", "Time from a decode worker's failure to the "
+            "migrated stream's next token.", labels=["model_name"])
+        resume.add_metric([self._model_name],
+                          _buckets(self._stats.resume_buckets, RESUME_SECONDS_BUCKETS),
+                          self._stats.resume_sum)
+        yield total
+        yield resume
 
 
 def register(registry: CollectorRegistry, model_name: str, source: SnapshotSource,
-             router: Router | None = None) -> None:
+             router: Router | None = None, migrations: MigrationStats | None = None) -> None:
     registry.register(WorkerCollector(model_name, source))
+    if migrations is not None:
+        registry.register(MigrationCollector(model_name, migrations))
     if router is not None:
         registry.register(RouterCollector(model_name, router))

@@ -128,7 +128,7 @@ class PrefillReplica(_Replica):
 
     async def __init__(self, config: AppConfig) -> None:
         engine = self._setup(config)
-        self._tripwire: str | None = None
+        self._tripwire: tuple[str, signal.Signals] | None = None  # test-only: see _trip
         self.worker = PrefillWorker(engine, self._transport(),
                                     PrefillConfig(lease_ttl_s=config.lease_ttl_s), self.worker_id,
                                     on_events=self.events.on_engine_events)
@@ -141,19 +141,22 @@ class PrefillReplica(_Replica):
         with tracing.attached(request.trace):  # the gateway's request span parents this one
             result = await self.worker.prefill(request.request_id, request.prompt_token_ids,
                                                request.params, request.cache_salt)
-        seed = request.params.seed
-        if seed is not None and self._faults.get(seed) == "sigstop" and result.kv is not None:
-            self._tripwire = result.kv.lease_id  # test-only: see _trip
+        fault = self._faults.get(request.params.seed) if request.params.seed is not None else None
+        if fault in ("sigstop", "sigkill") and result.kv is not None:
+            self._tripwire = (result.kv.lease_id, signal.SIGSTOP if fault == "sigstop"
+                              else signal.SIGKILL)
         return result, self.report()
 
     def _trip(self, lease_id: str | None = None) -> None:
-        """Test-only (services/engine/faults.py ``sigstop``): at the decode worker's next call
-        about an armed lease (its pairing, if first, or the lease's release), stop this process
-        with SIGSTOP before answering, as a hung machine would."""
-        if self._tripwire is not None and lease_id in (None, self._tripwire):
+        """Test-only (services/engine/faults.py ``sigstop``/``sigkill``): at the decode worker's
+        next call about an armed lease (its pairing, if first, or the lease's release), stop
+        or kill this process before answering, as a hung or dead machine would."""
+        if self._tripwire is not None and lease_id in (None, self._tripwire[0]):
+            sig = self._tripwire[1]
             self._tripwire = None
-            log.warning("%s: stopping this process (injected sigstop fault)", self.worker_id)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            log.warning("%s: sending this process %s (injected fault)", self.worker_id,
+                        sig.name)
+            os.kill(os.getpid(), sig)
 
     # The lease calls run in ``control.<method>`` spans under the caller's (the decode worker's
     # kv_transfer span), as the same calls do over the control RPC of workers run without Ray.
@@ -179,6 +182,11 @@ class PrefillReplica(_Replica):
             return await self.worker.reject(lease_id, reason)
 
     async def __del__(self) -> None:
+        # Serve stops a replica (scale-down, upgrade) after its calls ended or drain_timeout_s
+        # passed; its leases may still be pulled: keep them until then (or their TTL).
+        held = await self.worker.drain(self.config.lease_ttl_s)
+        if held:
+            log.warning("%s: stopping with %d lease(s) still held", self.worker_id, held)
         await self._close_events()
         await self.worker.close()
         tracing.flush()
@@ -231,7 +239,8 @@ class DecodeReplica(_Replica):
             if first is not None and first.kv is not None:
                 await self._pair(first.kv.worker_id)
             stream = await self.worker.submit(request.request_id, request.prompt_token_ids,
-                                              request.params, first, request.cache_salt)
+                                              request.params, first, request.cache_salt,
+                                              request.output_token_ids)
         queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
         pump = asyncio.create_task(_pump(stream, queue))
         try:

@@ -31,6 +31,7 @@ from services.gateway import metrics as gateway_metrics
 from services.gateway.metrics import GatewayMetrics
 from services.prefill.metrics import PrefillMetrics
 from services.serving import metrics as serving_metrics
+from services.serving.backend import MigrationStats
 from services.serving.cluster_view import WorkerSnapshot
 from tests.deploy.conftest import SHARED_SCHEMAS, run_promtool
 
@@ -74,7 +75,8 @@ def reference_exposition() -> str:
                  WorkerSnapshot("d", "decode", stats, DecodeMetrics().snapshot())]
     settings = HashSettings(16, "model")
     router = Router(RouterConfig(settings), InProcessRegistry(settings), InProcessEventBus())
-    serving_metrics.register(gateway.registry, "model", lambda: snapshots, router)
+    serving_metrics.register(gateway.registry, "model", lambda: snapshots, router,
+                             MigrationStats())
     return generate_latest(gateway.registry).decode()
 
 

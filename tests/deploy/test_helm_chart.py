@@ -421,6 +421,18 @@ def test_services_reach_the_gateway_on_the_head(rendered: Rendered) -> None:
         assert "local_raylet_healthz" in probe and str(config["port"]) not in probe
 
 
+def test_worker_pods_drain_before_they_stop(rendered: Rendered) -> None:
+    """Deleting a worker pod drains its node (Serve moves the replicas, stops these after
+    drain_timeout_s, their streams migrate); the pod is given the time for it."""
+    drain = rendered.application["args"]["drain_timeout_s"]
+    for role in ROLES:
+        spec = rendered.group(role)["template"]["spec"]
+        (container,) = spec["containers"]
+        hook = " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+        assert "ray drain-node" in hook and f"--deadline-remaining-seconds {int(drain)}" in hook
+        assert spec["terminationGracePeriodSeconds"] > drain + 20  # the hook's own bound
+
+
 def test_network_policy_admits_cluster_traffic_only_from_the_release(rendered: Rendered) -> None:
     values = rendered.values
     policies = rendered.of_kind("NetworkPolicy")

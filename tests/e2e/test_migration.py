@@ -1,0 +1,154 @@
+"""Streams survive a decode worker: migration with exact continuation.
+
+`tandem up` with 1 prefill and 2 decode workers (TCP). 16 concurrent streams, half greedy and
+half seeded sampling at temperature 0.8, run once undisturbed and once while one decode replica
+is killed with SIGKILL mid-stream: every stream completes without an error event and with
+exactly the tokens of its undisturbed run (the gateway resumes it on the other decode worker
+with the tokens it already sent; draws depend only on the seed and the token's position).
+Seeded sampling through the cluster equals the engine's own, colocated, output. A prefill
+worker killed after its first token, before the decode worker's pull, costs a recompute on
+the decode worker, not the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from services.engine.sampling_params import SamplingParams
+from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
+
+SETTINGS = {"prefill_replicas": 1, "decode_replicas": 2, "kv_transport": "tcp"}
+SIGKILL_SEED = 669  # the prefill worker kills itself when D comes for this request's KV
+PROMPTS = ["Write one sentence about the sea.", "Name three rivers in Europe.",
+           "Describe a lighthouse at night.", "What is a prime number?",
+           "Give advice to a new gardener.", "Tell a short story about a cat.",
+           "Explain rain to a child.", "List some uses of copper."]
+MAX_TOKENS = 40
+STREAMS = 2 * len(PROMPTS)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    root = Path(tmp_path_factory.mktemp("migration"))
+    config = root / "tandem.yaml"
+    config.write_text(yaml.safe_dump(SETTINGS))
+    up = UpProcess(["--config", str(config)], root / "tandem-up.log",
+                   env={"TANDEM_TEST_FAULTS": f"prefill:sigkill={SIGKILL_SEED}"}).start()
+    try:
+        yield up
+    finally:
+        up.stop()
+
+
+def _body(i: int) -> dict[str, object]:
+    """Streams 0-7 greedy, 8-15 seeded sampling, over the 8 prompts."""
+    sampling: dict[str, object] = ({"temperature": 0} if i < len(PROMPTS)
+                                   else {"temperature": 0.8, "top_p": 0.95, "seed": 100 + i})
+    return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, **sampling}
+
+
+Progress = list[int]
+
+
+async def _run_streams(cluster: UpProcess,
+                       during: Callable[[Progress], Awaitable[None]] | None = None
+                       ) -> list[list[int]]:
+    progress = [0] * STREAMS
+
+    async def one(http: httpx.AsyncClient, i: int) -> list[int]:
+        tokens: list[int] = []
+        async with http.stream("POST", "/v1/completions", json=_body(i)) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                assert "error" not in chunk, (i, chunk)
+                tokens += chunk["choices"][0]["token_ids"]
+                progress[i] = len(tokens)
+        return tokens
+
+    async with httpx.AsyncClient(base_url=cluster.http_url, timeout=300,
+                                 limits=httpx.Limits(max_connections=STREAMS)) as http:
+        streams = [asyncio.ensure_future(one(http, i)) for i in range(STREAMS)]
+        if during is not None:
+            await during(progress)
+        return list(await asyncio.gather(*streams))
+
+
+def _decode_replicas(cluster: UpProcess) -> list[psutil.Process]:
+    return [p for p in cluster.descendants()
+            if "ServeReplica" in " ".join(p.cmdline()) and ":decode" in " ".join(p.cmdline())]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(cluster: UpProcess) -> list[list[int]]:
+    return asyncio.run(_run_streams(cluster))
+
+
+def test_seeded_sampling_through_the_cluster_equals_the_engine(
+        undisturbed: list[list[int]], make_engine, loaded_model) -> None:  # type: ignore[no-untyped-def]
+    engine = make_engine()
+    for i in range(STREAMS):
+        body = _body(i)
+        prompt = loaded_model.tokenizer.encode(str(body["prompt"]))
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                temperature=float(body["temperature"]),  # type: ignore[arg-type]
+                                top_p=float(body.get("top_p", 1.0)),  # type: ignore[arg-type]
+                                seed=body.get("seed"))  # type: ignore[arg-type]
+        assert engine.generate([prompt], params)[0] == undisturbed[i], i
+    assert len(set(map(tuple, undisturbed[len(PROMPTS):]))) == len(PROMPTS)  # samples differ
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_lost_decode_worker_does_not_cut_a_stream(cluster: UpProcess,
+                                                    undisturbed: list[list[int]],
+                                                    sig: signal.Signals) -> None:
+    before = sum(metric_values(cluster.http_url, "tandem_request_migrations_total").values())
+    replicas = _decode_replicas(cluster)
+    assert len(replicas) == 2, [p.cmdline() for p in replicas]
+
+    async def kill_mid_stream(progress: Progress) -> None:
+        while min(progress) < 4:  # every stream has tokens out, none has finished
+            await asyncio.sleep(0.02)
+        replicas[0].send_signal(sig)
+
+    migrated = asyncio.run(_run_streams(cluster, kill_mid_stream))
+    for i in range(STREAMS):
+        assert migrated[i] == undisturbed[i], i
+    after = sum(metric_values(cluster.http_url, "tandem_request_migrations_total").values())
+    assert after > before  # some streams were on the lost worker
+    resumed = metric_values(cluster.http_url, "tandem_migration_resume_seconds_count")
+    assert sum(resumed.values()) == after
+    # Serve replaces the lost replica; then every block is free on all three workers.
+    wait_for(lambda: len(_decode_replicas(cluster)) == 2 and all_blocks_free(cluster, 3), 240,
+             "the replacement decode worker and every KV block free")
+
+
+def test_a_prefill_worker_killed_before_the_pull_costs_a_recompute(
+        cluster: UpProcess, make_engine, loaded_model) -> None:  # type: ignore[no-untyped-def]
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=SIGKILL_SEED, ignore_eos=True)
+    expected = make_engine().generate([loaded_model.tokenizer.encode(prompt)], params)[0]
+    recomputes = sum(metric_values(cluster.http_url, "tandem_decode_recomputes_total").values())
+    response = httpx.post(f"{cluster.http_url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 16, "temperature": 0.8, "seed": SIGKILL_SEED,
+        "ignore_eos": True, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == expected
+    wait_for(lambda: sum(metric_values(cluster.http_url, "tandem_decode_recomputes_total")
+                         .values()) > recomputes, 30, "the decode worker's recompute counted")
+    # Serve replaces the prefill replica; then every block is free on all three workers.
+    wait_for(lambda: all_blocks_free(cluster, 3), 240, "every KV block free")
