@@ -38,11 +38,11 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def reference(make_engine):  # type: ignore[no-untyped-def]
-    """The engine's own greedy output for a prompt's token ids."""
+    """The engine's own output for a prompt's token ids (greedy unless told otherwise)."""
     engine = make_engine()
 
     def greedy(prompt: list[int], max_tokens: int = MAX_TOKENS, **kw: object) -> list[int]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+        params = SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, **kw})  # type: ignore[arg-type]
         return engine.generate([prompt], params)[0]
 
     return greedy
@@ -142,6 +142,29 @@ def test_speculative_decoding_on_the_decode_worker(client: OpenAI, cluster: UpPr
     assert _tokens(response.choices[0]) == want
     wait_for(lambda: all_blocks_free(cluster), 30, "an idle cluster")
     assert _spec_counts(cluster) == after
+
+
+def test_seeded_sampling_equals_the_engine_on_the_reference_set(
+        cluster: UpProcess, prompts: list[list[int]], reference) -> None:  # type: ignore[no-untyped-def]
+    """Seeded sampling (temperature 0.8, top-p 0.95) through P, the NIXL pull and a decode
+    worker that speculates: the tokens the engine alone samples for the same seeds (draws
+    depend only on the seed and the token's position; verification accepts only drafts that
+    equal the target's own draws)."""
+    async def run() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=120) as http:
+            responses = await asyncio.gather(*(http.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 16, "temperature": 0.8, "top_p": 0.95,
+                "seed": 1000 + i, "ignore_eos": True, "return_token_ids": True})
+                for i, prompt in enumerate(prompts)))
+        for response in responses:
+            assert response.status_code == 200, response.text
+        return [list(r.json()["choices"][0]["token_ids"]) for r in responses]
+
+    sampled = asyncio.run(run())
+    for i, prompt in enumerate(prompts):
+        assert sampled[i] == reference(prompt, 16, ignore_eos=True, temperature=0.8,
+                                       top_p=0.95, seed=1000 + i), i
+    assert len({tuple(tokens) for tokens in sampled}) == len(prompts)
 
 
 def test_grpc_streams_same_tokens(cluster: UpProcess, client: OpenAI,
