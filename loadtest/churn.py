@@ -1,14 +1,14 @@
 """Decode worker churn: streams under load while a decode worker is killed again and again.
 
-Starts `tandem up` (1 prefill, 2 decode workers by default), sends a random workload at a fixed
-concurrency for ``--duration`` seconds, and every ``--kill-every`` seconds SIGKILLs one decode
-replica (Serve replaces it). Reports failed and cut requests (the target: none), migrations by
-reason, the time from a worker's death to a migrated stream's next token (p50/p99 from the
-gateway's histogram), the decode workers' prefill work over the run (tokens recomputed vs found
-in their prefix caches: a migration recomputes the prompt and the tokens sent, unless cached),
-and whether every KV block is free at the end.
+Starts `tandem up` (1 prefill, 2 decode workers by default), sends ``--requests`` requests of a
+random workload at a fixed concurrency, and while they run SIGKILLs one decode replica every
+``--kill-every`` seconds (Serve replaces it). Reports failed and cut requests (the target:
+none), migrations by reason, the time from a worker's death to a migrated stream's next token
+(p50/p99 from the gateway's histogram), the decode workers' prefill work over the run (tokens
+recomputed vs found in their prefix caches: a migration recomputes the prompt and the tokens
+sent, unless cached), and whether every KV block is free at the end.
 
-    python -m loadtest.churn --duration 180 --kill-every 30 --out results/churn
+    python -m loadtest.churn --requests 64 --kill-every 30 --out results/churn
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ async def churn(up: TandemUp, args: argparse.Namespace) -> dict[str, object]:
     task = asyncio.create_task(killer())
     try:
         run = await run_workload(client, requests, Load("concurrency", args.concurrency),
-                                 label="churn", deadline_s=args.duration, progress=False)
+                                 label="churn", deadline_s=args.deadline, progress=False)
     finally:
         task.cancel()
         await client.aclose()
@@ -120,6 +120,7 @@ async def churn(up: TandemUp, args: argparse.Namespace) -> dict[str, object]:
         "duration_s": round(run.duration_s, 1), "kills": len(kills),
         "requests_sent": len(run.records), "completed": len(done),
         "failed": sum(1 for r in run.records if not r.ok and not r.rejected),
+        "cut_off_by_the_deadline": run.deadline_hit,
         "mid_stream_errors": sum(1 for r in run.records if r.mid_stream_error),
         "rejected_429": sum(1 for r in run.records if r.rejected),
         "migrations": {reason: total(after, "tandem_request_migrations_total", reason=reason)
@@ -146,10 +147,11 @@ def _role_delta(before: dict[str, list[tuple[dict[str, str], float]]],
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=180.0, help="seconds of load (180)")
+    p.add_argument("--requests", type=int, default=64, help="requests to send (64)")
     p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills (30)")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--requests", type=int, default=100_000, help="cap on requests sent")
+    p.add_argument("--deadline", type=float, default=900.0,
+                   help="the run's limit in seconds; what is in flight then is cut (900)")
     p.add_argument("--input-len", type=int, default=200)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--request-timeout", type=float, default=300.0)
