@@ -324,7 +324,7 @@ def decision_attributes(decision: RoutingDecision) -> dict[str, Any]:
 
 
 def _failover_reason(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError | StreamStalledError):
+    if isinstance(exc, TimeoutError):  # a hop's timeout, or StreamStalledError
         return "timeout"
     return "unhealthy" if isinstance(exc, EngineDeadError) else "replica_gone"
 

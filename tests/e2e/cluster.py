@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import yaml
 
 READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1\s+gRPC (\S+)")
 TANDEM = Path(sys.executable).with_name("tandem")
@@ -37,6 +38,14 @@ class UpProcess:
     ready_s: float = 0.0
     process: subprocess.Popen[str] | None = None
     _descendants: list[psutil.Process] = field(default_factory=list)
+
+    @classmethod
+    def from_settings(cls, root: Path, settings: dict[str, object],
+                      env: dict[str, str] | None = None) -> UpProcess:
+        """`tandem up --config` with ``settings`` written to ``root``/tandem.yaml (not started)."""
+        config = root / "tandem.yaml"
+        config.write_text(yaml.safe_dump(settings))
+        return cls(["--config", str(config)], root / "tandem-up.log", env=env or {})
 
     def start(self) -> UpProcess:
         port, grpc_port = free_port(), free_port()

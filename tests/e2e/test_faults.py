@@ -23,7 +23,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import yaml
 from openai import OpenAI
 
 from services.engine.sampling_params import SamplingParams
@@ -50,12 +49,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    root = Path(tmp_path_factory.mktemp("faults"))
-    config = root / "tandem.yaml"
-    config.write_text(yaml.safe_dump(SETTINGS))
     faults = f"step={STEP_SEED},decode:fatal={FATAL_SEED},prefill:sigstop={SIGSTOP_SEED}"
-    up = UpProcess(["--config", str(config)], root / "tandem-up.log",
-                   env={"TANDEM_TEST_FAULTS": faults}).start()
+    up = UpProcess.from_settings(Path(tmp_path_factory.mktemp("faults")), SETTINGS,
+                                 {"TANDEM_TEST_FAULTS": faults}).start()
     try:
         yield up
     finally:

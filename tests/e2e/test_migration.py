@@ -22,7 +22,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import yaml
 
 from services.engine.sampling_params import SamplingParams
 from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
@@ -41,11 +40,8 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    root = Path(tmp_path_factory.mktemp("migration"))
-    config = root / "tandem.yaml"
-    config.write_text(yaml.safe_dump(SETTINGS))
-    up = UpProcess(["--config", str(config)], root / "tandem-up.log",
-                   env={"TANDEM_TEST_FAULTS": f"prefill:sigkill={SIGKILL_SEED}"}).start()
+    up = UpProcess.from_settings(Path(tmp_path_factory.mktemp("migration")), SETTINGS,
+                                 {"TANDEM_TEST_FAULTS": f"prefill:sigkill={SIGKILL_SEED}"}).start()
     try:
         yield up
     finally:
