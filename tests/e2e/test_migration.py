@@ -6,6 +6,9 @@ is killed with SIGKILL mid-stream: every stream completes without an error event
 exactly the tokens of its undisturbed run (the gateway resumes it on the other decode worker
 with the tokens it already sent; draws depend only on the seed and the token's position).
 With SIGTERM instead, Serve drains the replica: its streams finish there, then it exits.
+With SIGSTOP (a hung worker), the streams stall and move on (the stream idle timeout or Serve's
+health check, whichever comes first). Churn: closed-loop clients while a decode replica is
+SIGKILLed every 30 s and replaced by Serve: no request fails, every output is exact.
 Seeded sampling through the cluster equals the engine's own, colocated, output. A prefill
 worker killed after its first token, before the decode worker's pull, costs a recompute on
 the decode worker, not the request.
@@ -14,6 +17,7 @@ the decode worker, not the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 from collections.abc import Awaitable, Callable, Iterator
@@ -26,7 +30,9 @@ import pytest
 from services.engine.sampling_params import SamplingParams
 from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
 
-SETTINGS = {"prefill_replicas": 1, "decode_replicas": 2, "kv_transport": "tcp"}
+# A decode stream silent for 8 s is a hung worker (Serve's health check kills one after ~10 s).
+SETTINGS = {"prefill_replicas": 1, "decode_replicas": 2, "kv_transport": "tcp",
+            "stream_idle_timeout_s": 8}
 SIGKILL_SEED = 669  # the prefill worker kills itself when D comes for this request's KV
 PROMPTS = ["Write one sentence about the sea.", "Name three rivers in Europe.",
            "Describe a lighthouse at night.", "What is a prime number?",
@@ -59,27 +65,30 @@ def _body(i: int) -> dict[str, object]:
 Progress = list[int]
 
 
+async def _stream(http: httpx.AsyncClient, i: int, progress: Progress | None = None
+                  ) -> list[int]:
+    """Request ``_body(i)``'s streamed token ids (no error event allowed)."""
+    tokens: list[int] = []
+    async with http.stream("POST", "/v1/completions", json=_body(i)) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, (i, chunk)
+            tokens += chunk["choices"][0]["token_ids"]
+            if progress is not None:
+                progress[i] = len(tokens)
+    return tokens
+
+
 async def _run_streams(cluster: UpProcess,
                        during: Callable[[Progress], Awaitable[None]] | None = None
                        ) -> list[list[int]]:
     progress = [0] * STREAMS
-
-    async def one(http: httpx.AsyncClient, i: int) -> list[int]:
-        tokens: list[int] = []
-        async with http.stream("POST", "/v1/completions", json=_body(i)) as response:
-            assert response.status_code == 200, await response.aread()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                assert "error" not in chunk, (i, chunk)
-                tokens += chunk["choices"][0]["token_ids"]
-                progress[i] = len(tokens)
-        return tokens
-
     async with httpx.AsyncClient(base_url=cluster.http_url, timeout=300,
                                  limits=httpx.Limits(max_connections=STREAMS)) as http:
-        streams = [asyncio.ensure_future(one(http, i)) for i in range(STREAMS)]
+        streams = [asyncio.ensure_future(_stream(http, i, progress)) for i in range(STREAMS)]
         if during is not None:
             await during(progress)
         return list(await asyncio.gather(*streams))
@@ -112,7 +121,8 @@ def test_seeded_sampling_through_the_cluster_equals_the_engine(
     assert len(set(map(tuple, undisturbed[len(PROMPTS):]))) == len(PROMPTS)  # samples differ
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP],
+                         ids=["sigkill", "sigterm", "sigstop"])
 def test_a_lost_decode_worker_does_not_cut_a_stream(cluster: UpProcess,
                                                     undisturbed: list[list[int]],
                                                     sig: signal.Signals) -> None:
@@ -129,13 +139,61 @@ def test_a_lost_decode_worker_does_not_cut_a_stream(cluster: UpProcess,
     for i in range(STREAMS):
         assert migrated[i] == undisturbed[i], i
     after = sum(metric_values(cluster.http_url, "tandem_request_migrations_total").values())
-    if sig == signal.SIGKILL:
-        assert after > before  # some streams were on the killed worker: they moved
-    else:  # SIGTERM: Serve drains the replica (its streams finish there), then it exits
+    if sig == signal.SIGTERM:  # Serve drains the replica (its streams finish there), then it exits
         replicas[0].wait(timeout=120)
+    else:  # some streams were on the killed (or hung) worker: they moved
+        assert after > before
+    if sig == signal.SIGSTOP:  # Serve's health check may have killed it by now; if not, resume it
+        with contextlib.suppress(psutil.NoSuchProcess):
+            replicas[0].send_signal(signal.SIGCONT)
     resumed = metric_values(cluster.http_url, "tandem_migration_resume_seconds_count")
     assert sum(resumed.values()) == after
     # Serve replaces the lost replica; then every block is free on all three workers.
+    wait_for(lambda: len(_decode_replicas(cluster)) == 2 and all_blocks_free(cluster, 3), 240,
+             "the replacement decode worker and every KV block free")
+
+
+CHURN_KILLS, CHURN_EVERY_S, CHURN_CLIENTS = 2, 30.0, 8
+
+
+def test_streams_survive_decode_workers_killed_every_30_s(
+        cluster: UpProcess, undisturbed: list[list[int]]) -> None:
+    """Closed-loop clients over the 16 bodies while a decode replica is SIGKILLed every 30 s
+    (each time once Serve has replaced the previous one): every request completes, exactly."""
+    before = sum(metric_values(cluster.http_url, "tandem_request_migrations_total").values())
+    kills: list[int] = []
+    done: list[tuple[int, list[int]]] = []
+
+    def replaced() -> bool:  # both decode workers up and reporting (with the prefill worker)
+        blocks = metric_values(cluster.http_url, "tandem_kv_cache_blocks")
+        return len(_decode_replicas(cluster)) == 2 and len(blocks) == 3
+
+    async def killer() -> None:
+        for _ in range(CHURN_KILLS):
+            await asyncio.sleep(CHURN_EVERY_S)
+            while not await asyncio.to_thread(replaced):
+                await asyncio.sleep(0.5)
+            victim = _decode_replicas(cluster)[len(kills) % 2]
+            victim.send_signal(signal.SIGKILL)
+            kills.append(victim.pid)
+
+    async def client(http: httpx.AsyncClient, first: int, stop: asyncio.Task[None]) -> None:
+        i = first
+        while not stop.done():
+            done.append((i, await _stream(http, i)))
+            i = (i + CHURN_CLIENTS) % STREAMS
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=300) as http:
+            stop = asyncio.ensure_future(killer())
+            await asyncio.gather(*(client(http, c, stop) for c in range(CHURN_CLIENTS)), stop)
+
+    asyncio.run(run())
+    assert len(kills) == CHURN_KILLS
+    for i, tokens in done:
+        assert tokens == undisturbed[i], i
+    after = sum(metric_values(cluster.http_url, "tandem_request_migrations_total").values())
+    assert after > before
     wait_for(lambda: len(_decode_replicas(cluster)) == 2 and all_blocks_free(cluster, 3), 240,
              "the replacement decode worker and every KV block free")
 
