@@ -1,17 +1,19 @@
 """Sampling draws the right distribution, and speculation emits exactly the plain tokens.
 
 A tiny randomly initialised Llama (vocab 10) is sampled thousands of times, each request with
-its own seed. The sampler's exponential race (engine/sampler.py) must draw each position's
-token from the model's distribution: a two-sample chi-square test against ``torch.multinomial``
-on the same probabilities must pass, and a deliberately broken race (multiplying by the noise
-instead of dividing, which favours unlikely tokens) must fail it. With a draft model (the same
-Llama with noise added, so drafts are often wrong), every request's tokens must equal its
-tokens without speculation, since verification accepts a draft only where it equals the
-target's own draw.
+its own seed. The sampler's exponential race (engine/sampler.py, with its counter-based hash
+noise) must draw each position's token from the model's distribution: a two-sample chi-square
+test against ``torch.multinomial`` on the same probabilities must pass, for the noise alone and
+for the batched ``sample`` (with top-k and top-p too), and a deliberately broken race
+(multiplying by the noise instead of dividing, which favours unlikely tokens) must fail it.
+With a draft model (the same Llama with noise added, so drafts are often wrong), every
+request's tokens must equal its tokens without speculation, since verification accepts a
+draft only where it equals the target's own draw.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,7 +21,7 @@ import torch
 from services.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel
-from services.engine.sampler import exponential_noise
+from services.engine.sampler import exponential_noise, probabilities, sample
 from services.engine.sampling_params import SamplingParams
 
 VOCAB = 10
@@ -100,6 +102,22 @@ def test_the_exponential_race_draws_from_the_distribution():
     assert p_ok > CRITICAL_P, f"the race rejected (p={p_ok:.2g})"
     p_broken = chi_square_p(broken, reference)
     assert p_broken < CRITICAL_P, f"the broken race went unnoticed (p={p_broken:.2g})"
+
+
+def test_the_batched_sampler_draws_from_the_distribution():
+    """``sample`` itself, one batch of SAMPLES rows (one seed each), draws from
+    ``probabilities``: plain, top-k and top-p."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(VOCAB, generator=gen) * 1.5
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6),
+                   SamplingParams(temperature=1.3, top_p=0.8)):
+        rows = [replace(params, seed=seed) for seed in range(SAMPLES)]
+        tokens = torch.tensor(sample(logits.expand(SAMPLES, VOCAB), rows, [5] * SAMPLES))
+        probs = probabilities(logits, params)
+        assert bool((probs[tokens] > 0).all()), "a truncated token was drawn"
+        reference = torch.multinomial(probs, SAMPLES, replacement=True, generator=gen)
+        p_ok = chi_square_p(tokens, reference)
+        assert p_ok > CRITICAL_P, f"{params}: the batched race rejected (p={p_ok:.2g})"
 
 
 def test_positions_draw_independently():
