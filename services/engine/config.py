@@ -37,6 +37,7 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "self")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine/attention
 
 
 @dataclass
@@ -94,11 +95,14 @@ class EngineConfig:
     max_waiting: int = 1024  # admission control: add_request fails beyond this
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto | torch | triton (engine/attention)
     seed: int = 0  # for requests that sample without their own seed
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
@@ -106,3 +110,4 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+

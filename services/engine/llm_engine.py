@@ -13,6 +13,7 @@ import torch
 from services.engine.attention import get_attention_backend
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.device import check_device
 from services.engine.faults import fault_hook_from_env
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from services.engine.kv_events import KVEvent
@@ -62,6 +63,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        check_device(config.device)
         loaded = loaded or load_model(config.model, config.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -76,7 +78,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         model = LlamaModel(loaded.config, loaded.weights,
-                           get_attention_backend(config.attention_backend),
+                           get_attention_backend(config.attention_backend, config.device,
+                                                 loaded.config.num_heads,
+                                                 loaded.config.num_kv_heads,
+                                                 loaded.config.head_dim),
                            max_positions=self.max_model_len, device=config.device)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device)
         # Seeds for sampled requests that come without one (the gateway sends one always).

@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention import AttentionBackend, AttentionMetadata
+from services.engine.attention import AttentionBackend
 from services.engine.config import ModelConfig
 
 
@@ -103,8 +104,9 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Run the step's flat token batch; return float32 logits for ``logits_indices`` rows."""
+                plan: Any, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run the step's flat token batch; return float32 logits for ``logits_indices`` rows.
+        ``plan``: the attention backend's ``prepare`` of the step's metadata."""
         c = self.config
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         cos = self.cos[positions].unsqueeze(1)
@@ -121,7 +123,7 @@ class LlamaModel(nn.Module):
                 k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)  # type: ignore[arg-type]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            attn = self.attention.forward(index, q, k, v, kv_cache, meta)
+            attn = self.attention.forward(index, q, k, v, kv_cache, plan)
             x = x + F.linear(attn, layer["o"])  # type: ignore[arg-type]
             h = rms_norm(x, layer["post_norm"], c.rms_norm_eps)  # type: ignore[arg-type]
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)  # type: ignore[arg-type]

@@ -10,7 +10,12 @@ from typing import Any
 import yaml
 
 from router.config import POLICIES as ROUTING_POLICIES
-from services.engine.config import SPEC_METHODS, EngineConfig, SpeculativeConfig
+from services.engine.config import (
+    ATTENTION_BACKENDS,
+    SPEC_METHODS,
+    EngineConfig,
+    SpeculativeConfig,
+)
 from services.kv_transfer.factory import TRANSPORTS
 
 DTYPES = ("float32", "bfloat16")
@@ -26,6 +31,7 @@ class AppConfig:
     model: str | None = None  # .gguf file or HF directory; None: the built-in model
     dtype: str = "float32"
     device: str = "auto"  # where engines run: auto (cuda when the worker sees a GPU) | cpu | cuda
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
     block_size: int = 16
     prefill_replicas: int = 1
     decode_replicas: int = 1
@@ -75,6 +81,9 @@ class AppConfig:
                               f"got {self.routing_policy!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
@@ -125,7 +134,7 @@ class AppConfig:
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
-            num_threads=self.threads_per_worker)
+            num_threads=self.threads_per_worker, attention_backend=self.attention_backend)
 
     def in_flight_limit(self) -> int:
         """The gateway's admission bound (``max_in_flight`` or its default)."""
@@ -140,7 +149,13 @@ class AppConfig:
             return self.device
         import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        from services.engine.device import check_device
+
+        if torch.cuda.is_available():
+            return "cuda"
+        if any(Path("/dev").glob("nvidia[0-9]*")):  # a GPU torch cannot use: say so, loudly
+            check_device("cuda")
+        return "cpu"
 
     def replace(self, **changes: Any) -> AppConfig:
         return dataclasses.replace(self, **changes)

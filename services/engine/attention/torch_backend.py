@@ -1,0 +1,159 @@
+"""The reference attention backend, and the CPU's: gather a sequence's blocks, then SDPA.
+
+``prepare`` turns the step's flat metadata into work for SDPA once per step: decoding
+sequences in batches of equal query length (one batched SDPA each, with the mask built here),
+prefill chunks one by one (4-D SDPA: causal without a mask when the chunk is the whole
+context so far, else a mask over its cached keys). A single decoding sequence needs no mask:
+its keys are cut to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.attention.metadata import StepMetadata
+
+
+@dataclass
+class DecodeBatch:
+    """``num_seqs`` sequences with ``query_len`` query rows each, from row ``start`` on.
+
+    The mask repeats a sequence's rows for every query head of a KV group (the folding in
+    ``TorchAttention``); with one query row it has a single row that broadcasts. None: one
+    sequence with one query row, its keys cut to ``num_keys``.
+    """
+
+    start: int
+    num_seqs: int
+    query_len: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks]
+    mask: torch.Tensor | None  # [num_seqs, 1, heads_per_kv_group * query_len | 1, max_keys]
+    num_keys: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_seqs * self.query_len
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of query rows ``[start, end)`` attending to ``context_len`` keys."""
+
+    start: int
+    end: int
+    context_len: int
+    block_ids: torch.Tensor  # [num_blocks] covering context_len
+    mask: torch.Tensor | None  # [q, context_len] bool; None = plain causal, no earlier context
+
+
+@dataclass
+class TorchPlan:
+    slot_blocks: torch.Tensor  # [T] block id where each new token's k/v goes
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    decodes: list[DecodeBatch]
+    prefills: list[PrefillSpan]
+
+
+class TorchAttention:
+    name = "torch"
+
+    def __init__(self, heads_per_kv_group: int) -> None:
+        self.group = heads_per_kv_group
+
+    def prepare(self, step: StepMetadata) -> TorchPlan:
+        bs, device = step.block_size, step.slot_mapping.device
+        starts = [0]
+        for q in step.query_lens_host:
+            starts.append(starts[-1] + q)
+        decodes: list[DecodeBatch] = []
+        s = 0
+        while s < step.num_decodes:  # runs of equal query length
+            e = s
+            while e < step.num_decodes and step.query_lens_host[e] == step.query_lens_host[s]:
+                e += 1
+            decodes.append(self._decode_batch(step, s, e, starts[s]))
+            s = e
+        prefills = []
+        for s in range(step.num_decodes, step.num_seqs):
+            q, n = step.query_lens_host[s], step.seq_lens_host[s]
+            if q == n:
+                prefills.append(PrefillSpan(starts[s], starts[s] + q, n,
+                                            step.block_tables[s, :0], None))
+                continue
+            key_pos = torch.arange(n, device=device)
+            mask = key_pos[None, :] <= torch.arange(n - q, n, device=device)[:, None]
+            prefills.append(PrefillSpan(starts[s], starts[s] + q, n,
+                                        step.block_tables[s, :-(-n // bs)], mask))
+        return TorchPlan(step.slot_mapping // bs, step.slot_mapping % bs, decodes, prefills)
+
+    def _decode_batch(self, step: StepMetadata, s: int, e: int, row: int) -> DecodeBatch:
+        bs, device = step.block_size, step.slot_mapping.device
+        length = step.query_lens_host[s]
+        lens = step.seq_lens_host[s:e]
+        width = -(-max(lens) // bs)
+        tables = step.block_tables[s:e, :width]
+        if e - s == 1 and length == 1:
+            return DecodeBatch(row, 1, 1, tables, None, lens[0])
+        key_pos = torch.arange(width * bs, device=device)
+        # Query row i of a sequence sits at position seq_len - length + i; it sees keys up to it.
+        query_pos = (step.seq_lens[s:e, None] - length
+                     + torch.arange(length, device=device)[None, :])  # [n, length]
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [n, length, keys]
+        if length > 1:
+            mask = mask[:, None].expand(-1, self.group, -1, -1)
+        mask = mask.reshape(e - s, 1, -1, key_pos.numel())
+        return DecodeBatch(row, e - s, length, tables, mask, width * bs)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, plan: TorchPlan) -> torch.Tensor:
+        """Write k/v for the step's tokens into the cache, return attention output [T, Hq*D]."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        key_cache = kv_cache[:, layer, 0]  # [blocks, block_size, Hkv, D] (views)
+        value_cache = kv_cache[:, layer, 1]
+        key_cache[plan.slot_blocks, plan.slot_offsets] = k
+        value_cache[plan.slot_blocks, plan.slot_offsets] = v
+
+        out = torch.empty_like(q)
+        group = num_heads // num_kv_heads
+        for batch in plan.decodes:
+            n, length = batch.num_seqs, batch.query_len
+            # Gathering k and v separately leaves each contiguous: the reshape and transpose
+            # below are views, and SDPA reads the strided layout without another copy.
+            table = batch.block_tables.flatten()
+            # index_select, not advanced indexing: ~25x faster on this strided view on CPU.
+            keys = key_cache.index_select(0, table).view(n, -1, num_kv_heads, head_dim)
+            values = value_cache.index_select(0, table).view(n, -1, num_kv_heads, head_dim)
+            if batch.mask is None:  # one sequence: its keys, no mask
+                keys, values = keys[:, :batch.num_keys], values[:, :batch.num_keys]
+            # Fold each KV group's query heads (and query rows) into the query-length dim:
+            # one matmul per KV head instead of one per query head.
+            group_q = (q[batch.start:batch.end].view(n, length, num_kv_heads, group, head_dim)
+                       .permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * length, head_dim))
+            attn = F.scaled_dot_product_attention(group_q, keys.transpose(1, 2),
+                                                  values.transpose(1, 2), attn_mask=batch.mask)
+            out[batch.start:batch.end] = (attn.view(n, num_kv_heads, group, length, head_dim)
+                                          .permute(0, 3, 1, 2, 4)
+                                          .reshape(n * length, num_heads, head_dim))
+
+        for span in plan.prefills:
+            q_span = q[span.start:span.end].transpose(0, 1)[None]  # [1, Hq, len, D]
+            if span.mask is None:
+                keys = k[span.start:span.end]
+                values = v[span.start:span.end]
+            else:
+                keys = key_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)
+                values = value_cache.index_select(0, span.block_ids).view(-1, num_kv_heads,
+                                                                          head_dim)
+                keys, values = keys[:span.context_len], values[:span.context_len]
+            # 4-D: SDPA's fused kernels take only batched inputs (3-D falls back to math).
+            attn = F.scaled_dot_product_attention(
+                q_span, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                attn_mask=span.mask, is_causal=span.mask is None,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+            out[span.start:span.end] = attn[0].transpose(0, 1)
+        return out.view(num_tokens, num_heads * head_dim)

@@ -1,0 +1,49 @@
+"""Our Triton paged attention: K/V read in place from the block table, no gather, no mask.
+
+``prepare`` only picks the split-KV factor for the step (from host numbers, no sync); each
+layer stores its new K/V (``store_kv``) and runs one kernel launch over every sequence of the
+step, decoding or prefilling (``paged_attention``; kernels in ``triton_kernels.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention.metadata import StepMetadata
+from services.engine.attention.triton_kernels import (
+    choose_num_splits,
+    paged_attention,
+    store_kv,
+)
+
+
+@dataclass
+class TritonPlan:
+    step: StepMetadata
+    num_splits: int
+
+
+class TritonAttention:
+    name = "triton"
+
+    def __init__(self, num_kv_heads: int, head_dim: int, device: str) -> None:
+        self.num_kv_heads = num_kv_heads
+        self.scale = head_dim ** -0.5
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if torch.device(device).type == "cuda" else 132)
+
+    def prepare(self, step: StepMetadata) -> TritonPlan:
+        return TritonPlan(step, choose_num_splits(step.num_seqs, self.num_kv_heads,
+                                                  step.max_query_len, step.max_seq_len,
+                                                  self.num_sms))
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, plan: TritonPlan) -> torch.Tensor:
+        step = plan.step
+        store_kv(kv_cache, layer, k, v, step.slot_mapping)
+        out = paged_attention(q, kv_cache, layer, step.query_start, step.seq_lens,
+                              step.block_tables, step.max_query_len, step.max_seq_len,
+                              self.scale, num_splits=plan.num_splits)
+        return out.view(q.shape[0], -1)

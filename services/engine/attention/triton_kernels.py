@@ -1,0 +1,309 @@
+"""Triton kernels over the paged KV cache: ``store_kv`` and ``paged_attention``.
+
+The cache is ``[num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]``. Kernels
+get one layer's key and value views with their strides; key position ``j`` of sequence ``s`` is
+read in place at block ``block_tables[s, j // block_size]``, slot ``j % block_size``.
+
+``paged_attention`` is one kernel for decode, speculative verification and (chunked) prefill.
+A program owns (one query tile of one sequence, one KV head, one key split). Its M dimension
+folds the KV head's ``group`` query heads with ``BLOCK_Q`` query rows (tile row ``r`` is query
+row ``r // group``, head ``r % group`` of the group), so each K/V tile is loaded once per KV head.
+Keys are visited in ``BLOCK_N`` tiles (a multiple of block_size; every key looks up its own
+block id) up to the tile's last query position, with an fp32 online softmax in the exp2 domain.
+Query tiles are numbered flat over the step, sequence ``s`` starting at tile
+``query_start[s] // BLOCK_Q + s`` (found by binary search), so a step of many decodes plus one
+long prefill launches about ``T / BLOCK_Q + S`` programs per KV head, not ``S x`` the longest query.
+
+Split-KV (``num_splits > 1``): each program's key range is cut into ``num_splits`` tile-aligned
+parts whose (max, sum, unnormalised acc) go to fp32 scratch; ``_reduce_splits_kernel`` merges them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = math.log2(math.e)
+_MAX_SPLITS = 16
+_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
+_MAX_DECODE_QUERY_LEN = 16  # longer queries (prefill chunks) bring enough programs of their own
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, num_kv_heads,
+    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """One program per token: copy its [num_kv_heads, head_dim] key and value into its slot."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: block * stride can pass 2**31
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    mask = heads < num_kv_heads
+    cache = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+             + heads * stride_ch + dims * stride_cd)
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    tl.store(key_cache_ptr + cache, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + cache, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_key_tile(
+    q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr, value_cache_ptr,
+    qk_scale, stride_cb, stride_cs, stride_cd, stride_bb,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [start, start + BLOCK_N) (those below kv_hi)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < kv_hi
+    blocks = tl.load(block_table + (keys // BLOCK_SIZE) * stride_bb, mask=key_ok, other=0)
+    offsets = blocks.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs
+    dims = tl.arange(0, HEAD_DIM)
+    k = tl.load(key_cache_ptr + offsets[None, :] + dims[:, None] * stride_cd,
+                mask=key_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]: K transposed
+    v = tl.load(value_cache_ptr + offsets[:, None] + dims[None, :] * stride_cd,
+                mask=key_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    if INTERPRETER:  # it computes bfloat16 on the raw bit patterns: work in float32
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row with no visible key yet keeps max -inf; subtract 0 instead (exp2(-inf) = 0).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs, num_tokens, num_heads, num_splits, qk_scale,
+    stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_bs, stride_bb,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
+    INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Binary search for the sequence owning this tile: the last s whose first tile,
+    # query_start[s] // BLOCK_Q + s, is <= tile. (Inline: the interpreter pays per call.)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_tile_start = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if q_tile_start >= q_len:
+        return  # a spare tile between two sequences' tiles
+    context_len = tl.load(seq_lens_ptr + seq) - q_len  # position of the first query row
+
+    rows = tl.arange(0, BLOCK_M)
+    q_rows = q_tile_start + rows // GROUP  # query row within the sequence
+    heads = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_rows < q_len)
+    positions = context_len + q_rows
+    tokens = q_start + q_rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
+                + dims[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+    if INTERPRETER:
+        q = q.to(tl.float32)
+
+    # This split's keys: the keys up to the tile's last query row, in num_splits tile-aligned
+    # parts (a part may be empty; it then reports max -inf and sum 0).
+    kv_end = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), num_splits)
+    kv_lo = split * tiles_per_split * BLOCK_N
+    kv_hi = tl.minimum(kv_lo + tiles_per_split * BLOCK_N, kv_end)
+
+    block_table = block_tables_ptr + seq * stride_bs
+    key_cache_ptr += kv_head * stride_ch
+    value_cache_ptr += kv_head * stride_ch
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if INTERPRETER:
+        # The interpreter's range() cannot take tensor bounds with numpy >= 2.4 (triton#9171);
+        # on the GPU the for loop below is what the software pipeliner works on.
+        start = kv_lo
+        while start < kv_hi:
+            m_i, l_i, acc = _attend_key_tile(
+                q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr,
+                value_cache_ptr, qk_scale, stride_cb, stride_cs, stride_cd, stride_bb,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION)
+            start += BLOCK_N
+    else:
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_key_tile(
+                q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr,
+                value_cache_ptr, qk_scale, stride_cb, stride_cs, stride_cd, stride_bb,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION)
+
+    if SPLIT:
+        part = (split * num_tokens + tokens) * num_heads + heads
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None])
+    else:
+        # Every row sees key 0 in the one split, so l_i > 0.
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
+                 + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, num_tokens, num_heads, num_splits,
+    stride_ot, stride_oh, stride_od,
+    SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """One program per (token, BLOCK_H query heads): merge the splits' partial softmaxes."""
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    heads = tl.minimum(heads, num_heads - 1)  # padding lanes redo the last head, never stored
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    part = (splits[:, None] * num_tokens + token) * num_heads + heads[None, :]  # [SPLITS, H]
+    split_ok = splits[:, None] < num_splits
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    total = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
+                  mask=split_ok[:, :, None], other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0)[None, :])  # split 0 always holds key 0: the max is finite
+    out = tl.sum(acc * weight[:, :, None], 0) / tl.sum(total * weight, 0)[:, None]
+    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def store_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, num_kv_heads, head_dim] of the step's T new tokens into layer `layer` of
+    the cache: token t goes to block slot_mapping[t] // block_size, offset
+    slot_mapping[t] % block_size. slot_mapping: [T] int64 (or int32)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    block_size = kv_cache.shape[3]
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
+    assert kv_cache.shape[4:] == (num_kv_heads, head_dim), "k does not match the cache's heads"
+    assert _is_power_of_two(head_dim) and _is_power_of_two(block_size)
+    if num_tokens == 0:
+        return
+    key_cache, value_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    _store_kv_kernel[(num_tokens,)](
+        k, v, key_cache, value_cache, slot_mapping, num_kv_heads,
+        *k.stride(), *v.stride(), *key_cache.stride(),
+        BLOCK_SIZE=block_size, HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+    )
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                    query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    max_query_len: int, max_seq_len: int, scale: float,
+                    num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of every query row of the step over its sequence's cached keys, reading K/V
+    in place from the block table (no gather copy). Returns [T, num_heads, head_dim] in q's
+    dtype.
+
+    Sequence s owns query rows query_start[s]:query_start[s + 1]; its row i sits at position
+    seq_lens[s] - q_len + i and attends to key positions <= that. max_query_len and max_seq_len
+    are host-side maxima so the launch never syncs with the device; they only pick tile sizes
+    and cap num_splits (at the number of key tiles), so results never depend on them.
+    num_splits == 1 allocates no scratch.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+    num_seqs = seq_lens.shape[0]
+    assert kv_cache.shape[5] == head_dim and kv_cache.dtype == q.dtype
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of the KV heads"
+    assert _is_power_of_two(head_dim) and _is_power_of_two(block_size)
+    assert query_start.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    # M = group x query rows, at least 16 for tl.dot: small tiles for decode and speculative
+    # steps, larger ones once prefill chunks are present.
+    block_m = 16 if group * max_query_len <= 16 else 64
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    block_n = max(block_size, 32)
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, block_n)))
+
+    if num_splits > 1:
+        part_max = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
+                               device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_splits, num_tokens, num_heads, head_dim),
+                               dtype=torch.float32, device=q.device)
+    else:
+        part_max = part_sum = part_acc = out  # never read: SPLIT is a compile-time False
+
+    key_cache, value_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q, key_cache, value_cache, out, part_max, part_sum, part_acc,
+        query_start, seq_lens, block_tables,
+        num_seqs, num_tokens, num_heads, num_splits, scale * _LOG2E,
+        *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
+        INTERPRETER=q.device.type == "cpu",  # CPU tensors only run under TRITON_INTERPRET=1
+        # float32 caches (tests, debugging) get exact products, not TF32 tensor-core ones.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_m <= 16 else 8,  # 64-row tiles spill registers with 4 warps (sm_90)
+    )
+    if num_splits > 1:
+        splits_p2 = triton.next_power_of_2(num_splits)
+        # Heads per program: a [splits, heads, head_dim] fp32 tile of at most 4096 elements.
+        block_h = min(triton.next_power_of_2(num_heads), max(1, 4096 // (splits_p2 * head_dim)))
+        _reduce_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+            out, part_max, part_sum, part_acc, num_tokens, num_heads, num_splits,
+            *out.stride(), SPLITS=splits_p2, BLOCK_H=block_h, HEAD_DIM=head_dim,
+        )
+    return out
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                      num_sms: int = 132) -> int:
+    """Key splits for a step: double while the (sequence, KV head) programs leave SMs idle and
+    every split keeps at least _MIN_KEYS_PER_SPLIT keys. 1 for prefill-sized queries."""
+    if max_query_len > _MAX_DECODE_QUERY_LEN:
+        return 1
+    programs = num_seqs * num_kv_heads
+    splits = 1
+    while (splits < _MAX_SPLITS and programs * splits < num_sms
+           and max_seq_len // (2 * splits) >= _MIN_KEYS_PER_SPLIT):
+        splits *= 2
+    return splits
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
