@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import importlib
 import logging
 import os
 import uuid
@@ -24,10 +25,21 @@ import torch
 
 from services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
 
-try:
-    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-except ImportError:  # the plain wheel name, where it is installed instead
-    from nixl import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # type: ignore[no-redef]
+
+def _import_nixl() -> Any:
+    """NIXL's module under its wheel's name: nixl-cu13 (GPU images: torch's CUDA 13),
+    nixl-cu12 (CPU machines and CI), or the plain ``nixl``."""
+    for name in ("nixl_cu13", "nixl_cu12", "nixl"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("NIXL is not installed (pip install nixl-cu13, or nixl-cu12 on a CPU)")
+
+
+_nixl = _import_nixl()
+nixl_agent, nixl_agent_config, nixl_thread_sync_t = (
+    _nixl.nixl_agent, _nixl.nixl_agent_config, _nixl.nixl_thread_sync_t)
 
 log = logging.getLogger(__name__)
 logging.getLogger("nixl").setLevel(os.environ.get("NIXL_LOG_LEVEL", "WARNING").upper())

@@ -692,6 +692,8 @@ def test_image_matches_the_chart_and_ci_pins() -> None:
         pinned = re.search(rf"^ARG {arg}=(\S+)$", dockerfile, re.M)
         ci = re.search(rf"{re.escape(package)}==(\S+)", setup)
         assert pinned and ci and pinned.group(1) == ci.group(1), (arg, package)
+    # The image's NIXL is built for torch's CUDA (13); CI's (cu12) moves host memory only.
+    assert '"nixl-cu13==${NIXL_VERSION}"' in dockerfile
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     assert values["rayVersion"] == ray.__version__
     user = re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.M)
