@@ -13,7 +13,8 @@ Sections, printed and written to ``--out``/gpu_check.json:
 - ``sampler``: the sampler's noise on the device equals the CPU's bit for bit; a seeded
   request draws the same tokens alone and in a batch of 32.
 - ``decode``: one decode step's time at batch 1, 16, 64 with 1k and 8k contexts for the triton
-  backend (eager and as a CUDA graph) and the torch backend, against the HBM floor measured
+  backend (eager, and through the engine's CUDA graphs: ``DecodeGraphs.run``, its input
+  copies included) and the torch backend, against the HBM floor measured
   in the same run (the bytes a step must read, at the bandwidth of a device-to-device copy).
 - ``prefill``: tokens/s of a 2k and an 8k prompt through the model with each backend, and the
   paged kernel against SDPA (flash) on contiguous tensors for one layer's attention.
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 
 from services.engine.attention import StepMetadata, build_step_metadata, get_attention_backend
 from services.engine.config import ModelConfig
+from services.engine.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
 from services.engine.model import LlamaModel
 from services.engine.sampler import exponential_noise, sample
 from services.engine.sampling_params import SamplingParams
@@ -74,7 +76,7 @@ class Plan:
 
 def make_plan(tiny: bool) -> Plan:
     if tiny:
-        return Plan(TINY, torch.float32, "cpu", 16, (1, 2), (32, 64), (48,), 2, 1 << 24, False)
+        return Plan(TINY, torch.float32, "cpu", 16, (1, 2), (32, 64), (48,), 2, 1 << 24, True)
     return Plan(LLAMA3_8B, torch.bfloat16, "cuda", 16, (1, 16, 64), (1024, 8192),
                 (2048, 8192), 20, 4 << 30, True)
 
@@ -287,6 +289,7 @@ def decode_timings(plan: Plan, model: LlamaModel, bandwidth: float) -> list[dict
     for batch in plan.batches:
         for context in plan.contexts:
             seqs = [(1, context + 1)] * batch
+            blocks = -(-(context + 1) // plan.block_size)
             inputs = uniform_step(plan, seqs, batch)
             floor_ms = step_read_bytes(model, batch * (context + 1), plan) / bandwidth * 1e3
             row: dict[str, Any] = {"batch": batch, "context": context,
@@ -294,27 +297,20 @@ def decode_timings(plan: Plan, model: LlamaModel, bandwidth: float) -> list[dict
             for name, m in models.items():
                 run = forward(m, inputs, cache)
                 row[f"{name}_ms"] = round(timed_ms(run, plan), 3)
-                if name == "triton" and plan.graphs:
-                    row["triton_graph_ms"] = round(timed_ms(captured(run), plan), 3)
+                if name == "triton" and plan.graphs:  # the engine's own graph path
+                    graphs = DecodeGraphs(m, cache, plan.block_size, batch, context + 1,
+                                          plan.device, capture=(
+                                              cuda_graph_capture if plan.device == "cuda"
+                                              else eager_capture))  # --tiny: the bookkeeping
+                    tables = [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)]
+                    replay = functools.partial(graphs.run, [5] * batch, [context + 1] * batch,
+                                               tables)
+                    row["triton_graph_ms"] = round(timed_ms(replay, plan), 3)
             for key in [k for k in row if k.endswith("_ms") and k != "floor_ms"]:
                 row[key.replace("_ms", "_x_floor")] = round(row[key] / floor_ms, 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
-
-
-def captured(run: Callable[[], torch.Tensor]) -> Callable[[], Any]:
-    """``run`` as a CUDA graph (its inputs are static tensors; the step plan is fixed)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up (Triton compiles outside the capture)
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph.replay
 
 
 def prefill_timings(plan: Plan, model: LlamaModel) -> list[dict[str, Any]]:

@@ -77,7 +77,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 # `tandem up` flag -> AppConfig field; only flags given on the command line override --config.
 _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
-             "attention_backend": "attention_backend", "prefill": "prefill_replicas",
+             "attention_backend": "attention_backend", "cuda_graphs": "cuda_graphs",
+             "prefill": "prefill_replicas",
              "decode": "decode_replicas", "colocated": "colocated", "host": "host",
              "port": "port", "grpc_port": "grpc_port", "redis_url": "redis_url",
              "kv_transport": "kv_transport", "block_size": "block_size",
@@ -101,6 +102,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                     help="paged attention: triton kernels (CUDA) or torch SDPA (auto: triton "
                          "on a GPU, torch on a CPU)")
+    up.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                    help="replay decode steps as CUDA graphs (on a GPU with triton attention; "
+                         "default on)")
     up.add_argument("--prefill", type=int, metavar="N", help="prefill worker replicas (1)")
     up.add_argument("--decode", type=int, metavar="M", help="decode worker replicas (1)")
     up.add_argument("--colocated", action="store_true",

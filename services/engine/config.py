@@ -96,6 +96,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     attention_backend: str = "auto"  # auto | torch | triton (engine/attention)
+    cuda_graphs: bool = True  # decode steps as CUDA graphs (on CUDA with triton attention)
     seed: int = 0  # for requests that sample without their own seed
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 

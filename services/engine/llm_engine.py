@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -13,6 +15,7 @@ import torch
 from services.engine.attention import get_attention_backend
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.device import check_device
 from services.engine.faults import fault_hook_from_env
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -33,6 +36,8 @@ from services.engine.scheduler import Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.engine.speculative.policy import SpecPolicy
 from services.engine.speculative.proposer import Proposer, build_proposer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,15 @@ class LLMEngine:
                                                  loaded.config.head_dim),
                            max_positions=self.max_model_len, device=config.device)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device)
+        if (config.cuda_graphs and torch.device(config.device).type == "cuda"
+                and model.attention.name == "triton"):
+            began = time.monotonic()
+            graphs = DecodeGraphs(model, self.kv_cache, config.block_size, config.max_num_seqs,
+                                  self.max_model_len, config.device)
+            graphs.capture_all()
+            self.runner.graphs = graphs
+            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
+                     sorted(graphs.graphs), time.monotonic() - began)
         # Seeds for sampled requests that come without one (the gateway sends one always).
         self._seeds = random.Random(config.seed)
         spec = config.speculative

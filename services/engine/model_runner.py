@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention import build_step_metadata
+from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.device import to_device
 from services.engine.model import LlamaModel
 from services.engine.scheduler import ScheduledSequence
@@ -30,6 +31,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs
 
     def execute(self, scheduled: list[ScheduledSequence]) -> StepResult:
         # Decoding sequences go first, grouped by query length (1, or 1 + draft tokens): the
@@ -68,6 +70,11 @@ class ModelRunner:
                 logits_rows.extend(range(row - wanted, row))
                 sampled.append(seq)
 
+        if self.graphs is not None and not prefills and self.graphs.fits(query_lens):
+            logits = self.graphs.run(input_ids, seq_lens, tables)  # one row per sequence
+            if len(logits_rows) < len(ordered):  # a 1-token prefill chunk short of its end
+                logits = logits[self._tensor(logits_rows)]
+            return StepResult(logits=logits, sampled=sampled, first_rows=first_rows)
         step = build_step_metadata(query_lens, seq_lens, tables, len(ordered) - len(prefills),
                                    self.block_size, self.device)
         plan = self.model.attention.prepare(step)

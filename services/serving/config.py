@@ -32,6 +32,7 @@ class AppConfig:
     dtype: str = "float32"
     device: str = "auto"  # where engines run: auto (cuda when the worker sees a GPU) | cpu | cuda
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    cuda_graphs: bool = True  # decode steps replayed as CUDA graphs (CUDA + triton attention)
     block_size: int = 16
     prefill_replicas: int = 1
     decode_replicas: int = 1
@@ -134,7 +135,8 @@ class AppConfig:
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
-            num_threads=self.threads_per_worker, attention_backend=self.attention_backend)
+            num_threads=self.threads_per_worker, attention_backend=self.attention_backend,
+            cuda_graphs=self.cuda_graphs)
 
     def in_flight_limit(self) -> int:
         """The gateway's admission bound (``max_in_flight`` or its default)."""

@@ -28,7 +28,7 @@ def test_tiny_run_checks_and_times_every_section(tmp_path: Path) -> None:
     assert results["agreement"]["equal"] == results["agreement"]["steps"]  # float32: exact
     assert len(results["decode"]) == 4
     assert all(row["triton_ms"] > 0 and row["torch_ms"] > 0 and row["floor_ms"] > 0
-               for row in results["decode"])
+               and row["triton_graph_ms"] > 0 for row in results["decode"])
     assert results["prefill"][0]["triton_tokens_per_s"] > 0
 
 

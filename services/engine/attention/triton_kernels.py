@@ -39,9 +39,12 @@ def _store_kv_kernel(
     stride_cb, stride_cs, stride_ch, stride_cd,
     BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """One program per token: copy its [num_kv_heads, head_dim] key and value into its slot."""
+    """One program per token: copy its [num_kv_heads, head_dim] key and value into its slot
+    (none for slot -1: a CUDA graph's padding row)."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: block * stride can pass 2**31
+    if slot < 0:
+        return
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HEAD_DIM)[None, :]
     mask = heads < num_kv_heads
@@ -205,7 +208,7 @@ def store_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, num_kv_heads, head_dim] of the step's T new tokens into layer `layer` of
     the cache: token t goes to block slot_mapping[t] // block_size, offset
-    slot_mapping[t] % block_size. slot_mapping: [T] int64 (or int32)."""
+    slot_mapping[t] % block_size; a slot of -1 is skipped. slot_mapping: [T] int64 (or int32)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     block_size = kv_cache.shape[3]
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)

@@ -1,0 +1,81 @@
+"""Decode CUDA graphs' bookkeeping, without a GPU: the batch ladder, padding rows that store
+nothing, static buffers reused across steps and batch sizes. The capture is injected: here it
+runs the step eagerly on the graph's buffers (the triton kernels under the interpreter), so
+everything but the recording itself is what runs on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before the kernels' module is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from services.engine.config import EngineConfig  # noqa: E402
+from services.engine.cuda_graphs import DecodeGraphs, batch_ladder, eager_capture  # noqa: E402
+from services.engine.llm_engine import LLMEngine  # noqa: E402
+from services.engine.sampling_params import SamplingParams  # noqa: E402
+
+GRAPH_CONTEXT = 256  # the graphs' longest context (keeps the split count at 1 here)
+
+
+def test_batch_ladder() -> None:
+    assert batch_ladder(1) == [1]
+    assert batch_ladder(5) == [1, 2, 4, 5]
+    assert batch_ladder(32) == [1, 2, 4, 8, 16, 32]
+    assert batch_ladder(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_ladder(40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+@pytest.fixture(scope="module")
+def short_model(loaded_model):  # type: ignore[no-untyped-def]
+    """The model's first 2 layers: the bookkeeping, not the depth."""
+    return dataclasses.replace(loaded_model, config=dataclasses.replace(loaded_model.config,
+                                                                        num_layers=2))
+
+
+def _engine(short_model, graphs: bool) -> LLMEngine:  # type: ignore[no-untyped-def]
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, attention_backend="triton",
+                                    max_num_seqs=8), short_model)
+    if graphs:
+        engine.runner.graphs = DecodeGraphs(engine.runner.model, engine.kv_cache,
+                                            engine.config.block_size, 8, GRAPH_CONTEXT, "cpu",
+                                            capture=eager_capture)
+    return engine
+
+
+def test_graphs_give_the_eager_tokens_as_the_batch_shrinks(short_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    # 3 sequences (padded to 4), then 2, then 1 as they finish: three graphs, shared buffers.
+    batch = [prompts[0], prompts[1][:20], prompts[2][:9]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 6, 3)]
+    outputs = {}
+    for graphs in (False, True):
+        engine = _engine(short_model, graphs)
+        outputs[graphs] = engine.generate(batch, params)
+        outputs[graphs] += engine.generate([prompts[1][:12]], params[0])  # buffers reused
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        if graphs:
+            assert engine.runner.graphs is not None and engine.runner.graphs.replays >= 8
+    assert outputs[True] == outputs[False]
+
+
+def test_padding_rows_store_nothing(short_model) -> None:  # type: ignore[no-untyped-def]
+    engine = _engine(short_model, graphs=True)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    cache = engine.kv_cache
+    cache.normal_()
+    before = cache.clone()
+    # 3 sequences at positions 4, 20 and 40 of blocks 5, 6+7, 8+9+10: padded to 4 rows.
+    logits = graphs.run([11, 12, 13], [5, 21, 41], [[5], [6, 7], [8, 9, 10]])
+    assert logits.shape == (3, short_model.config.vocab_size)
+    changed = (cache != before).flatten(2).any(-1)  # [blocks, layers]: which were written
+    bs = engine.config.block_size
+    written = {(5, 4 % bs), (7, 20 % bs), (10, 40 % bs)}
+    assert {b for b in range(cache.shape[0]) if changed[b].any()} == {b for b, _ in written}
+    for block, offset in written:
+        rows = (cache[block] != before[block]).flatten(3).any(-1)  # [layers, 2, block_size]
+        assert rows.any(0).any(0).nonzero().flatten().tolist() == [offset]
