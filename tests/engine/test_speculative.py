@@ -52,9 +52,11 @@ def assert_no_leak(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("method", PROPOSERS)
 def test_greedy_alone_matches_transformers(make_spec_engine, prompts, references, method):
+    # Every other prompt (14 to 976 tokens): one at a time costs a run each; the concurrent
+    # test below takes all eight.
     engine = make_spec_engine(method)
-    outputs = [engine.generate([p], GREEDY)[0] for p in prompts]
-    check_all(outputs, references, f"{method}, one at a time")
+    outputs = [engine.generate([p], GREEDY)[0] for p in prompts[::2]]
+    check_all(outputs, references[::2], f"{method}, one at a time")
     stats = engine.stats
     assert stats.spec_steps > 0 and stats.spec_draft_tokens > 0, "nothing was speculated"
     assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
