@@ -17,6 +17,9 @@ of the figures the experiment is about (each against the first configuration) on
   long/short mix; ITL, TTFT and goodput of the short requests.
 - ``prefix-vs-roundrobin``: 2 prefill + 1 decode worker under ``routing_policy`` round_robin
   and prefix; the multi-tenant shared-prefix workload; prefix-cache hit rate and TTFT.
+- ``tandem-vs-vllm``: vLLM's CPU backend (``--vllm``: its own venv) against ``tandem up`` as
+  1P+1D and colocated, on the same weights (``loadtest.export_hf``) and prompts; output tok/s,
+  TTFT and ITL at concurrency 1, 8 and 32.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ from loadtest.bench.compare import Metric, ratio
 from loadtest.bench.metrics import Summary
 from loadtest.bench.results import Cell
 from loadtest.bench.server_metrics import RoleCounters
+from loadtest.export_hf import export
+from loadtest.peers import VllmServer
 from loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
+from services.engine.model_loader import load_model
 
 PROG = "python -m loadtest.experiments"
 
@@ -47,6 +53,7 @@ PROG = "python -m loadtest.experiments"
 class Configuration:
     label: str
     settings: dict[str, Any]  # AppConfig fields: the YAML `tandem up --config` reads
+    peer: str | None = None  # "vllm": a peer server (loadtest/peers.py) instead of tandem up
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,7 @@ class Headline:
     key: str
     kind: str = "all"  # "all", or one kind of request of a mixed workload ("short", "long")
     higher_is_better: bool = False
-    unit: str = "ms"  # ms | req/s | %
+    unit: str = "ms"  # ms | req/s | tok/s | %
 
     def value(self, cell: Cell) -> float | None:
         if self.key.startswith("server_hit_rate."):
@@ -128,6 +135,18 @@ def disagg_vs_colocated(args: argparse.Namespace) -> list[Configuration]:
     ]
 
 
+def tandem_vs_vllm(args: argparse.Namespace) -> list[Configuration]:
+    common = _common(args)
+    vllm = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+    return [Configuration("vllm-cpu", vllm, peer="vllm"),
+            Configuration("tandem-1p1d", {**common, "prefill_replicas": 1,
+                                          "decode_replicas": 1, "threads_per_worker": 1,
+                                          "kv_transport": args.kv_transport}),
+            Configuration("tandem-colocated", {**common, "colocated": True,
+                                               "threads_per_worker": 2})]
+
+
 def prefix_vs_roundrobin(args: argparse.Namespace) -> list[Configuration]:
     workers = {**_common(args), "prefill_replicas": 2, "decode_replicas": 1,
                "threads_per_worker": 1, "kv_transport": args.kv_transport}
@@ -169,6 +188,19 @@ EXPERIMENTS = {e.name: e for e in (
         {"num_requests": 24, "num_tenants": 8, "prefix_len": 384, "input_len": "32",
          "output_len": "8", "zipf_s": 1.0, "request_rate": "0.4", "rounds": 2,
          "num_kv_blocks": 160, "slo_ttft_ms": 2000.0, "slo_tpot_ms": 150.0}),
+    Experiment(
+        "tandem-vs-vllm",
+        "vLLM's CPU backend (its own venv: --vllm) against `tandem up` as 1 prefill + 1 decode "
+        "worker and colocated, on the same weights (exported by our loader) and prompts",
+        "random", tandem_vs_vllm,
+        (Headline("output tok/s", "output_throughput", "all", True, "tok/s"),
+         Headline("TTFT p50", "ttft.p50"),
+         Headline("TTFT p99", "ttft.p99"),
+         Headline("ITL p50", "itl.p50"),
+         Headline("ITL p99", "itl.p99"),
+         Headline("req/s", "request_throughput", "all", True, "req/s")),
+        {"num_requests": 32, "input_len": "200", "output_len": "64", "concurrency": "1,8,32",
+         "rounds": 2}),
 )}
 
 
@@ -198,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
         servers.add_argument("--cpus", type=cpus_argument, default=None, metavar="LIST",
                              help="pin every server (and all it starts) to these CPUs with "
                                   "taskset, e.g. 0,1; the bench client stays unpinned")
+        if experiment.name == "tandem-vs-vllm":
+            servers.add_argument("--vllm", type=Path, required=True,
+                                 help="the `vllm` executable of a venv with vllm-cpu "
+                                      "(docs/loadtest.md)")
         servers.add_argument("--ready-timeout", type=float, default=600.0,
                              help="seconds to wait for each `tandem up` ready line")
         servers.add_argument("--metrics-settle", type=float, default=1.0, metavar="S",
@@ -238,7 +274,10 @@ def prepare(args: argparse.Namespace) -> Prepared:
         raise ValueError("--ready-timeout and --metrics-settle must be > 0")
     configurations = experiment.configurations(args)
     for conf in configurations:
-        AppConfig.from_dict(conf.settings, f"configuration {conf.label}")
+        if conf.peer is None:
+            AppConfig.from_dict(conf.settings, f"configuration {conf.label}")
+        elif not Path(args.vllm).is_file():
+            raise ValueError(f"--vllm {args.vllm}: no such file")
     bench.prompt_maker(args.model)  # the tokenizer loads (and is cached for the run)
     placeholders = [Target(c.label, "http", "http://127.0.0.1:1/v1") for c in configurations]
     plan = replace(bench.plan_for(args, placeholders, tokenizer=args.model, server_metrics=True),
@@ -294,9 +333,21 @@ def _settings_text(settings: dict[str, Any]) -> str:
 Launcher = Callable[[Configuration, Path, argparse.Namespace], Any]
 
 
-def launch_tandem_up(conf: Configuration, out: Path, args: argparse.Namespace) -> TandemUp:
-    return TandemUp(out / "configs" / f"{conf.label}.yaml", out / "logs" / f"{conf.label}.log",
-                    cpus=args.cpus, ready_timeout_s=args.ready_timeout).start()
+def launch_tandem_up(conf: Configuration, out: Path, args: argparse.Namespace) -> Any:
+    """`tandem up` with the configuration's settings, or the peer server it names."""
+    log = out / "logs" / f"{conf.label}.log"
+    if conf.peer == "vllm":
+        model_dir = out / "hf-model"
+        if not (model_dir / "config.json").exists():  # the same weights, as vLLM reads them
+            export(load_model(args.model, conf.settings["dtype"], progress=False), model_dir,
+                   conf.settings["dtype"])
+        return VllmServer(Path(args.vllm), model_dir, log, served_model_name=conf.label,
+                          dtype=conf.settings["dtype"],
+                          max_num_seqs=conf.settings["max_num_seqs"],
+                          max_num_batched_tokens=conf.settings["max_num_batched_tokens"],
+                          cpus=args.cpus, ready_timeout_s=args.ready_timeout).start()
+    return TandemUp(out / "configs" / f"{conf.label}.yaml", log, cpus=args.cpus,
+                    ready_timeout_s=args.ready_timeout).start()
 
 
 def run(prepared: Prepared, args: argparse.Namespace, command: str,

@@ -102,20 +102,25 @@ class TandemUp:
     def stop(self, timeout_s: float = 90.0) -> int | None:
         """SIGTERM (a clean shutdown of Serve and Ray), then SIGKILL to the child's process
         group if it is still there after ``timeout_s``. Returns the exit code."""
-        process = self.process
-        if process is None:
-            return None
-        pgid = process.pid  # the child leads its own session and group
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            code: int | None = process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)  # whatever of its group is left
-        if code is None:
-            code = process.wait(10)
-        if process.stdout is not None:
-            process.stdout.close()
-        return code
+        return stop_group(self.process, timeout_s)
+
+
+def stop_group(process: subprocess.Popen[str] | None, timeout_s: float) -> int | None:
+    """SIGTERM a child that leads its own session, then SIGKILL its whole process group if it
+    is still there after ``timeout_s``. Returns the exit code."""
+    if process is None:
+        return None
+    pgid = process.pid  # the child leads its own session and group
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        code: int | None = process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)  # whatever of its group is left
+    if code is None:
+        code = process.wait(10)
+    if process.stdout is not None:
+        process.stdout.close()
+    return code

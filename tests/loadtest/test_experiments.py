@@ -239,3 +239,30 @@ def test_headline_ratios_are_each_configuration_against_the_baseline_at_its_load
     assert high_other["ratios"]["short ITL p99"] == pytest.approx(0.25)  # 20 / 80, not / 40
     assert high_other["values"]["prefill hits"] is None  # no prefill role in its counters
     assert headline[2].format(0.8) == "80.0%" and headline[1].format(None) == "-"
+
+
+def test_tandem_vs_vllm_puts_the_peer_first_and_checks_its_executable(
+        launcher: RecordingLauncher, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(["tandem-vs-vllm", "--vllm", "/bin/true", "--max-num-seqs", "16"])
+    confs = experiments.tandem_vs_vllm(args)
+    assert [(c.label, c.peer) for c in confs] == [
+        ("vllm-cpu", "vllm"), ("tandem-1p1d", None), ("tandem-colocated", None)]
+    assert confs[0].settings["max_num_seqs"] == 16
+    for conf in confs[1:]:
+        AppConfig.from_dict(conf.settings, conf.label)
+    code = experiments.main(["tandem-vs-vllm", "--vllm", str(tmp_path / "missing"),
+                             "--out", str(tmp_path / "out")], launch=launcher)
+    assert code == 2
+    assert "no such file" in capsys.readouterr().err
+    assert launcher.launched == []
+
+
+def test_a_vllm_server_that_exits_is_a_launch_error(tmp_path: Path) -> None:
+    from loadtest.peers import VllmServer
+    from loadtest.tandem_up import LaunchError
+
+    server = VllmServer(Path("/bin/false"), tmp_path, tmp_path / "vllm.log", "m",
+                        ready_timeout_s=30)
+    with pytest.raises(LaunchError, match="did not become healthy"):
+        server.start()
+    assert server.process is not None and server.process.poll() is not None
