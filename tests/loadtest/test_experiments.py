@@ -241,7 +241,7 @@ def test_headline_ratios_are_each_configuration_against_the_baseline_at_its_load
     assert headline[2].format(0.8) == "80.0%" and headline[1].format(None) == "-"
 
 
-def test_tandem_vs_vllm_puts_the_peer_first_and_checks_its_executable(
+def test_tandem_vs_vllm_puts_the_peer_first_and_checks_its_python(
         launcher: RecordingLauncher, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = parse(["tandem-vs-vllm", "--vllm", "/bin/true", "--max-num-seqs", "16"])
     confs = experiments.tandem_vs_vllm(args)
