@@ -1,6 +1,6 @@
 """The engine's GPU path on one device: correctness against the torch backend, then timings.
 
-    python -m loadtest.gpu_check --out results/gpu_check         # an H200: ~3 min
+    python -m loadtest.gpu_check --out results/gpu_check         # an H200 (not yet run on one)
     TRITON_INTERPRET=1 python -m loadtest.gpu_check --tiny       # the same code on a CPU (CI)
 
 Needs only torch and Triton (no Ray, NIXL or flash-attn; nothing downloaded): a model of
