@@ -109,13 +109,15 @@ class DecodeGraphs:
         positions = [length - 1 for length in seq_lens]
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions,
                                                                    strict=True)]
-        tables = [t + [0] * (self.max_blocks - len(t)) for t in block_tables]
-        tables += [[0] * self.max_blocks] * pad
+        # Only the columns in use: entries past a sequence's length are never read, and a
+        # padding row reads its first entry alone (any block id is a valid read).
+        width = max(len(t) for t in block_tables)
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
         for buffer, values in ((graph.input_ids, input_ids + [0] * pad),
                                (graph.positions, positions + [0] * pad),
                                (graph.slot_mapping, slots + [-1] * pad),
                                (graph.seq_lens, seq_lens + [1] * pad),
-                               (graph.block_tables, tables)):
+                               (graph.block_tables[:n, :width], tables)):
             buffer.copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
         if graph.replay is None:
             graph.replay = self._capture(self._forward(graph))
