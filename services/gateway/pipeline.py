@@ -25,6 +25,9 @@ from services.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
+# A call the front end ends this close to its deadline, or later, timed out.
+DEADLINE_SLACK_S = 0.05
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -77,8 +80,7 @@ async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
                 except Exception as exc:
                     if isinstance(exc, TimeoutError) and not isinstance(
                             exc, DeadlineExceededError):  # ours: the request's deadline
-                        exc = DeadlineExceededError(
-                            f"request {request.request_id} did not finish within its deadline")
+                        exc = _deadline_exceeded(request)
                     error = _failed(exc, timer, retry_after_s)
                     if error is exc:
                         raise
@@ -105,8 +107,18 @@ async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
         timer.fail(ERROR)  # a no-op after the failures counted above
         raise
     finally:
+        if (not timer.ended and deadline is not None
+                and loop.time() >= deadline - DEADLINE_SLACK_S):
+            # The front end ended the call at its deadline (a gRPC server cancels it then,
+            # perhaps just before our own timer fires): that is this request's timeout.
+            _failed(_deadline_exceeded(request), timer, retry_after_s)
         if started:  # ended early: the client left or the call was cancelled
             timer.end("abort", num_prompt, num_output)
+
+
+def _deadline_exceeded(request: GenerationRequest) -> DeadlineExceededError:
+    return DeadlineExceededError(
+        f"request {request.request_id} did not finish within its deadline")
 
 
 def _failed(exc: BaseException, timer: RequestTimer, retry_after_s: int) -> BaseException:
