@@ -11,7 +11,7 @@ import sys
 import time
 
 from router.config import POLICIES as ROUTING_POLICIES
-from services.engine.config import SPEC_METHODS
+from services.engine.config import ATTENTION_BACKENDS, SPEC_METHODS
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -99,9 +99,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--dtype", choices=["float32", "bfloat16"])
     up.add_argument("--device", choices=["auto", "cpu", "cuda"],
                     help="where engines run (auto: cuda when a worker sees a GPU)")
-    up.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
-                    help="paged attention: triton kernels (CUDA) or torch SDPA (auto: triton "
-                         "on a GPU, torch on a CPU)")
+    up.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
+                    help="paged attention: triton kernels (CUDA), torch SDPA, or flash_attn "
+                         "(the flash-attn package, CUDA; block size 256) (auto: triton on a "
+                         "GPU, torch on a CPU)")
     up.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                     help="replay decode steps as CUDA graphs (on a GPU with triton attention; "
                          "default on)")
@@ -117,7 +118,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--routing-policy", choices=ROUTING_POLICIES,
                     help="prefill choice: prefix (cache affinity + load, default) or "
                          "round_robin (in turn; a baseline)")
-    up.add_argument("--block-size", type=int)
+    up.add_argument("--block-size", type=int,
+                    help="tokens per KV block (16; 256 with --attention-backend flash_attn)")
     up.add_argument("--threads", type=int, help="torch threads per worker engine (1)")
     up.add_argument("--max-num-batched-tokens", type=int,
                     help="per-step token budget (the prefill chunk size)")

@@ -37,7 +37,8 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "self")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine/attention
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")  # engine/attention
+FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 pages KV in multiples of 256 tokens
 
 
 @dataclass
@@ -95,7 +96,7 @@ class EngineConfig:
     max_waiting: int = 1024  # admission control: add_request fails beyond this
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    attention_backend: str = "auto"  # auto | torch | triton (engine/attention)
+    attention_backend: str = "auto"  # auto | torch | triton | flash_attn (engine/attention)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (on CUDA with triton attention)
     seed: int = 0  # for requests that sample without their own seed
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -104,6 +105,14 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.attention_backend == "flash_attn":
+            if self.block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+                raise ValueError(f"attention_backend flash_attn needs block_size to be a "
+                                 f"multiple of {FLASH_ATTN_BLOCK_MULTIPLE}, got "
+                                 f"{self.block_size}")
+            if self.dtype not in ("bfloat16", "float16"):
+                raise ValueError(f"attention_backend flash_attn needs dtype bfloat16 or "
+                                 f"float16, got {self.dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):

@@ -12,6 +12,7 @@ import yaml
 from router.config import POLICIES as ROUTING_POLICIES
 from services.engine.config import (
     ATTENTION_BACKENDS,
+    FLASH_ATTN_BLOCK_MULTIPLE,
     SPEC_METHODS,
     EngineConfig,
     SpeculativeConfig,
@@ -31,7 +32,9 @@ class AppConfig:
     model: str | None = None  # .gguf file or HF directory; None: the built-in model
     dtype: str = "float32"
     device: str = "auto"  # where engines run: auto (cuda when the worker sees a GPU) | cpu | cuda
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton
+    # auto (triton on CUDA, torch on CPU) | torch | triton | flash_attn (the flash-attn package;
+    # blocks of a multiple of 256 tokens: block_size defaults to 256 with it)
+    attention_backend: str = "auto"
     cuda_graphs: bool = True  # decode steps replayed as CUDA graphs (CUDA + triton attention)
     block_size: int = 16
     prefill_replicas: int = 1
@@ -85,6 +88,11 @@ class AppConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                               f"got {self.attention_backend!r}")
+        if (self.attention_backend == "flash_attn"
+                and self.block_size % FLASH_ATTN_BLOCK_MULTIPLE):
+            raise ConfigError(f"attention_backend flash_attn needs block_size to be a multiple "
+                              f"of {FLASH_ATTN_BLOCK_MULTIPLE} (flash-attn's KV pages), got "
+                              f"{self.block_size}")
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
@@ -171,6 +179,8 @@ class AppConfig:
                               f"{', '.join(known)}")
         for name, value in data.items():
             _check_type(name, value, str(known[name].type), source)
+        if data.get("attention_backend") == "flash_attn" and "block_size" not in data:
+            data = {**data, "block_size": FLASH_ATTN_BLOCK_MULTIPLE}  # flash-attn's page size
         try:
             return cls(**data)
         except TypeError as exc:

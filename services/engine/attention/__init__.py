@@ -8,6 +8,8 @@ also writes the step's new K/V into the cache. Backends:
   and the CPU path.
 - ``triton`` (``triton_backend.py``): our paged kernels reading K/V in place; the default on
   CUDA. On a CPU it runs only under ``TRITON_INTERPRET=1`` (tests).
+- ``flash_attn`` (``flash_backend.py``): flash-attn's paged varlen kernel, when the package is
+  installed (CUDA only; blocks of a multiple of 256 tokens).
 
 ``auto`` picks triton on a CUDA device when Triton imports, else torch.
 """
@@ -58,6 +60,13 @@ def resolve_backend(name: str, device: str) -> str:
         if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"attention_backend triton needs a CUDA device (device is "
                              f"{device!r}); on a CPU use torch (or TRITON_INTERPRET=1 to test)")
+    if name == "flash_attn":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ValueError("attention_backend flash_attn needs the flash_attn package "
+                             "(pip install flash-attn, a CUDA build)")
+        if not on_cuda:
+            raise ValueError(f"attention_backend flash_attn needs a CUDA device (device is "
+                             f"{device!r})")
     return name
 
 
@@ -67,5 +76,8 @@ def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: 
     if name == "triton":
         from services.engine.attention.triton_backend import TritonAttention
         return TritonAttention(num_kv_heads, head_dim, device)
+    if name == "flash_attn":
+        from services.engine.attention.flash_backend import FlashAttention
+        return FlashAttention(head_dim)
     from services.engine.attention.torch_backend import TorchAttention
     return TorchAttention(num_heads // num_kv_heads)
