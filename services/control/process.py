@@ -78,7 +78,7 @@ async def run_worker(spec: WorkerSpec, build: Callable[[LLMEngine, KVTransport, 
                      handlers: Callable[[W], Mapping[str, Handler]]) -> None:
     engine = LLMEngine(EngineConfig(**spec.engine))
     transport = make_transport(spec.transport, spec.worker_id, TransferFaults(**spec.faults),
-                               spec.host)
+                               spec.host, engine.config.device)
     worker = build(engine, transport, spec)
     tracing.configure(str(getattr(worker, "role", "worker")))
     await worker.start()

@@ -155,7 +155,8 @@ class DecodeWorker:
         """Engine stats and metrics, as JSON-able data."""
         stats = await self.engine.call(lambda engine: engine.stats)
         return {"worker_id": self.worker_id, "engine": dataclasses.asdict(stats),
-                "accepting": self.accepting, "metrics": self.metrics.snapshot()}
+                "accepting": self.accepting, "metrics": self.metrics.snapshot(),
+                **self.transport.describe()}
 
     # -- requests -------------------------------------------------------------------------
 

@@ -26,3 +26,14 @@ def to_device(values: list, dtype: torch.dtype, device: str | torch.device) -> t
     if torch.device(device).type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def wait_for_writes(device: str | torch.device) -> None:
+    """Block until every kernel queued so far on ``device`` has run: an explicit CUDA event
+    recorded on the current stream and waited on. KV blocks are offered to another process
+    (NIXL reads GPU memory outside torch's streams) only after this. A no-op on a CPU."""
+    if torch.device(device).type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()

@@ -16,7 +16,7 @@ from services.engine.attention import get_attention_backend
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs
-from services.engine.device import check_device
+from services.engine.device import check_device, wait_for_writes
 from services.engine.faults import fault_hook_from_env
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from services.engine.kv_events import KVEvent
@@ -418,4 +418,5 @@ class LLMEngine:
     def _pin(self, seq: Sequence) -> PinnedKV:
         self.scheduler.pin(seq)
         self._forget(seq)
+        wait_for_writes(self.config.device)  # its blocks are read from outside our stream
         return PinnedKV(seq.request_id, tuple(seq.block_ids), seq.num_computed_tokens)

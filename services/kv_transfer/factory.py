@@ -16,21 +16,32 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("nixl", "tcp", "auto")
 
 
-def nixl_available() -> bool:
+def nixl_problem(device: str) -> str | None:
+    """Why NIXL cannot move this worker's KV cache (None: it can): not installed, or it
+    cannot register memory on ``device`` (a GPU whose memory its UCX cannot reach)."""
     try:
-        import services.kv_transfer.nixl_transport  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        from services.kv_transfer.nixl_transport import vram_problem
+    except ImportError as exc:
+        return f"NIXL is not installed ({exc})"
+    return vram_problem(device)
 
 
 def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
-                   host: str = "127.0.0.1") -> KVTransport:
+                   host: str = "127.0.0.1", device: str = "cpu") -> KVTransport:
+    """The transport for a worker whose KV cache lives on ``device``. ``auto`` takes NIXL
+    when it can move that memory, else TCP (through host memory for a GPU cache): a fallback
+    a GPU worker logs as a warning and reports (``fallback_reason``, a metric)."""
     if kind not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
+    fallback_reason = None
     if kind == "auto":
-        kind = "nixl" if nixl_available() else "tcp"
-        log.info("KV transport: %s", kind)
+        fallback_reason = nixl_problem(device)
+        kind = "tcp" if fallback_reason is not None else "nixl"
+        if fallback_reason is not None and device != "cpu":
+            log.warning("KV transport: TCP through host memory, because %s", fallback_reason)
+        else:
+            log.info("KV transport: %s", kind)
+            fallback_reason = None  # on a CPU, TCP is a choice, not a fallback
     if kind == "nixl":
         try:
             from services.kv_transfer.nixl_transport import NixlTransport
@@ -43,4 +54,6 @@ def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
         return NixlTransport(name, faults)
     from services.kv_transfer.tcp_transport import TcpTransport
 
-    return TcpTransport(name, faults, host=host)
+    transport = TcpTransport(name, faults, host=host)
+    transport.fallback_reason = fallback_reason
+    return transport

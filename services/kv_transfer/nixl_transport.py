@@ -67,7 +67,14 @@ class NixlTransport(KVTransport):
         agent = nixl_agent(self.agent_name, config)
         if "UCX" not in agent.backends:
             raise KVTransferError("NIXL loaded, but its UCX backend did not")
-        agent.register_memory(kv_cache)
+        if kv_cache.is_cuda and "VRAM_SEG" not in agent.get_backend_mem_types("UCX"):
+            raise KVTransferError("NIXL's UCX backend cannot move GPU memory here (it has no "
+                                  "VRAM support); use transport tcp or auto")
+        try:
+            agent.register_memory(kv_cache)
+        except Exception as exc:
+            raise KVTransferError(f"NIXL cannot register the KV cache ({kv_cache.device}): "
+                                  f"{exc}") from None
         self._agent = agent
         self._local = _Region(kv_cache.data_ptr(), "VRAM" if kv_cache.is_cuda else "DRAM",
                               kv_cache.device.index or 0)
@@ -162,6 +169,27 @@ class NixlTransport(KVTransport):
             except Exception as exc:
                 log.warning("NIXL progress: %s", exc)
             await asyncio.sleep(self.progress_interval_s)
+
+
+def vram_problem(device: str | torch.device) -> str | None:
+    """Why NIXL cannot move KV memory on ``device`` here (None: it can): a throwaway agent
+    registers a small tensor there, as a worker would its cache."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                               backends=["UCX"])
+    try:
+        agent = nixl_agent(f"vram-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}", config)
+        if "VRAM_SEG" not in agent.get_backend_mem_types("UCX"):
+            return "NIXL's UCX backend has no GPU memory support"
+        probe = torch.zeros(4096, dtype=torch.uint8, device=device)
+        agent.deregister_memory(agent.register_memory(probe))
+    except Exception as exc:
+        return f"NIXL cannot register GPU memory: {exc}"
+    return None
 
 
 @dataclass(frozen=True)

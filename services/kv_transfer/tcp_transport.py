@@ -2,7 +2,10 @@
 
 Every worker serves reads of its own cache; a reader sends ``{"op": "read", "blocks": [...]}``
 and gets ``{"ok": true, "nbytes": N}`` followed by the blocks' raw bytes in request order (or
-``{"ok": false, "error": ...}``). Bytes go straight between the socket and the cache memory.
+``{"ok": false, "error": ...}``). Bytes go straight between the socket and a host cache; a GPU
+cache is staged through host memory (the blocks gathered and copied out before sending,
+received into a host buffer and copied in), which is how ``auto`` moves GPU KV where NIXL
+cannot.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ class TcpTransport(KVTransport):
     kind = "tcp"
 
     def __init__(self, name: str, faults: TransferFaults | None = None,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, staged: bool | None = None) -> None:
         super().__init__(name, faults)
         self.host = host
         self.port = port
+        self.staged = staged  # through host buffers; None: when the cache is not in host memory
         self._server: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
@@ -46,9 +50,8 @@ class TcpTransport(KVTransport):
     # -- serving --------------------------------------------------------------------------
 
     async def _start(self, kv_cache: torch.Tensor) -> None:
-        if kv_cache.device.type != "cpu":
-            raise KVTransferError("the TCP transport moves host memory only; use NIXL for "
-                                  f"a KV cache on {kv_cache.device}")
+        if self.staged is None:
+            self.staged = kv_cache.device.type != "cpu"
         server = socket.create_server((self.host, self.port))
         server.setblocking(False)
         self._server = server
@@ -68,7 +71,7 @@ class TcpTransport(KVTransport):
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        blocks = self._registered().numpy()
+        blocks = self._registered()
         try:
             while (request := await sock_read_frame(loop, conn)) is not None:
                 ids, error = self._parse_read(request, blocks.shape[0])
@@ -77,8 +80,14 @@ class TcpTransport(KVTransport):
                     continue
                 await loop.sock_sendall(conn, encode_frame(
                     {"ok": True, "nbytes": len(ids) * blocks.shape[1]}))
+                if self.staged:  # one gather and one copy out, then the bytes as one run
+                    index = torch.tensor(ids, dtype=torch.long, device=blocks.device)
+                    staged = blocks.index_select(0, index).cpu()
+                    await loop.sock_sendall(conn, memoryview(staged.numpy().reshape(-1)))
+                    continue
+                host = blocks.numpy()
                 for block_id in ids:
-                    await loop.sock_sendall(conn, memoryview(blocks[block_id]))
+                    await loop.sock_sendall(conn, memoryview(host[block_id]))
         except (OSError, FrameError) as exc:
             log.debug("KV reader connection ended: %s", exc)
         finally:
@@ -129,7 +138,7 @@ class TcpTransport(KVTransport):
 
     async def _read(self, peer_id: str, remote: list[int], local: list[int]) -> None:
         loop = asyncio.get_running_loop()
-        blocks = self._registered().numpy()
+        blocks = self._registered()
         conn = await self._connection(peer_id)
         reusable = False
         try:
@@ -142,8 +151,15 @@ class TcpTransport(KVTransport):
                 raise KVTransferError(f"peer {peer_id!r} refused the read: {reply.get('error')}")
             if reply.get("nbytes") != len(remote) * blocks.shape[1]:
                 raise KVTransferError(f"peer {peer_id!r} announced {reply.get('nbytes')} bytes")
-            for block_id in local:
-                await sock_recv_into(loop, conn, memoryview(blocks[block_id]))
+            if self.staged:  # into a host buffer, then one copy in
+                staging = torch.empty(len(local), blocks.shape[1], dtype=torch.uint8)
+                await sock_recv_into(loop, conn, memoryview(staging.numpy().reshape(-1)))
+                index = torch.tensor(local, dtype=torch.long, device=blocks.device)
+                blocks.index_copy_(0, index, staging.to(blocks.device))
+            else:
+                host = blocks.numpy()
+                for block_id in local:
+                    await sock_recv_into(loop, conn, memoryview(host[block_id]))
             reusable = True
         except (OSError, FrameError) as exc:
             raise KVTransferError(f"TCP read from {peer_id!r} failed: {exc}") from None

@@ -57,6 +57,8 @@ class KVTransport(ABC):
         self._blocks: torch.Tensor | None = None  # [num_blocks, bytes_per_block] uint8 view
         self._peers: dict[str, PeerRegion] = {}
         self._peer_metadata: dict[str, dict[str, Any]] = {}
+        # Set by make_transport when "auto" fell back to this one: why NIXL could not serve.
+        self.fallback_reason: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -73,6 +75,10 @@ class KVTransport(ABC):
         await self._close()
 
     # -- peers ----------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """What a worker's status says of its transport."""
+        return {"kv_transport": self.kind, "kv_transport_fallback": self.fallback_reason}
 
     def metadata(self) -> dict[str, Any]:
         """JSON-able description of this worker's cache for peers (exchanged once per peer)."""

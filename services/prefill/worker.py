@@ -167,7 +167,8 @@ class PrefillWorker:
         """Engine stats, lease count and metrics, as JSON-able data."""
         stats = await self.engine.call(lambda engine: engine.stats)
         return {"worker_id": self.worker_id, "engine": dataclasses.asdict(stats),
-                "leases": len(self.leases), "metrics": self.metrics.snapshot()}
+                "leases": len(self.leases), "metrics": self.metrics.snapshot(),
+                **self.transport.describe()}
 
     # -- internals ------------------------------------------------------------------------
 

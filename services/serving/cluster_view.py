@@ -40,6 +40,7 @@ class WorkerSnapshot:
     max_model_len: int = 0
     healthy: bool = True
     health_error: str | None = None  # why the worker's engine stopped
+    kv_transport_fallback: str | None = None  # why "auto" could not use NIXL (a GPU worker)
 
 
 class ClusterView:
@@ -132,7 +133,7 @@ class ClusterView:
         self.workers[replica_id] = WorkerSnapshot(
             replica_id, role, EngineStats(**status["engine"]), status.get("metrics", {}),
             int(status.get("leases", 0)), int(status["max_model_len"]), healthy,
-            status.get("health_error"))
+            status.get("health_error"), status.get("kv_transport_fallback"))
         self._infos[replica_id] = WorkerInfo(**status["info"])
         if not healthy:
             # Its engine stopped; Serve replaces the replica. Route around it now, and never

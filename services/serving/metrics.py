@@ -77,9 +77,14 @@ class WorkerCollector(Collector):
                                     "fault (it is being replaced).", labels=labels)
         rejects = counter("tandem_decode_rejects",
                           "Leases a decode worker rejected, by reason.", ("reason",))
+        fallback = GaugeMetricFamily("tandem_kv_transport_fallback",
+                                     "1 when the worker moves KV over TCP through host memory "
+                                     "because NIXL cannot move its GPU memory (kv_transport "
+                                     "auto; the worker logged why).", labels=labels)
         for w in self._source():
             key = [self._model_name, w.worker_id, w.role]
             info.add_metric(key, 1)
+            fallback.add_metric(key, 1.0 if w.kv_transport_fallback else 0.0)
             healthy.add_metric(key, 1.0 if w.healthy else 0.0)
             free.add_metric(key, w.stats.num_free_blocks)
             total.add_metric(key, w.stats.num_blocks)
@@ -103,7 +108,8 @@ class WorkerCollector(Collector):
                 for reason, count in sorted(m.get("rejects", {}).items()):
                     rejects.add_metric([*key, reason], float(count))
         yield from (info, free, total, leases, prefills, granted, ended, moved, seconds,
-                    transfers, failures, checksums, imports, recomputes, queued, rejects, healthy)
+                    transfers, failures, checksums, imports, recomputes, queued, rejects, healthy,
+                    fallback)
 
 
 class RouterCollector(Collector):

@@ -74,7 +74,8 @@ class _Replica:
         return self.engine
 
     def _transport(self):  # type: ignore[no-untyped-def]
-        return make_transport(self.config.kv_transport, self.worker_id, host=self.host)
+        return make_transport(self.config.kv_transport, self.worker_id, host=self.host,
+                              device=self.engine.config.device)
 
     def _check_route(self, route_to: str | None) -> None:
         if route_to is not None and route_to != self.worker_id:

@@ -1,0 +1,96 @@
+"""The transports alone: TCP staged through host buffers (how a GPU cache moves where NIXL
+cannot), and ``auto``'s choice, with its fallback said in the log, the status and a metric."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from services.engine.outputs import EngineStats
+from services.kv_transfer.factory import make_transport
+from services.kv_transfer.tcp_transport import TcpTransport
+from services.serving.cluster_view import WorkerSnapshot
+from services.serving.metrics import WorkerCollector
+
+NUM_BLOCKS, BLOCK_SHAPE = 12, (2, 2, 4, 3, 8)  # block-major: [blocks, layers, k/v, ...]
+
+
+def _cache(seed: int) -> torch.Tensor:
+    return torch.randn(NUM_BLOCKS, *BLOCK_SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(("server_staged", "reader_staged"),
+                         [(True, True), (True, False), (False, True)])
+def test_staged_tcp_moves_exactly_the_named_blocks(server_staged: bool,
+                                                   reader_staged: bool) -> None:
+    # Staging is what a GPU cache gets (gather, one copy out / one copy in); it speaks the
+    # same wire format as the direct path, so either side may stage.
+    async def scenario() -> None:
+        source, dest = _cache(1), _cache(2)
+        expected = dest.clone()
+        server = TcpTransport("p0", staged=server_staged)
+        reader = TcpTransport("d0", staged=reader_staged)
+        await server.start(source)
+        await reader.start(dest)
+        try:
+            reader.add_peer("p0", server.metadata())
+            remote, local = [7, 0, 11, 3], [2, 9, 0, 5]
+            moved = await reader.read_blocks("p0", remote, local, timeout_s=10)
+            assert moved == len(remote) * source[0].numel() * source.element_size()
+            expected[local] = source[remote]
+            assert torch.equal(dest, expected)  # the named blocks, and nothing else
+            assert await reader.read_blocks("p0", [], [], timeout_s=10) == 0
+        finally:
+            await reader.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_cpu_cache_is_not_staged_unless_asked() -> None:
+    async def scenario() -> None:
+        transport = TcpTransport("p0")
+        await transport.start(_cache(0))
+        try:
+            assert transport.staged is False
+        finally:
+            await transport.close()
+
+    asyncio.run(scenario())
+
+
+def test_auto_takes_nixl_for_host_memory() -> None:
+    transport = make_transport("auto", "w0", device="cpu")
+    assert transport.describe() == {"kv_transport": "nixl", "kv_transport_fallback": None}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="on a GPU NIXL may well move its memory (no fallback to see)")
+def test_auto_falls_back_to_tcp_when_nixl_cannot_move_gpu_memory(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Here no GPU exists, so NIXL truly cannot register CUDA memory: the probe says why.
+    with caplog.at_level(logging.WARNING, logger="services.kv_transfer.factory"):
+        transport = make_transport("auto", "w0", device="cuda")
+    assert isinstance(transport, TcpTransport)
+    assert transport.describe() == {"kv_transport": "tcp",
+                                    "kv_transport_fallback": "torch sees no CUDA device"}
+    [record] = caplog.records
+    assert "TCP through host memory, because torch sees no CUDA device" in record.getMessage()
+    # An explicit choice is not a fallback.
+    assert make_transport("tcp", "w1", device="cuda").fallback_reason is None
+
+
+def test_the_fallback_is_a_metric() -> None:
+    def snapshot(worker_id: str, fallback: str | None) -> WorkerSnapshot:
+        stats = EngineStats(num_running=0, num_waiting=0, num_free_blocks=8, num_blocks=8,
+                            kv_cache_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0,
+                            num_preemptions=0)
+        return WorkerSnapshot(worker_id, "decode", stats, kv_transport_fallback=fallback)
+
+    collector = WorkerCollector("m", lambda: [snapshot("d0", "no VRAM"), snapshot("d1", None)])
+    [family] = [f for f in collector.collect() if f.name == "tandem_kv_transport_fallback"]
+    values = {s.labels["worker"]: s.value for s in family.samples}
+    assert values == {"d0": 1.0, "d1": 0.0}
