@@ -2,8 +2,11 @@
 
 On CPU machines UCX moves host memory between processes (cross-memory attach after a TCP
 wire-up); on GPU nodes the same calls move GPU memory over RDMA/NVLink. The agent runs without
-NIXL's progress thread (it busy-spins a core); a light poll of the agent instead lets peers
-complete their wire-up with us, and our own transfers are driven by the thread that posts them.
+NIXL's progress thread (it busy-spins a core); a poll of the agent instead lets peers complete
+their wire-up with us and read from us: every ``progress_interval_s`` while reads are expected
+(``expect_reads``: a lease granted, a peer pairing), every ``idle_progress_interval_s`` after,
+so an idle worker burns next to no CPU. Our own transfers are driven by the thread that posts
+them.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import importlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -49,9 +53,13 @@ class NixlTransport(KVTransport):
     kind = "nixl"
 
     def __init__(self, name: str, faults: TransferFaults | None = None,
-                 progress_interval_s: float = 0.002, poll_interval_s: float = 0.0005) -> None:
+                 progress_interval_s: float = 0.002, poll_interval_s: float = 0.0005,
+                 idle_progress_interval_s: float = 0.25) -> None:
         super().__init__(name, faults)
         self.progress_interval_s = progress_interval_s
+        self.idle_progress_interval_s = idle_progress_interval_s
+        self._brisk_until = 0.0  # time.monotonic() until which reads are expected
+        self._wake = asyncio.Event()
         self.poll_interval_s = poll_interval_s
         self.agent_name = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._agent: Any = None
@@ -162,13 +170,23 @@ class NixlTransport(KVTransport):
         except Exception:
             return "ERR"
 
+    def expect_reads(self, for_s: float) -> None:
+        self._brisk_until = max(self._brisk_until, time.monotonic() + for_s)
+        self._wake.set()
+
     async def _progress(self) -> None:
         while True:
             try:
                 self._agent.get_new_notifs()  # progresses UCX: peers' wire-up needs it
             except Exception as exc:
                 log.warning("NIXL progress: %s", exc)
-            await asyncio.sleep(self.progress_interval_s)
+            if time.monotonic() < self._brisk_until:
+                await asyncio.sleep(self.progress_interval_s)
+                continue
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.idle_progress_interval_s):
+                    await self._wake.wait()
 
 
 def vram_problem(device: str | torch.device) -> str | None:

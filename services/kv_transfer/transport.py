@@ -76,6 +76,12 @@ class KVTransport(ABC):
 
     # -- peers ----------------------------------------------------------------------------
 
+    def expect_reads(self, for_s: float) -> None:
+        """Peers may read our blocks (or wire up to us) at any moment for the next ``for_s``:
+        a transport that must progress for them does so briskly until then, and idles after.
+        Nothing to do for one that serves reads as they come."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """What a worker's status says of its transport."""
         return {"kv_transport": self.kind, "kv_transport_fallback": self.fallback_reason}

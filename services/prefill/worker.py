@@ -86,6 +86,7 @@ class PrefillWorker:
         """Meet a decode worker: refuse on any setting mismatch, else return our info."""
         check_pairing(self.info, decode)
         self.peers[decode.worker_id] = decode
+        self.transport.expect_reads(self.config.lease_ttl_s)  # it wires up to us next
         return self.info
 
     # -- requests -------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class PrefillWorker:
         if last.kv is not None:
             lease = self.leases.grant(request_id)
             self.metrics.leases_granted += 1
+            self.transport.expect_reads(self.config.lease_ttl_s)  # until the lease expires
             checksums = (tuple(block_checksums(self._blocks, last.kv.block_ids))
                          if self.config.checksums else None)
             handle = KVHandle(self.worker_id, lease.lease_id, last.kv.block_ids,

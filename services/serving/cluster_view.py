@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,15 +43,24 @@ class WorkerSnapshot:
     kv_transport_fallback: str | None = None  # why "auto" could not use NIXL (a GPU worker)
 
 
+IDLE_AFTER_POLLS = 4  # polls with no request in flight before the view polls at its idle pace
+
+
 class ClusterView:
     def __init__(self, router: Router, handles: Mapping[str, DeploymentHandle],
                  registry: InProcessRegistry | None, bus: InProcessEventBus | None,
-                 poll_s: float) -> None:
+                 poll_s: float, idle_poll_s: float | None = None,
+                 busy: Callable[[], bool] = lambda: True) -> None:
         self.router = router
         self.handles = dict(handles)  # role -> deployment handle
         self.registry = registry
         self.bus = bus
         self.poll_s = poll_s
+        # Once ``busy()`` (requests in flight) has been false for IDLE_AFTER_POLLS polls, the
+        # workers are polled every ``idle_poll_s`` only: an idle cluster costs next to nothing.
+        # While busy, every response also carries its worker's report.
+        self.idle_poll_s = max(poll_s, idle_poll_s if idle_poll_s is not None else poll_s)
+        self.busy = busy
         self.workers: dict[str, WorkerSnapshot] = {}
         self._infos: dict[str, WorkerInfo] = {}
         self._report_seq: dict[str, int] = {}  # newest report applied, per worker
@@ -186,8 +195,17 @@ class ClusterView:
                     await task
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_poll = last_busy = loop.time()
         while True:
             await asyncio.sleep(self.poll_s)
+            now = loop.time()
+            if self.busy():
+                last_busy = now
+            idle = now - last_busy > IDLE_AFTER_POLLS * self.poll_s
+            if idle and now - last_poll < self.idle_poll_s:
+                continue
+            last_poll = now
             try:
                 await self.poll_once()
             except Exception:

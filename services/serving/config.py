@@ -58,6 +58,8 @@ class AppConfig:
     max_body_bytes: int = 1 << 20
     lease_ttl_s: float = 30.0
     poll_interval_s: float = 0.5  # gateway polls workers' load, stats (and events) this often
+    # ... and this often once no request has been in flight for a while (an idle cluster)
+    idle_poll_interval_s: float = 5.0
     spec: str = "none"  # speculative decoding on decode engines: none | ngram | draft | self
     spec_k: int = 4  # draft tokens per step, at most
     draft_model: str | None = None  # spec "draft": .gguf or HF dir sharing the tokenizer
@@ -112,9 +114,9 @@ class AppConfig:
             _at_least("max_in_flight", self.max_in_flight, 1)
         _at_least("max_migrations", self.max_migrations, 0)
         for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s",
-                     "request_timeout_s", "prefill_timeout_s", "control_timeout_s",
-                     "kv_transfer_timeout_s", "stream_idle_timeout_s", "client_read_timeout_s",
-                     "drain_timeout_s"):
+                     "idle_poll_interval_s", "request_timeout_s", "prefill_timeout_s",
+                     "control_timeout_s", "kv_transfer_timeout_s", "stream_idle_timeout_s",
+                     "client_read_timeout_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.spec not in SPEC_METHODS:

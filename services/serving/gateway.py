@@ -99,7 +99,8 @@ class GatewayIngress:
             router = Router(router_config, registry, bus)
         self.router = router
         self.view = ClusterView(router, {"prefill": prefill, "decode": decode}, registry, bus,
-                                config.poll_interval_s)
+                                config.poll_interval_s, config.idle_poll_interval_s,
+                                busy=lambda: self.gateway.in_flight > 0)
         await self.view.wait_for({"prefill": config.prefill_replicas,
                                   "decode": config.decode_replicas}, WORKERS_READY_TIMEOUT_S)
         if config.redis_url:

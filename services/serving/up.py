@@ -31,6 +31,11 @@ def run(config: AppConfig, out: TextIO = sys.stdout) -> int:
     # Loopback-only, no auth token, no usage reporting: a private cluster for this command.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Serve's own clocks, slowed for an idle machine (measured: an idle 1P+1D cluster went from
+    # 17% to 12% of a core): its controller loop (reacts within 0.5 s instead of 0.1 s) and
+    # each replica's export of Serve metrics, which nothing scrapes here (10 a second -> 1).
+    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+    os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")
     import ray
     from ray import serve
 

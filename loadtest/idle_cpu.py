@@ -1,0 +1,86 @@
+"""CPU an idle Tandem cluster burns: `python -m loadtest.idle_cpu [--colocated]`.
+
+Starts `tandem up` (the default shape, or colocated) on free loopback ports, lets it settle,
+then reads the CPU time of every process it started (its session, Ray's included) over a
+window with no traffic. Prints the total as a share of one core and the busiest processes.
+The target (issue 16): under 2% of a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from loadtest.tandem_up import TandemUp
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu(session: int) -> dict[int, tuple[str, float]]:
+    """pid -> (command, CPU seconds so far) of every process in ``session``."""
+    found: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[3]) != session:  # field 6: session id
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+        found[int(entry.name)] = (cmdline[:120] or stat[stat.index("(") + 1:stat.rindex(")")],
+                                  cpu)
+    return found
+
+
+def measure(session: int, window_s: float) -> tuple[float, list[tuple[float, str]]]:
+    """Share of one core the session used over ``window_s``, and per process (busiest first)."""
+    before = session_cpu(session)
+    time.sleep(window_s)  # the measurement window itself, not a synchronisation
+    after = session_cpu(session)
+    per = [((cpu - before.get(pid, (name, cpu))[1]) / window_s, name)
+           for pid, (name, cpu) in after.items()]
+    per.sort(reverse=True)
+    return sum(share for share, _ in per), per
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--colocated", action="store_true")
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds after ready (20)")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds measured (30)")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
+                        help="an AppConfig setting for the cluster (repeatable)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tandem-idle-") as tmp:
+        config = Path(tmp) / "config.yaml"
+        settings = {"colocated": args.colocated}
+        for item in args.set:
+            key, _, value = item.partition("=")
+            settings[key] = yaml.safe_load(value)
+        config.write_text(yaml.safe_dump(settings))
+        up = TandemUp(config, Path(tmp) / "tandem-up.log").start()
+        try:
+            assert up.process is not None
+            time.sleep(args.settle)  # start-up work (compiles, first polls) ends
+            total, per = measure(up.process.pid, args.window)
+        finally:
+            up.stop()
+    shape = "colocated" if args.colocated else "1 prefill + 1 decode"
+    print(f"idle {shape}: {100 * total:.1f}% of a core over {args.window:g} s")
+    for share, name in per[:args.top]:
+        print(f"  {100 * share:5.1f}%  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
