@@ -120,7 +120,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                          "round_robin (in turn; a baseline)")
     up.add_argument("--block-size", type=int,
                     help="tokens per KV block (16; 256 with --attention-backend flash_attn)")
-    up.add_argument("--threads", type=int, help="torch threads per worker engine (1)")
+    up.add_argument("--threads", type=int,
+                    help="torch threads per engine (default: (CPUs - 1) / engines, at least 1)")
     up.add_argument("--max-num-batched-tokens", type=int,
                     help="per-step token budget (the prefill chunk size)")
     up.add_argument("--request-timeout", type=float, metavar="S",

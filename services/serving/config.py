@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,9 @@ class AppConfig:
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 0.25
     max_model_len: int | None = None
-    threads_per_worker: int = 1  # torch intra-op threads per engine
+    # torch intra-op threads per engine; None: from the CPUs of the machine the engine runs on,
+    # (cpus - 1) // engines on it, at least 1 (``engine_threads``)
+    threads_per_worker: int | None = None
     host: str = "127.0.0.1"  # HTTP and gRPC listen address
     port: int = 8000
     grpc_port: int = 50051
@@ -99,10 +102,9 @@ class AppConfig:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
         for name in ("block_size", "prefill_replicas", "decode_replicas",
-                     "max_num_batched_tokens", "max_num_seqs", "max_waiting",
-                     "threads_per_worker"):
+                     "max_num_batched_tokens", "max_num_seqs", "max_waiting"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "threads_per_worker"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
         for name in ("port", "grpc_port"):
@@ -145,7 +147,7 @@ class AppConfig:
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
-            num_threads=self.threads_per_worker, attention_backend=self.attention_backend,
+            num_threads=self.engine_threads(), attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs)
 
     def in_flight_limit(self) -> int:
@@ -153,6 +155,16 @@ class AppConfig:
         if self.max_in_flight is not None:
             return self.max_in_flight
         return self.max_num_seqs * (1 if self.colocated else self.decode_replicas)
+
+    def engine_threads(self) -> int:
+        """``threads_per_worker``, or from the CPUs here: every engine of the shape on this
+        machine gets an equal share, one CPU left for the gateway, Ray and the OS (a torch
+        engine with as many threads as cores collapses when anything else runs). On
+        Kubernetes each worker pod is its own machine: the chart sets the pod's CPUs."""
+        if self.threads_per_worker is not None:
+            return self.threads_per_worker
+        engines = 1 if self.colocated else self.prefill_replicas + self.decode_replicas
+        return max(1, (len(os.sched_getaffinity(0)) - 1) // engines)
 
     def engine_device(self) -> str:
         """Resolved where the engine is built (a GPU worker pod, not the machine that wrote

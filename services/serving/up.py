@@ -20,6 +20,10 @@ READY_TIMEOUT_S = 600.0
 def ready_line(config: AppConfig) -> str:
     shape = ("colocated" if config.colocated
              else f"{config.prefill_replicas} prefill, {config.decode_replicas} decode")
+    threads = config.engine_threads()
+    shape += f"; {threads} torch thread{'s' if threads > 1 else ''} per engine"
+    if config.threads_per_worker is None:
+        shape += f", from {len(os.sched_getaffinity(0))} CPUs"
     return (f"Tandem ready: HTTP http://{config.host}:{config.port}/v1  "
             f"gRPC {config.host}:{config.grpc_port}  ({shape})")
 
@@ -36,6 +40,9 @@ def run(config: AppConfig, out: TextIO = sys.stdout) -> int:
     # each replica's export of Serve metrics, which nothing scrapes here (10 a second -> 1).
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")
+    # Ray starts worker processes (our replicas: the engines) at nice 15, below its own daemons
+    # and anything else on the machine; a serving engine runs at normal priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
     from ray import serve
 

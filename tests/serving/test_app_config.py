@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from services.serving.config import AppConfig, ConfigError
+from services.serving.up import ready_line
 
 
 def test_spec_settings_reach_decode_engines_only():
@@ -44,3 +47,22 @@ def test_the_in_flight_bound_defaults_to_one_decode_batch():
     assert AppConfig(max_num_seqs=32, decode_replicas=3).in_flight_limit() == 96
     assert AppConfig(max_num_seqs=8, colocated=True, decode_replicas=3).in_flight_limit() == 8
     assert AppConfig(max_in_flight=5).in_flight_limit() == 5
+
+
+def test_engine_threads_come_from_the_cpus_unless_set():
+    cpus = len(os.sched_getaffinity(0))
+    # One CPU left for the gateway and Ray; the rest shared by the engines on this machine.
+    assert AppConfig().engine_threads() == max(1, (cpus - 1) // 2)
+    assert AppConfig(colocated=True).engine_threads() == max(1, cpus - 1)
+    assert AppConfig(prefill_replicas=4, decode_replicas=4).engine_threads() == max(
+        1, (cpus - 1) // 8)
+    assert AppConfig(threads_per_worker=3).engine_config().num_threads == 3
+    assert AppConfig().engine_config().num_threads == AppConfig().engine_threads()
+    with pytest.raises(ConfigError, match="threads_per_worker must be >= 1"):
+        AppConfig(threads_per_worker=0)
+    # `tandem up` says which shape it chose, and from what.
+    line = ready_line(AppConfig())
+    assert line.endswith(f"(1 prefill, 1 decode; {max(1, (cpus - 1) // 2)} torch thread"
+                         f"{'s' if (cpus - 1) // 2 > 1 else ''} per engine, from {cpus} CPUs)")
+    assert ready_line(AppConfig(colocated=True, threads_per_worker=2)).endswith(
+        "(colocated; 2 torch threads per engine)")
