@@ -123,8 +123,7 @@ def with_backend(model: LlamaModel, plan: Plan, backend: str) -> LlamaModel:
 def step_read_bytes(model: LlamaModel, kv_tokens: int, plan: Plan) -> int:
     """What a decode step must read: every weight once (the embedding only by row) and the
     KV of every cached token."""
-    layers = sum(t.numel() * t.element_size() for layer in model.layers
-                 for t in layer.values() if t is not None)
+    layers = sum(layer.weight_bytes() for layer in model.layers)
     head = model.lm_head.numel() * model.lm_head.element_size()
     c = plan.config
     kv = kv_tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * model.embed.element_size()

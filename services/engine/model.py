@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from services.engine.attention import AttentionBackend
 from services.engine.config import ModelConfig
+from services.engine.cpu_linear import Linear, packing_available
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,6 +62,26 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's weights: q/k/v and gate/up fused into one projection each."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    q_norm: torch.Tensor | None  # Qwen3
+    k_norm: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
+
+    def weight_bytes(self) -> int:
+        tensors = [self.input_norm, self.post_norm, self.q_norm, self.k_norm]
+        for linear in (self.qkv, self.o, self.gate_up, self.down):
+            tensors += [linear.weight, linear.bias]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  attention: AttentionBackend, max_positions: int, device: str = "cpu") -> None:
@@ -70,23 +92,26 @@ class LlamaModel(nn.Module):
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
-        self.layers: list[dict[str, torch.Tensor | None]] = []
+        pack = packing_available(device, self.embed.dtype)  # oneDNN-ordered weights on a CPU
+        self.head = Linear.of(self.lm_head, pack=pack)
+        self.layers: list[Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn_bias = None
             if config.attention_bias:
                 attn_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
-            self.layers.append({
-                "input_norm": w[p + "input_layernorm.weight"],
-                "post_norm": w[p + "post_attention_layernorm.weight"],
-                "qkv": torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                "qkv_bias": attn_bias,
-                "o": w[p + "self_attn.o_proj.weight"],
-                "q_norm": w.get(p + "self_attn.q_norm.weight"),
-                "k_norm": w.get(p + "self_attn.k_norm.weight"),
-                "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                "down": w[p + "mlp.down_proj.weight"],
-            })
+            self.layers.append(Layer(
+                input_norm=w[p + "input_layernorm.weight"],
+                post_norm=w[p + "post_attention_layernorm.weight"],
+                qkv=Linear.of(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+                              attn_bias, pack),
+                o=Linear.of(w[p + "self_attn.o_proj.weight"], pack=pack),
+                q_norm=w.get(p + "self_attn.q_norm.weight"),
+                k_norm=w.get(p + "self_attn.k_norm.weight"),
+                gate_up=Linear.of(torch.cat([w[p + "mlp.gate_proj.weight"],
+                                             w[p + "mlp.up_proj.weight"]]), pack=pack),
+                down=Linear.of(w[p + "mlp.down_proj.weight"], pack=pack),
+            ))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
                             rope_inv_freq(config))
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -113,20 +138,20 @@ class LlamaModel(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer["input_norm"], c.rms_norm_eps)  # type: ignore[arg-type]
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])  # type: ignore[arg-type]
+            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            qkv = layer.qkv(h)
             q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
-            if layer["q_norm"] is not None:
-                q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
-                k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)  # type: ignore[arg-type]
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             attn = self.attention.forward(index, q, k, v, kv_cache, plan)
-            x = x + F.linear(attn, layer["o"])  # type: ignore[arg-type]
-            h = rms_norm(x, layer["post_norm"], c.rms_norm_eps)  # type: ignore[arg-type]
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)  # type: ignore[arg-type]
-            x = x + F.linear(F.silu(gate) * up, layer["down"])  # type: ignore[arg-type]
+            x = x + layer.o(attn)
+            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         h = rms_norm(x[logits_indices], self.norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.head(h).float()
