@@ -6,7 +6,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from services.engine.outputs import EngineStats
@@ -37,6 +37,9 @@ class Gateway:
         self.created = int(time.time())
         self.metrics = GatewayMetrics(self.model_name, self._worker_stats)
         self.in_flight = 0  # admitted requests that have not ended
+        # Awaited before /metrics renders: brings workers' stats up to date when they are
+        # polled lazily (an idle cluster); None where stats are always current.
+        self.refresh_stats: Callable[[], Awaitable[None]] | None = None
         self.metrics.in_flight_limit.labels(self.model_name).set(self.config.max_in_flight or 0)
 
     @property

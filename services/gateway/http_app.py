@@ -104,6 +104,8 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if gateway.refresh_stats is not None:
+            await gateway.refresh_stats()
         body, content_type = gateway.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -61,6 +61,7 @@ class ClusterView:
         # While busy, every response also carries its worker's report.
         self.idle_poll_s = max(poll_s, idle_poll_s if idle_poll_s is not None else poll_s)
         self.busy = busy
+        self._last_poll = 0.0  # time.monotonic() when the latest poll started
         self.workers: dict[str, WorkerSnapshot] = {}
         self._infos: dict[str, WorkerInfo] = {}
         self._report_seq: dict[str, int] = {}  # newest report applied, per worker
@@ -99,7 +100,14 @@ class ClusterView:
             with contextlib.suppress(RuntimeError):  # no running loop: the next poll does it
                 self._resync = asyncio.get_running_loop().create_task(self.poll_once())
 
+    async def refresh(self, max_age_s: float) -> None:
+        """Poll now unless a poll started within ``max_age_s`` (a /metrics scrape while the
+        view polls at its idle pace)."""
+        if time.monotonic() - self._last_poll >= max_age_s:
+            await self.poll_once()
+
     async def poll_once(self) -> None:
+        self._last_poll = time.monotonic()
         snapshot, self._snapshots_due = self._snapshots_due, False
         for role, handle in self.handles.items():
             ids = known_replicas(handle.deployment_name)
@@ -195,17 +203,15 @@ class ClusterView:
                     await task
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        last_poll = last_busy = loop.time()
+        last_busy = time.monotonic()
         while True:
             await asyncio.sleep(self.poll_s)
-            now = loop.time()
+            now = time.monotonic()
             if self.busy():
                 last_busy = now
             idle = now - last_busy > IDLE_AFTER_POLLS * self.poll_s
-            if idle and now - last_poll < self.idle_poll_s:
+            if idle and now - self._last_poll < self.idle_poll_s:
                 continue
-            last_poll = now
             try:
                 await self.poll_once()
             except Exception:

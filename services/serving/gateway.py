@@ -70,6 +70,9 @@ class GatewayIngress:
             meta = await asyncio.to_thread(load_model_metadata, config.model)
             backend = await self._disaggregated(config, meta.model_id, prefill, decode)
             self.gateway = Gateway(backend, meta.tokenizer, gateway_config)
+            view = self.view
+            assert view is not None
+            self.gateway.refresh_stats = lambda: view.refresh(config.poll_interval_s)
             source = backend.snapshots
             migrations = backend.migrations
         metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,
