@@ -87,3 +87,23 @@ def test_each_gateway_has_its_own_registry(async_engine: AsyncEngine,
     assert b'tandem_prompt_tokens_total{model_name="SmolLM2-135M-Instruct"} 3.0' in (
         first.metrics.render()[0])
     assert b"tandem_prompt_tokens_total{" not in second.metrics.render()[0]
+
+
+def test_a_scrape_refreshes_lazily_polled_stats_first(server: ServeAddresses,
+                                                      gateway: Gateway) -> None:
+    # The disaggregated gateway hooks its cluster view here (an idle cluster polls its
+    # workers every few seconds): /metrics awaits the hook before it renders.
+    calls: list[int] = []
+
+    async def refresh() -> None:
+        gateway.metrics.in_flight.labels(gateway.model_name).set(7)
+        calls.append(1)
+
+    gateway.refresh_stats = refresh
+    try:
+        samples = scrape(server)["tandem_requests_in_flight"]
+        assert total(samples, "tandem_requests_in_flight") == 7
+        assert calls == [1]
+    finally:
+        gateway.refresh_stats = None
+        gateway.metrics.in_flight.labels(gateway.model_name).set(gateway.in_flight)
