@@ -62,6 +62,7 @@ class ClusterView:
         self.idle_poll_s = max(poll_s, idle_poll_s if idle_poll_s is not None else poll_s)
         self.busy = busy
         self._last_poll = 0.0  # time.monotonic() when the latest poll started
+        self._refreshing: asyncio.Task[None] | None = None  # a poll a /metrics scrape asked for
         self.workers: dict[str, WorkerSnapshot] = {}
         self._infos: dict[str, WorkerInfo] = {}
         self._report_seq: dict[str, int] = {}  # newest report applied, per worker
@@ -102,9 +103,14 @@ class ClusterView:
 
     async def refresh(self, max_age_s: float) -> None:
         """Poll now unless a poll started within ``max_age_s`` (a /metrics scrape while the
-        view polls at its idle pace)."""
-        if time.monotonic() - self._last_poll >= max_age_s:
-            await self.poll_once()
+        view polls at its idle pace). Waits at most ``max_age_s`` for it: a hung worker's
+        status times out later, and the scrape shows what is known by then. Concurrent
+        callers share one poll."""
+        if time.monotonic() - self._last_poll < max_age_s:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().create_task(self._poll_logged())
+        await asyncio.wait({self._refreshing}, timeout=max_age_s)
 
     async def poll_once(self) -> None:
         self._last_poll = time.monotonic()
@@ -196,7 +202,7 @@ class ClusterView:
         self._task = asyncio.create_task(self._run(), name="tandem-cluster-view")
 
     async def close(self) -> None:
-        for task in (self._task, self._resync):
+        for task in (self._task, self._resync, self._refreshing):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -212,7 +218,10 @@ class ClusterView:
             idle = now - last_busy > IDLE_AFTER_POLLS * self.poll_s
             if idle and now - self._last_poll < self.idle_poll_s:
                 continue
-            try:
-                await self.poll_once()
-            except Exception:
-                log.exception("polling the workers failed")
+            await self._poll_logged()
+
+    async def _poll_logged(self) -> None:
+        try:
+            await self.poll_once()
+        except Exception:
+            log.exception("polling the workers failed")
