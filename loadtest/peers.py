@@ -49,7 +49,8 @@ class VllmServer:
                 "--port", str(port), "--served-model-name", self.served_model_name,
                 "--dtype", self.dtype, "--max-num-seqs", str(self.max_num_seqs),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--enable-prefix-caching"]
+                # prompt_tokens_details.cached_tokens in usage, as Tandem reports it
+                "--enable-prefix-caching", "--enable-prompt-tokens-details"]
         if self.cpus is not None:
             argv = ["taskset", "-c", self.cpus, *argv]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
