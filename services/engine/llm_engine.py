@@ -20,6 +20,7 @@ from services.engine.device import check_device, wait_for_writes
 from services.engine.faults import fault_hook_from_env
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from services.engine.kv_events import KVEvent
+from services.engine.logits_controls import Draw, controlled
 from services.engine.model import LlamaModel
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
@@ -272,10 +273,10 @@ class LLMEngine:
         if not result.sampled:
             return []
         plain = [i for i, seq in enumerate(result.sampled) if not seq.spec_token_ids]
+        plain_seqs = [result.sampled[i] for i in plain]
         plain_tokens = sample(
-            result.logits[[result.first_rows[i] for i in plain]],
-            [result.sampled[i].sampling for i in plain],
-            [result.sampled[i].num_output_tokens for i in plain])
+            self._controlled(result.logits[[result.first_rows[i] for i in plain]], plain_seqs),
+            [seq.sampling for seq in plain_seqs], [seq.num_output_tokens for seq in plain_seqs])
         emitted: dict[int, list[int]] = dict(zip(plain, ([t] for t in plain_tokens),
                                                  strict=True))
         outputs = []
@@ -287,13 +288,24 @@ class LLMEngine:
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         drafts = seq.spec_token_ids
-        tokens = verify(logits, seq.sampling, seq.num_output_tokens, drafts)
+        tokens = verify(self._controlled(logits, [seq] * len(logits), drafts), seq.sampling,
+                        seq.num_output_tokens, drafts)
         accepted = len(tokens) - 1
         self.spec_stats.draft_tokens += len(drafts)
         self.spec_stats.accepted_tokens += accepted
         self.spec_stats.steps += 1
         self.spec_policy.observe(seq.request_id, len(drafts), accepted)
         return tokens
+
+    def _controlled(self, logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[int] = ()
+                    ) -> torch.Tensor:
+        """``logits`` with each row's logits controls applied: row i draws for ``seqs[i]``,
+        after its output so far and the first i of ``drafts`` (a verified sequence's rows)."""
+        if not any(seq.sampling.adjusts_logits for seq in seqs):
+            return logits
+        draws = [Draw(seq.sampling, seq.token_ids[:seq.num_prompt_tokens],
+                      [*seq.output_token_ids, *drafts[:i]]) for i, seq in enumerate(seqs)]
+        return controlled(logits, draws, self.model_config.eos_token_ids)
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logits: torch.Tensor
                        ) -> RequestOutput:

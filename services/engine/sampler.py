@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, logprobs, with draws keyed by position.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, logprobs, with draws keyed by
+position (the logits controls of ``logits_controls`` come first).
 
 A sampled request's token at output position ``i`` is ``argmax(probs / E)``, where ``E`` holds
 one Exp(1) variate per vocabulary entry: the exponential race, which picks token x with
@@ -177,12 +178,22 @@ def _truncate(scaled: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor
     return torch.full_like(scaled, float("-inf")).scatter_(-1, order, sorted_logits)
 
 
+def _min_p(scaled: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    """Min-p of float32 ``scaled`` [R, vocab]: a row's tokens whose probability is below its
+    ``min_p`` times its most likely token's are set to -inf (``min_p`` 0: none)."""
+    min_p = to_device([p.min_p for p in params], torch.float32, scaled.device).unsqueeze(-1)
+    probs = scaled.softmax(-1)
+    return scaled.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, float("-inf"))
+
+
 def batch_probabilities(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
     """The distributions [N, vocab] (float32, on the logits' device) that the non-greedy
     requests ``params`` sample from, row by row, as ``probabilities`` describes. Only the rows
     that truncate are sorted (together); a row's result does not depend on the other rows."""
     scaled = logits.float() / to_device([p.temperature for p in params], torch.float32,
                                       logits.device).unsqueeze(-1)
+    if any(p.min_p > 0.0 for p in params):
+        scaled = _min_p(scaled, params)
     vocab = scaled.shape[-1]
     truncating = [r for r, p in enumerate(params)
                   if _top_k_on(p.top_k, vocab) or p.top_p < 1.0]
@@ -251,8 +262,9 @@ def accept_matching(targets: list[int], draft_tokens: list[int]) -> list[int]:
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from (one row of float32 ``logits``):
-    temperature, then top-k (0 or >= vocab: off; ties with the k-th stay), then top-p (a token
-    is dropped once the mass before it already reaches top_p; the best token always stays).
+    temperature, then min-p, then top-k (0 or >= vocab: off; ties with the k-th stay), then
+    top-p (a token is dropped once the mass before it already reaches top_p; the best token
+    always stays).
     The batched code of ``sample`` (``batch_probabilities``) for one row."""
     return batch_probabilities(logits.unsqueeze(0), [p])[0]
 

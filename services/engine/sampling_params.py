@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 # Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): logits / 1e-40 overflow to inf.
 GREEDY_TEMPERATURE = 1e-5
+# OpenAI's bounds (vLLM's for repetition_penalty, which OpenAI lacks, is only > 0).
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,13 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
     speculative: bool = True  # use the engine's speculative decoding, if it has one
     num_speculative_tokens: int | None = None  # cap on draft tokens per step; None: engine's
+    # Logits controls (engine/logits_controls.py), applied before greedy and sampled draws:
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), id order
+    presence_penalty: float = 0.0  # minus this from each token already in the output
+    frequency_penalty: float = 0.0  # minus this times its count in the output
+    repetition_penalty: float = 1.0  # tokens of prompt or output: logit / it if > 0, else * it
+    min_p: float = 0.0  # sampled draws: drop tokens below min_p x the most likely's probability
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -39,7 +50,35 @@ class SamplingParams:
             raise ValueError(f"num_speculative_tokens must be between 1 and 16, got "
                              f"{self.num_speculative_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer between 0 and max_tokens "
+                             f"({self.max_tokens}), got {self.min_tokens!r}")
+        bias = tuple(sorted((int(t), float(b)) for t, b in self.logit_bias))
+        if any(t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in bias):
+            raise ValueError(f"logit_bias must map token ids >= 0 to numbers between "
+                             f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token twice")
+        object.__setattr__(self, "logit_bias", bias)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails this too
+                raise ValueError(f"{name} must be between -{MAX_PENALTY:g} and "
+                                 f"{MAX_PENALTY:g}, got {value}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before the draw (``logits_controls``)."""
+        return bool(self.min_tokens or self.logit_bias or self.presence_penalty
+                    or self.frequency_penalty or self.repetition_penalty != 1.0)

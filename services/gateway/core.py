@@ -74,7 +74,8 @@ class Gateway:
                       ) -> GenerationRequest:
         return build_request(request_id, prompt_token_ids, options, self.max_model_len,
                              cache_salt, self.config.default_max_tokens, arrival_time,
-                             prompt_param, self.config.request_timeout_s)
+                             prompt_param, self.config.request_timeout_s,
+                             self.tokenizer.vocab_size)
 
     async def start(self, request: GenerationRequest, trace: RequestTrace | None = None
                     ) -> Generation:

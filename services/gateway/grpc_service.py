@@ -18,9 +18,11 @@ from grpc_reflection.v1alpha import reflection
 from services.gateway.core import Gateway, Generation
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.inputs import (
+    CHAT_ROLES,
     SamplingOptions,
     check_token_ids,
     new_request_id,
+    template_message,
     tokenize_chat,
     tokenize_prompt,
 )
@@ -28,6 +30,7 @@ from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.pipeline import Delta
 from services.gateway.request_trace import RequestTrace
+from services.version import version
 
 MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request_id, echoed back
 log = logging.getLogger(__name__)
@@ -134,6 +137,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
 
 
+    async def GetModelInfo(self, request: pb.ModelInfoRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            self.gateway.check_api_key(_as_str(metadata.get("authorization")))
+        except GatewayError as exc:
+            await context.abort(status_code(exc), exc.message)
+        gateway = self.gateway
+        return pb.ModelInfo(model=gateway.model_name, max_model_len=gateway.max_model_len,
+                            vocab_size=gateway.tokenizer.vocab_size, server_version=version())
+
+
 HEALTH_REFRESH_S = 1.0  # how often gRPC health follows the gateway's health
 
 
@@ -204,9 +219,13 @@ def _parse_request(data: bytes) -> pb.GenerateRequest | MalformedRequest:
 
 def _add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
     """``pb_grpc.add_GenerationServicer_to_server`` with a request parser that does not raise."""
-    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
-        servicer.Generate, request_deserializer=_parse_request,
-        response_serializer=pb.GenerateResponse.SerializeToString)}
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_parse_request,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=pb.ModelInfoRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -220,12 +239,11 @@ def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest) -> list[int
     if which == "prompt":
         return tokenize_prompt(gateway.tokenizer, request.prompt)
     if which == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        bad = next((m["role"] for m in messages
-                    if m["role"] not in ("system", "user", "assistant")), None)
+        bad = next((m.role for m in request.chat.messages if m.role not in CHAT_ROLES), None)
         if bad is not None:
             raise bad_request(f"unknown chat role {bad!r}", param="chat")
-        return tokenize_chat(gateway.tokenizer, messages)
+        return tokenize_chat(gateway.tokenizer, [template_message(m.role, m.content)
+                                                 for m in request.chat.messages])
     if which == "token_ids":
         return check_token_ids(request.token_ids.ids, gateway.tokenizer.vocab_size,
                                param="token_ids")
@@ -246,6 +264,14 @@ def _sampling_options(request: pb.GenerateRequest) -> SamplingOptions:
         speculative=s.speculative if s.HasField("speculative") else True,
         num_speculative_tokens=(s.num_speculative_tokens if s.HasField("num_speculative_tokens")
                                 else None),
+        stop_token_ids=tuple(s.stop_token_ids),
+        min_tokens=s.min_tokens if s.HasField("min_tokens") else None,
+        logit_bias=dict(s.logit_bias) or None,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
+        repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty")
+                            else None),
+        min_p=s.min_p if s.HasField("min_p") else None,
     )
 
 

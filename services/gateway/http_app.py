@@ -22,6 +22,7 @@ from services.gateway.event_stream import AbortConnection, EventStream
 from services.gateway.inputs import (
     check_token_ids,
     new_request_id,
+    template_message,
     tokenize_chat,
     tokenize_prompt,
 )
@@ -29,12 +30,15 @@ from services.gateway.openai_format import SSE_DONE, ResponseContext, sse
 from services.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
 )
 from services.gateway.pipeline import Delta
 from services.gateway.request_trace import RequestTrace
 from services.gateway.token_text import TokenText
 from services.request import GenerationRequest
+from services.version import version
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +58,10 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     ``abort_connection`` drops a slow client's connection (event_stream.py)."""
     # FastAPI's own request spans stay off: the gateway.request span (request_trace.py) is the
     # HTTP and gRPC server span alike, and probes of /health and /metrics are not traced.
-    app = FastAPI(title="Tandem", version="1", docs_url="/docs", redoc_url=None,
+    app = FastAPI(title="Tandem", version=version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", telemetry={"tracing": False})
-    _add_schemas(app, ChatCompletionRequest, CompletionRequest)
+    _add_schemas(app, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                 DetokenizeRequest)
     app.state.gateway = gateway
     app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes)
     token_text = TokenText(gateway.tokenizer)
@@ -119,6 +124,32 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
         gateway.check_api_key(request.headers.get("authorization"))
         gateway.check_model(model)
         return _model_card(gateway)
+
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest),
+              responses=_error_responses(400, 401, 404))
+    async def tokenize(request: Request) -> dict[str, object]:
+        gateway.check_api_key(request.headers.get("authorization"))
+        body = (await _parse(request, TokenizeRequest)).checked()
+        gateway.check_model(body.model)
+        if body.messages is not None:
+            messages = [template_message(m.role, m.text()) for m in body.messages]
+            tokens = tokenize_chat(gateway.tokenizer, messages)
+        else:
+            tokens = tokenize_prompt(gateway.tokenizer, body.prompt or "")
+        return {"count": len(tokens), "max_model_len": gateway.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest),
+              responses=_error_responses(400, 401, 404))
+    async def detokenize(request: Request) -> dict[str, object]:
+        gateway.check_api_key(request.headers.get("authorization"))
+        body = await _parse(request, DetokenizeRequest)
+        gateway.check_model(body.model)
+        tokens = check_token_ids(body.tokens, gateway.tokenizer.vocab_size, param="tokens")
+        return {"prompt": gateway.tokenizer.decode(tokens)}
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        return {"version": version()}
 
     @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
               responses=_generation_responses())

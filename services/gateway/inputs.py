@@ -22,6 +22,8 @@ from services.request import GenerationRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_TOKENS = 1024
 _INT64 = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -40,6 +42,23 @@ class SamplingOptions:
     speculative: bool = True  # speculative decoding, where the server runs it
     num_speculative_tokens: int | None = None  # cap on draft tokens per step
     timeout_s: float | None = None  # the client's deadline for the whole request, if any
+    # Logits controls (engine/logits_controls.py); None or empty: off.
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+
+
+# The chat roles both front ends accept; "developer" is OpenAI's newer name for "system".
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def template_message(role: str, content: str) -> dict[str, str]:
+    """A message as the chat template reads it (templates know "system", not "developer")."""
+    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 def new_request_id(prefix: str) -> str:
@@ -76,11 +95,11 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "pro
 def build_request(request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
                   max_model_len: int, cache_salt: str | None = None,
                   default_max_tokens: int | None = None, arrival_time: float | None = None,
-                  prompt_param: str = "prompt", max_timeout_s: float | None = None
-                  ) -> GenerationRequest:
-    """Check the request against the context length and turn options into SamplingParams.
-    Its deadline is the client's ``timeout_s`` or ``max_timeout_s`` (the server's limit),
-    whichever is sooner."""
+                  prompt_param: str = "prompt", max_timeout_s: float | None = None,
+                  vocab_size: int | None = None) -> GenerationRequest:
+    """Check the request against the context length (and the token ids it names against
+    ``vocab_size``) and turn options into SamplingParams. Its deadline is the client's
+    ``timeout_s`` or ``max_timeout_s`` (the server's limit), whichever is sooner."""
     num_prompt = len(prompt_token_ids)
     room = max_model_len - num_prompt
     if room < 1:
@@ -99,6 +118,7 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
         max_tokens = min(room, default_max_tokens) if default_max_tokens else room
     _check_stop(options.stop)
     _check_ranges(options)
+    _check_token_controls(options, vocab_size)
     if options.seed is not None and not _INT64[0] <= options.seed <= _INT64[1]:
         raise bad_request(f"seed must fit in 64 bits, got {options.seed}", param="seed")
     top_k = options.top_k if options.top_k is not None else 0
@@ -120,6 +140,14 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
             logprobs=options.logprobs,
             speculative=options.speculative,
             num_speculative_tokens=options.num_speculative_tokens,
+            stop_token_ids=options.stop_token_ids,
+            min_tokens=options.min_tokens or 0,
+            logit_bias=tuple((options.logit_bias or {}).items()),
+            presence_penalty=options.presence_penalty or 0.0,
+            frequency_penalty=options.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if options.repetition_penalty is None
+                                else options.repetition_penalty),
+            min_p=options.min_p or 0.0,
         )
     except ValueError as exc:  # SamplingParams names the field first in its messages
         field_name = str(exc).split(" ", 1)[0]
@@ -162,3 +190,17 @@ def _check_stop(stop: Sequence[str]) -> None:
         if len(s) > MAX_STOP_STRING_CHARS:
             raise bad_request(f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters",
                               param="stop")
+
+
+def _check_token_controls(options: SamplingOptions, vocab_size: int | None) -> None:
+    named = [("stop_token_ids", list(options.stop_token_ids), MAX_STOP_TOKEN_IDS),
+             ("logit_bias", list(options.logit_bias or ()), MAX_LOGIT_BIAS_TOKENS)]
+    for param, ids, most in named:
+        if len(ids) > most:
+            raise bad_request(f"{param} may name at most {most} tokens, got {len(ids)}",
+                              param=param)
+        bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)),
+                   None)
+        if bad is not None:
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary "
+                              f"[0, {vocab_size})", param=param)

@@ -1,7 +1,9 @@
-"""OpenAI request bodies (the subset Tandem serves), validated with pydantic.
+"""OpenAI request bodies (what Tandem serves), validated with pydantic.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; fields that would change the
-result but are not implemented are rejected by ``unsupported_fields`` instead of ignored.
+Nothing a client sends is silently ignored: every field either works or the request is refused
+with a 400 naming it. Fields of OpenAI's and vLLM's APIs that Tandem does not implement are
+listed in ``NOT_SUPPORTED`` and refused by name unless they hold their default (what the client
+would get anyway); any other unknown field is refused as unknown.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from services.gateway.errors import GatewayError, unsupported
-from services.gateway.inputs import SamplingOptions
+from services.gateway.errors import GatewayError, bad_request, unsupported
+from services.gateway.inputs import SamplingOptions, template_message
 
 
 def _integral(value: object) -> object:
@@ -20,19 +22,117 @@ def _integral(value: object) -> object:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+OPENAI_COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
 
 
 class _Body(BaseModel):
     # Strict: a value of another JSON type is a 400, not converted (`"seed": true` is not seed 1,
     # nor `"max_tokens": "8"` 8), as OpenAI does; integers are numbers, 8.0 is an integer (`Int`).
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    # Unknown fields are refused (the request bodies check theirs against NOT_SUPPORTED).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+
+# Request fields of OpenAI's and vLLM's APIs that Tandem does not implement: what each is, and
+# the values that ask for nothing (accepted: the client gets what it asked for).
+_OFF: tuple[object, ...] = (None,)
+_TOOLS = "tool calling"
+_STRUCTURED = "structured output (guided decoding)"
+_BEAM = "beam search"
+_MULTIMODAL = "multimodal input"
+_REASONING = "reasoning controls"
+_STORED = "stored completions (store, metadata)"
+NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
+    "tools": (_TOOLS, (None, [])),
+    "tool_choice": (_TOOLS, (None, "none", "auto")),
+    "parallel_tool_calls": (_TOOLS, (None, True, False)),
+    "functions": (_TOOLS, (None, [])),
+    "function_call": (_TOOLS, (None, "none", "auto")),
+    "structured_outputs": (_STRUCTURED, _OFF),
+    "guided_json": (_STRUCTURED, _OFF),
+    "guided_regex": (_STRUCTURED, _OFF),
+    "guided_choice": (_STRUCTURED, _OFF),
+    "guided_grammar": (_STRUCTURED, _OFF),
+    "guided_decoding_backend": (_STRUCTURED, _OFF),
+    "guided_whitespace_pattern": (_STRUCTURED, _OFF),
+    "use_beam_search": (_BEAM, (None, False)),
+    "length_penalty": (_BEAM, (None, 1.0)),
+    "include_stop_str_in_output": ("stop strings kept in the output", (None, False)),
+    "skip_special_tokens": ("special tokens in the text", (None, True)),
+    "spaces_between_special_tokens": ("special-token spacing", (None, True)),
+    "truncate_prompt_tokens": ("prompt truncation", _OFF),
+    "truncation_side": ("prompt truncation", _OFF),
+    "prompt_logprobs": ("prompt logprobs", _OFF),
+    "logprob_token_ids": ("logprobs of chosen token ids", _OFF),
+    "allowed_token_ids": ("allowed_token_ids", _OFF),
+    "bad_words": ("bad_words", (None, [])),
+    "add_generation_prompt": ("add_generation_prompt=false", (None, True)),
+    "continue_final_message": ("continue_final_message", (None, False)),
+    "add_special_tokens": ("add_special_tokens", _OFF),
+    "documents": ("documents for the chat template", _OFF),
+    "chat_template": ("a per-request chat template", _OFF),
+    "chat_template_kwargs": ("chat_template_kwargs", (None, {})),
+    "media_io_kwargs": (_MULTIMODAL, _OFF),
+    "mm_processor_kwargs": (_MULTIMODAL, _OFF),
+    "mm_payload": (_MULTIMODAL, (None, "tensors")),
+    "return_mm_kwargs": (_MULTIMODAL, (None, False)),
+    "prompt_embeds": ("prompt embeddings", _OFF),
+    "audio": ("audio output", _OFF),
+    "modalities": ("output modalities other than text", (None, ["text"])),
+    "prediction": ("predicted outputs", _OFF),
+    "priority": ("request priorities", (None, 0)),
+    "request_id": ("a client request id over HTTP", _OFF),
+    "session_id": ("sessions", _OFF),
+    "return_tokens_as_token_ids": ("tokens as token ids", (None, False)),
+    "return_token_offsets": ("token offsets", (None, False)),
+    "return_prompt_text": ("the prompt's text", (None, False)),
+    "routed_experts_prompt_start": ("expert routing", (None, 0)),
+    "kv_transfer_params": ("external KV transfer", _OFF),
+    "ec_transfer_params": ("external encoder-cache transfer", _OFF),
+    "vllm_xargs": ("vllm_xargs", (None, {})),
+    "repetition_detection": ("repetition detection", _OFF),
+    "stream_interval": ("stream_interval", (None, 1)),
+    "watermarking": ("watermarking", _OFF),
+    "reasoning_effort": (_REASONING, _OFF),
+    "thinking_token_budget": (_REASONING, _OFF),
+    "include_reasoning": (_REASONING, (None, True)),
+    "verbosity": ("verbosity", (None, "medium")),
+    "web_search_options": ("web search", _OFF),
+    "store": (_STORED, (None, False)),
+    "metadata": (_STORED, (None, {})),
+    "service_tier": ("service tiers", (None, "auto", "default")),
+    "prompt_cache_key": ("prompt_cache_key (use cache_salt)", _OFF),
+}
+
+
+def _same(value: object, default: object) -> bool:
+    """JSON equality: true is not 1, 1 is 1.0."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    return value == default
+
+
+def _refused_extra(extra: dict[str, Any] | None) -> GatewayError | None:
+    """The first field of ``extra`` (fields no model declares) that asks for something."""
+    for name, value in (extra or {}).items():
+        if name not in NOT_SUPPORTED:
+            return bad_request(f"Unknown field {name!r}", param=name, code="unknown_field")
+        what, defaults = NOT_SUPPORTED[name]
+        if not any(_same(value, d) for d in defaults):
+            return unsupported(name, f"{name}={value!r}: {what}")
+    return None
+
+
+class _Request(_Body):
+    # Top level: unknown fields land in model_extra and are checked against NOT_SUPPORTED. The
+    # OpenAPI document promises no more than the declared fields.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _CommonRequest(_Body):
+class _CommonRequest(_Request):
     model: str | None = None  # missing: the served model
     max_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -43,7 +143,6 @@ class _CommonRequest(_Body):
     n: Int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted, not used: end users may share cached prefixes
     cache_salt: str | None = None  # extension: per-tenant prefix-cache isolation
     ignore_eos: bool = False  # extension
     # Extensions: speculative decoding (when the server runs it) per request.
@@ -52,9 +151,17 @@ class _CommonRequest(_Body):
     return_token_ids: bool = False  # extension: token ids in every choice (and the prompt's)
     # Extension: seconds the whole request may take (504 after); the server's limit caps it.
     timeout: float | None = Field(None, gt=0.0)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted, not used: end users may share cached prefixes
+    safety_identifier: str | None = None  # accepted, not used (as user)
+    # Logits controls (engine/logits_controls.py); OpenAI's bounds, vLLM's extensions.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> -100..100
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # extension
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension
+    min_tokens: Int | None = Field(None, ge=0)  # extension
+    stop_token_ids: list[Int] | None = None  # extension
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -67,14 +174,33 @@ class _CommonRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` keyed by token id (JSON keys are strings)."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().lstrip("-").isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                                  param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def controls(self) -> dict[str, Any]:
+        """The logits controls as ``SamplingOptions`` fields."""
+        return {"stop_token_ids": tuple(self.stop_token_ids or ()),
+                "min_tokens": self.min_tokens, "logit_bias": self.token_bias(),
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "min_p": self.min_p}
+
     def _common_unsupported(self) -> GatewayError | None:
+        if error := _refused_extra(self.model_extra):
+            return error
         if self.n != 1:
             return unsupported("n", f"n={self.n} (only n=1)")
-        if self.presence_penalty or self.frequency_penalty:
-            return unsupported("presence_penalty" if self.presence_penalty
-                               else "frequency_penalty", "a presence or frequency penalty")
-        if self.logit_bias:
-            return unsupported("logit_bias", "logit_bias")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return unsupported("response_format", "a response_format other than text")
         if self.stream_options is not None and not self.stream:
             return GatewayError(400, "stream_options is only allowed with stream=true",
                                 param="stream_options")
@@ -89,6 +215,7 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | dict[str, Any]] | None = None
+    name: str | None = None  # accepted; the chat templates Tandem renders do not show it
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -107,22 +234,17 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the last message's text before the reply; only false
 
     def unsupported_fields(self) -> GatewayError | None:
-        if self.tools:
-            return unsupported("tools", "tool calling")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return unsupported("response_format", "a response_format other than text")
+        if self.echo:
+            return unsupported("echo", "echo on chat completions")
         if self.top_logprobs and not self.logprobs:
             return GatewayError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         return self._common_unsupported()
 
     def chat_messages(self) -> list[dict[str, str]]:
-        # The system prompt by its newer name: templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return [template_message(m.role, m.text()) for m in self.messages]
 
     def sampling_options(self) -> SamplingOptions:
         return SamplingOptions(
@@ -131,7 +253,7 @@ class ChatCompletionRequest(_CommonRequest):
             stop=self.stop_strings(), ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-            timeout_s=self.timeout)
+            timeout_s=self.timeout, **self.controls())
 
 
 class CompletionRequest(_CommonRequest):
@@ -162,10 +284,33 @@ class CompletionRequest(_CommonRequest):
 
     def sampling_options(self) -> SamplingOptions:
         return SamplingOptions(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            max_tokens=(OPENAI_COMPLETIONS_MAX_TOKENS if self.max_tokens is None
+                        else self.max_tokens),
+            temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=self.stop_strings(),
             ignore_eos=self.ignore_eos, logprobs=self.logprobs, speculative=self.speculative,
-            num_speculative_tokens=self.num_speculative_tokens, timeout_s=self.timeout)
+            num_speculative_tokens=self.num_speculative_tokens, timeout_s=self.timeout,
+            **self.controls())
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages rendered with the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+    def checked(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give one of prompt or messages", param="prompt")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model: str | None = None
+    tokens: list[Int]
 
 
 class ErrorDetail(BaseModel):

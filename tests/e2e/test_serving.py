@@ -167,6 +167,34 @@ def test_seeded_sampling_equals_the_engine_on_the_reference_set(
     assert len({tuple(tokens) for tokens in sampled}) == len(prompts)
 
 
+def test_logits_controls_through_prefill_and_a_speculating_decode_worker(
+        cluster: UpProcess, client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+    """Penalties, logit_bias, min_tokens and min_p travel with the request to the prefill
+    worker (the first token) and the decode worker, which speculates (each drafted position
+    sees the drafts before it): the engine's own tokens for the same parameters."""
+    messages = [{"role": "user", "content": "Write the word 'the' five times."}]
+    tokenized = httpx.post(f"{cluster.http_url}/tokenize", json={"messages": messages},
+                           timeout=30)
+    prompt = tokenized.json()["tokens"]
+    cases = [  # (HTTP fields, the same as SamplingParams fields)
+        ({"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.2},
+         {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.2}),
+        ({"logit_bias": {"504": -100.0}, "min_tokens": 20, "stop_token_ids": [198]},
+         {"logit_bias": ((504, -100.0),), "min_tokens": 20, "stop_token_ids": (198,)}),
+        ({"min_p": 0.1, "frequency_penalty": 1.0},
+         {"min_p": 0.1, "frequency_penalty": 1.0, "temperature": 0.9, "seed": 21}),
+    ]
+    for fields, params in cases:
+        response = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+            temperature=params.get("temperature", 0), seed=params.get("seed"),
+            extra_body={**fields, **TOKEN_IDS})
+        tokens = _tokens(response.choices[0])
+        assert tokens == reference(prompt, **params), fields
+        assert tokens != reference(prompt, **{k: v for k, v in params.items()
+                                              if k in ("temperature", "seed")}), fields
+
+
 def test_grpc_streams_same_tokens(cluster: UpProcess, client: OpenAI,
                                   reference) -> None:  # type: ignore[no-untyped-def]
     prompt = [1, 504, 3458, 282, 4649, 314]  # token ids: no tokenizer in the way

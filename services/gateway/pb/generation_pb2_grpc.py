@@ -41,6 +41,11 @@ class GenerationStub:
                 request_serializer=tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/tandem.v1.Generation/GetModelInfo',
+                request_serializer=tandem_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -54,6 +59,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """The served model and server, as /v1/models and /version tell HTTP clients.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +73,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=tandem_dot_v1_dot_generation__pb2.ModelInfoRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class Generation:
             '/tandem.v1.Generation/Generate',
             tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/GetModelInfo',
+            tandem_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
+            tandem_dot_v1_dot_generation__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
