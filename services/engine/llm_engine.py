@@ -18,6 +18,7 @@ from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.device import check_device, wait_for_writes
 from services.engine.faults import fault_hook_from_env
+from services.engine.grammar import Grammars
 from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from services.engine.kv_events import KVEvent
 from services.engine.logits_controls import Draw, controlled
@@ -107,6 +108,8 @@ class LLMEngine:
             self.proposer: Proposer | None = DraftModelProposer.load(draft, config, model)
         else:
             self.proposer = build_proposer(config, model)
+        self.grammars = Grammars(loaded.tokenizer, loaded.config.vocab_size,
+                                 list(loaded.config.eos_token_ids))
         self.spec_policy = SpecPolicy(spec)
         self.spec_stats = SpecStats()
         self.num_preemptions = 0
@@ -233,7 +236,12 @@ class LLMEngine:
             )
         extra_keys = (self.model_config.model_id, cache_salt) if cache_salt else (
             self.model_config.model_id,)
-        return Sequence(request_id, prompt + outputs, len(prompt), params, extra_keys)
+        seq = Sequence(request_id, prompt + outputs, len(prompt), params, extra_keys)
+        if params.structured_output is not None:
+            seq.matcher = self.grammars.matcher(params.structured_output, outputs)
+            if seq.matcher.is_error():
+                raise RequestError(f"structured_output: {seq.matcher.get_error()}")
+        return seq
 
     def _importing(self, request_id: str) -> Sequence:
         seq = self.scheduler.get(request_id)
@@ -303,9 +311,31 @@ class LLMEngine:
         after its output so far and the first i of ``drafts`` (a verified sequence's rows)."""
         if not any(seq.sampling.adjusts_logits for seq in seqs):
             return logits
+        allowed = (self._grammar_masks(seqs[0], drafts) if drafts
+                   else [seq.matcher and seq.matcher.compute_bitmask() for seq in seqs])
         draws = [Draw(seq.sampling, seq.token_ids[:seq.num_prompt_tokens],
-                      [*seq.output_token_ids, *drafts[:i]]) for i, seq in enumerate(seqs)]
+                      [*seq.output_token_ids, *drafts[:i]], allowed[i])
+                 for i, seq in enumerate(seqs)]
         return controlled(logits, draws, self.model_config.eos_token_ids)
+
+    @staticmethod
+    def _grammar_masks(seq: Sequence, drafts: Seq[int]) -> list[bytes | None]:
+        """The grammar's masks at a verified sequence's rows: row i after the first i drafts.
+        Rows past a draft the grammar refuses get none: verification stops at that draft (the
+        target's masked draw there differs from it), so they emit nothing."""
+        masks: list[bytes | None] = [None] * (len(drafts) + 1)
+        if seq.matcher is None:
+            return masks
+        masks[0] = seq.matcher.compute_bitmask()
+        consumed = 0
+        for draft in drafts:
+            if seq.matcher.try_consume_tokens([draft]) != 1:
+                break
+            consumed += 1
+            masks[consumed] = seq.matcher.compute_bitmask()
+        if consumed:
+            seq.matcher.rollback(consumed)
+        return masks
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logits: torch.Tensor
                        ) -> RequestOutput:
@@ -320,6 +350,9 @@ class LLMEngine:
                 new_logprobs.append(token_logprobs(logits[row], token, seq.sampling.logprobs))
             seq.token_ids.append(token)
             emitted.append(token)
+            if seq.matcher is not None and not seq.matcher.consume_token(token):
+                log.error("request %s: its grammar refused token %d: %s", seq.request_id,
+                          token, seq.matcher.get_error())
             self._check_stop(seq, token)
             if seq.finish_reason is not None:
                 break
@@ -411,7 +444,9 @@ class LLMEngine:
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.sampling
         is_eos = token in self.model_config.eos_token_ids and not p.ignore_eos
-        if is_eos or token in p.stop_token_ids:
+        # A grammar that is complete (or broken) allows nothing more: the output ends.
+        done = seq.matcher is not None and (seq.matcher.is_stopped() or seq.matcher.is_error())
+        if is_eos or token in p.stop_token_ids or done:
             seq.finish_reason = FinishReason.STOP
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH

@@ -3,6 +3,8 @@
 Applied to a row's float32 logits before the sampler picks a token, greedy or sampled, in
 vLLM's order:
 
+0. structured output: the tokens the request's grammar does not allow next get -inf
+   (``Draw.allowed``, from its matcher: engine/grammar.py).
 1. ``min_tokens``: while the output is shorter, EOS (unless ``ignore_eos``) and every
    ``stop_token_ids`` entry get -inf, so nothing ends the output early.
 2. ``logit_bias``: each listed token's bias is added to its logit.
@@ -35,6 +37,7 @@ class Draw:
     params: SamplingParams
     prompt: Seq[int]
     output: Seq[int]  # the output before this position (accepted drafts included)
+    allowed: bytes | None = None  # structured output: the grammar's bitmask (bit t: token t)
 
 
 def controlled(logits: torch.Tensor, draws: Seq[Draw], eos_token_ids: Seq[int]) -> torch.Tensor:
@@ -42,13 +45,29 @@ def controlled(logits: torch.Tensor, draws: Seq[Draw], eos_token_ids: Seq[int]) 
     them; ``logits`` itself when none does)."""
     if len(draws) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits, {len(draws)} draws")
-    rows = [r for r, d in enumerate(draws) if d.params.adjusts_logits]
+    rows = [r for r, d in enumerate(draws) if d.params.adjusts_logits or d.allowed is not None]
     if not rows:
         return logits
     out = logits.float().clone()
+    masked = [r for r in rows if draws[r].allowed is not None]
+    if masked:
+        _apply_grammar(out, masked, [draws[r].allowed for r in masked])  # type: ignore[misc]
     for r in rows:
         _apply(out[r], draws[r], eos_token_ids)
     return out
+
+
+def _apply_grammar(logits: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:
+    """-inf where the rows' grammar bitmasks (bit t of a mask: token t allowed; the bytes of
+    little-endian 32-bit words) say no: all rows at once."""
+    vocab, device = logits.shape[-1], logits.device
+    packed = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8)
+    packed = packed.view(len(rows), -1).to(device)
+    bits = (packed.unsqueeze(-1) >> torch.arange(8, device=device, dtype=torch.uint8)) & 1
+    refused = bits.view(len(rows), -1)[:, :vocab] == 0
+    index = torch.tensor(rows, dtype=torch.int64, device=device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(refused,
+                                                                             float("-inf")))
 
 
 def _ids(tokens: Seq[int], device: torch.device) -> torch.Tensor:

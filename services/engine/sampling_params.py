@@ -11,6 +11,26 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 10.0
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """``kind`` json: ``spec`` is a JSON schema (as JSON text); regex: a regular expression;
+    choice: a JSON list of strings, the output is one of them; grammar: a Lark grammar
+    (llguidance's dialect, with a ``start`` rule) or a GBNF one (``root ::= ...``)."""
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_output kind must be one of {STRUCTURED_KINDS}, "
+                             f"got {self.kind!r}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_output spec must be a string of at most "
+                             f"{MAX_SPEC_CHARS} characters")
 
 
 @dataclass(frozen=True)
@@ -32,6 +52,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this times its count in the output
     repetition_penalty: float = 1.0  # tokens of prompt or output: logit / it if > 0, else * it
     min_p: float = 0.0  # sampled draws: drop tokens below min_p x the most likely's probability
+    # Only tokens that keep the output within this constraint (engine/grammar.py).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -72,6 +94,9 @@ class SamplingParams:
                              f"got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if isinstance(self.structured_output, dict):  # from the control channel's JSON
+            object.__setattr__(self, "structured_output",
+                               StructuredOutput(**self.structured_output))
 
     @property
     def greedy(self) -> bool:
@@ -80,5 +105,6 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the logits are changed before the draw (``logits_controls``)."""
-        return bool(self.min_tokens or self.logit_bias or self.presence_penalty
-                    or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(self.structured_output or self.min_tokens or self.logit_bias
+                    or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)

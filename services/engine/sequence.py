@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.engine.block_hash import BlockHash
 from services.engine.sampling_params import SamplingParams
@@ -64,6 +65,8 @@ class Sequence:
     # Speculative draft tokens for this step, verified after the last real token; never part
     # of token_ids until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured output: the llguidance matcher fed the output so far (engine/grammar.py).
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:

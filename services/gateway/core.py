@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -9,11 +10,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
+from services.engine.grammar import Grammars
 from services.engine.outputs import EngineStats
+from services.engine.sampling_params import StructuredOutput
 from services.engine.tokenizer import Tokenizer
 from services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import model_not_found, overloaded, unauthorized
+from services.gateway.errors import bad_request, model_not_found, overloaded, unauthorized
 from services.gateway.inputs import SamplingOptions, build_request
 from services.gateway.metrics import REJECTED, SLOW_CLIENT, GatewayMetrics, RequestTimer
 from services.gateway.pipeline import Delta, generate_deltas
@@ -32,6 +35,7 @@ class Gateway:
                  config: GatewayConfig | None = None) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
+        self.grammars = Grammars(tokenizer)  # checks structured-output constraints
         self.config = config or GatewayConfig()
         self.model_name = self.config.served_model_name or backend.model_id
         self.created = int(time.time())
@@ -67,6 +71,16 @@ class Gateway:
         matches = [hmac.compare_digest(key, k.encode()) for k in self.config.api_keys]
         if scheme.lower() != "bearer" or not any(matches):
             raise unauthorized()
+
+    async def check_structured_output(self, constraint: StructuredOutput | None, param: str
+                                      ) -> None:
+        """400 naming ``param`` when ``constraint`` cannot be compiled (in a thread: the first
+        one builds the grammar tokenizer, ~0.5 s, and a large grammar takes long)."""
+        if constraint is None:
+            return
+        problem = await asyncio.to_thread(self.grammars.problem, constraint)
+        if problem is not None:
+            raise bad_request(f"{param}: {problem}", param=param)
 
     def build_request(self, request_id: str, prompt_token_ids: list[int],
                       options: SamplingOptions, cache_salt: str | None = None,

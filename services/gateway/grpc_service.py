@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -15,6 +16,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.engine.sampling_params import StructuredOutput
 from services.gateway.core import Gateway, Generation
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.inputs import (
@@ -76,6 +78,8 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
             options = dataclasses.replace(_sampling_options(request),
                                           timeout_s=None if timeout_s is None
                                           else max(timeout_s, 1e-3))
+            await gateway.check_structured_output(
+                options.structured_output, request.sampling.WhichOneof("structured_output") or "")
         with trace.phase("gateway.tokenize") as span:
             prompt = _prompt_token_ids(gateway, request)
             span.set_attribute("tandem.prompt_tokens", len(prompt))
@@ -272,7 +276,30 @@ def _sampling_options(request: pb.GenerateRequest) -> SamplingOptions:
         repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty")
                             else None),
         min_p=s.min_p if s.HasField("min_p") else None,
+        structured_output=_structured_output(s),
     )
+
+
+def _structured_output(s: pb.SamplingOptions) -> StructuredOutput | None:
+    try:
+        return _constraint_of(s)
+    except ValueError as exc:  # StructuredOutput's own checks (the spec's size)
+        raise bad_request(str(exc), param="structured_output") from None
+
+
+def _constraint_of(s: pb.SamplingOptions) -> StructuredOutput | None:
+    which = s.WhichOneof("structured_output")
+    if which is None or (which == "json_object" and not s.json_object):
+        return None
+    if which == "json_object":
+        return StructuredOutput("json", '{"type": "object"}')
+    if which == "json_schema":
+        return StructuredOutput("json", s.json_schema)
+    if which == "choice":
+        if not s.choice.choices or not all(s.choice.choices):
+            raise bad_request("choice needs non-empty strings", param="choice")
+        return StructuredOutput("choice", json.dumps(list(s.choice.choices)))
+    return StructuredOutput(which, getattr(s, which))
 
 
 def _response(request_id: str, delta: Delta) -> pb.GenerateResponse:

@@ -15,7 +15,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, StructuredOutput
 from services.engine.tokenizer import Tokenizer
 from services.gateway.errors import bad_request
 from services.request import GenerationRequest
@@ -50,6 +50,7 @@ class SamplingOptions:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None
+    structured_output: StructuredOutput | None = None  # checked by the gateway (Grammars)
 
 
 # The chat roles both front ends accept; "developer" is OpenAI's newer name for "system".
@@ -148,6 +149,7 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
             repetition_penalty=(1.0 if options.repetition_penalty is None
                                 else options.repetition_penalty),
             min_p=options.min_p or 0.0,
+            structured_output=options.structured_output,
         )
     except ValueError as exc:  # SamplingParams names the field first in its messages
         field_name = str(exc).split(" ", 1)[0]

@@ -8,10 +8,12 @@ would get anyway); any other unknown field is refused as unknown.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from services.engine.sampling_params import StructuredOutput
 from services.gateway.errors import GatewayError, bad_request, unsupported
 from services.gateway.inputs import SamplingOptions, template_message
 
@@ -36,7 +38,7 @@ class _Body(BaseModel):
 # the values that ask for nothing (accepted: the client gets what it asked for).
 _OFF: tuple[object, ...] = (None,)
 _TOOLS = "tool calling"
-_STRUCTURED = "structured output (guided decoding)"
+_STRUCTURED = "this structured output option"
 _BEAM = "beam search"
 _MULTIMODAL = "multimodal input"
 _REASONING = "reasoning controls"
@@ -47,11 +49,6 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "parallel_tool_calls": (_TOOLS, (None, True, False)),
     "functions": (_TOOLS, (None, [])),
     "function_call": (_TOOLS, (None, "none", "auto")),
-    "structured_outputs": (_STRUCTURED, _OFF),
-    "guided_json": (_STRUCTURED, _OFF),
-    "guided_regex": (_STRUCTURED, _OFF),
-    "guided_choice": (_STRUCTURED, _OFF),
-    "guided_grammar": (_STRUCTURED, _OFF),
     "guided_decoding_backend": (_STRUCTURED, _OFF),
     "guided_whitespace_pattern": (_STRUCTURED, _OFF),
     "use_beam_search": (_BEAM, (None, False)),
@@ -122,6 +119,24 @@ def _refused_extra(extra: dict[str, Any] | None) -> GatewayError | None:
     return None
 
 
+def _constraint(key: str, value: object, param: str) -> StructuredOutput:
+    """vLLM's spelling of a constraint (``json``: a schema, as an object or as JSON text;
+    ``regex``, ``grammar``: text; ``choice``: a list of strings; ``json_object``: true)."""
+    if key == "json_object":
+        return StructuredOutput("json", '{"type": "object"}')
+    if key == "json":
+        if isinstance(value, str):
+            return StructuredOutput("json", value)
+        if isinstance(value, dict):
+            return StructuredOutput("json", json.dumps(value))
+    elif key == "choice":
+        if isinstance(value, list) and value and all(isinstance(c, str) and c for c in value):
+            return StructuredOutput("choice", json.dumps(value))
+    elif isinstance(value, str):
+        return StructuredOutput(key, value)
+    raise bad_request(f"{param} has the wrong type", param=param)
+
+
 class _Request(_Body):
     # Top level: unknown fields land in model_extra and are checked against NOT_SUPPORTED. The
     # OpenAPI document promises no more than the declared fields.
@@ -161,7 +176,14 @@ class _CommonRequest(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension
     min_tokens: Int | None = Field(None, ge=0)  # extension
     stop_token_ids: list[Int] | None = None  # extension
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    # Structured output (engine/grammar.py): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields; at most one constraint.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -186,6 +208,63 @@ class _CommonRequest(_Request):
             bias[int(key)] = value
         return bias
 
+    def structured_output(self) -> StructuredOutput | None:
+        found = self.structured_output_field()
+        return found[1] if found else None
+
+    def structured_output_field(self) -> tuple[str, StructuredOutput] | None:
+        """The request's constraint and the field that states it (400 if several do)."""
+        try:
+            found = [(name, c) for name, c in (("response_format", self._response_format()),
+                                               ("structured_outputs", self._structured_outputs()),
+                                               *self._guided()) if c is not None]
+        except ValueError as exc:  # StructuredOutput's own checks (the spec's size)
+            raise bad_request(str(exc), param="structured_output") from None
+        if len(found) > 1:
+            raise bad_request(f"{found[0][0]} and {found[1][0]} both constrain the output; "
+                              "give one", param=found[1][0])
+        return found[0] if found else None
+
+    def _response_format(self) -> StructuredOutput | None:
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput("json", '{"type": "object"}')
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+                raise bad_request("response_format json_schema needs json_schema.schema, a "
+                                  "JSON schema", param="response_format.json_schema")
+            return StructuredOutput("json", json.dumps(spec["schema"]))
+        raise bad_request(f"response_format type must be text, json_object or json_schema, "
+                          f"got {kind!r}", param="response_format.type")
+
+    def _structured_outputs(self) -> StructuredOutput | None:
+        so = self.structured_outputs
+        if so is None:
+            return None
+        given = {k: v for k, v in so.items() if v is not None and v is not False}
+        unknown = sorted(set(given) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise unsupported(f"structured_outputs.{unknown[0]}",
+                              f"structured_outputs.{unknown[0]}")
+        if len(given) != 1:
+            raise bad_request("structured_outputs takes exactly one of json, regex, choice, "
+                              "grammar, json_object", param="structured_outputs")
+        (key, value), = given.items()
+        return _constraint(key, value, f"structured_outputs.{key}")
+
+    def _guided(self) -> list[tuple[str, StructuredOutput | None]]:
+        return [(f"guided_{key}", None if value is None
+                 else _constraint(key, value, f"guided_{key}"))
+                for key, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                                   ("choice", self.guided_choice),
+                                   ("grammar", self.guided_grammar))]
+
     def controls(self) -> dict[str, Any]:
         """The logits controls as ``SamplingOptions`` fields."""
         return {"stop_token_ids": tuple(self.stop_token_ids or ()),
@@ -199,8 +278,6 @@ class _CommonRequest(_Request):
             return error
         if self.n != 1:
             return unsupported("n", f"n={self.n} (only n=1)")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return unsupported("response_format", "a response_format other than text")
         if self.stream_options is not None and not self.stream:
             return GatewayError(400, "stream_options is only allowed with stream=true",
                                 param="stream_options")
@@ -253,7 +330,8 @@ class ChatCompletionRequest(_CommonRequest):
             stop=self.stop_strings(), ignore_eos=self.ignore_eos,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             speculative=self.speculative, num_speculative_tokens=self.num_speculative_tokens,
-            timeout_s=self.timeout, **self.controls())
+            timeout_s=self.timeout, structured_output=self.structured_output(),
+            **self.controls())
 
 
 class CompletionRequest(_CommonRequest):
@@ -290,7 +368,7 @@ class CompletionRequest(_CommonRequest):
             top_k=self.top_k, seed=self.seed, stop=self.stop_strings(),
             ignore_eos=self.ignore_eos, logprobs=self.logprobs, speculative=self.speculative,
             num_speculative_tokens=self.num_speculative_tokens, timeout_s=self.timeout,
-            **self.controls())
+            structured_output=self.structured_output(), **self.controls())
 
 
 class TokenizeRequest(_Body):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 
 import grpc
@@ -193,6 +194,52 @@ def test_logits_controls_through_prefill_and_a_speculating_decode_worker(
         assert tokens == reference(prompt, **params), fields
         assert tokens != reference(prompt, **{k: v for k, v in params.items()
                                               if k in ("temperature", "seed")}), fields
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+def test_structured_output_through_prefill_and_a_speculating_decode_worker(
+        cluster: UpProcess, prompts: list[list[int]], reference) -> None:  # type: ignore[no-untyped-def]
+    """A JSON schema on 20 requests (half greedy, half sampled), a regex and a choice: the
+    prefill worker masks the first token, the decode worker (which speculates: drafts are
+    checked against the grammar) the rest; every output holds and equals the engine's own."""
+    from services.engine.sampling_params import StructuredOutput
+
+    schema = StructuredOutput("json", json.dumps(PERSON))
+    cases = [(prompts[i % len(prompts)], {"structured_outputs": {"json": PERSON}},
+              {"structured_output": schema, **({"temperature": 0.9, "seed": 500 + i}
+                                                if i % 2 else {})})
+             for i in range(20)]
+    cases += [(prompts[0], {"guided_regex": "[a-z]+-[0-9]{3}"},
+               {"structured_output": StructuredOutput("regex", "[a-z]+-[0-9]{3}")}),
+              (prompts[1], {"guided_choice": ["alpha", "beta gamma"]},
+               {"structured_output": StructuredOutput("choice", '["alpha", "beta gamma"]')})]
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(base_url=cluster.http_url, timeout=120) as http:
+            responses = await asyncio.gather(*(http.post("/v1/completions", json={
+                "prompt": prompt, "max_tokens": 48, "temperature": params.get("temperature", 0),
+                "seed": params.get("seed"), "return_token_ids": True, **fields})
+                for prompt, fields, params in cases))
+        for response in responses:
+            assert response.status_code == 200, response.text
+        return [r.json()["choices"][0] for r in responses]
+
+    import jsonschema
+
+    choices = asyncio.run(run())
+    for choice in choices[:20]:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["text"]), PERSON)
+    assert re.fullmatch("[a-z]+-[0-9]{3}", choices[20]["text"])
+    assert choices[21]["text"] in ("alpha", "beta gamma")
+    checked = [*range(0, 20, 5), *range(1, 20, 5), 20, 21]  # greedy and sampled, all kinds
+    for i in checked:
+        prompt, _, params = cases[i]
+        assert choices[i]["token_ids"] == reference(prompt, 48, **params), i
 
 
 def test_grpc_streams_same_tokens(cluster: UpProcess, client: OpenAI,

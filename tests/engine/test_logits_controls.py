@@ -9,6 +9,7 @@ import torch
 from services.engine.logits_controls import Draw, controlled
 from services.engine.sampler import probabilities
 from services.engine.sampling_params import SamplingParams
+from tests.engine.helpers import chat, run
 
 EOS = 5
 INF = float("inf")
@@ -99,19 +100,6 @@ def test_out_of_range_controls_are_refused_by_name(field: str, value: object) ->
         SamplingParams(max_tokens=16, **{field: value})  # type: ignore[arg-type]
 
 
-def chat(engine, text):  # type: ignore[no-untyped-def]
-    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
-
-
-def run(engine, prompt, params, output=()):  # type: ignore[no-untyped-def]
-    engine.add_request("r", prompt, params, output_token_ids=output)
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-    return tokens
-
-
 def test_the_engine_applies_the_controls_on_every_path(make_engine):  # type: ignore[no-untyped-def]
     """A penalty changes greedy output; a logit bias forces a token; min_tokens holds EOS off;
     and each controlled request gives the same tokens with ngram speculation and resumed from
@@ -143,3 +131,13 @@ def test_the_engine_applies_the_controls_on_every_path(make_engine):  # type: ig
         whole = run(plain, prompt, params)
         assert run(spec, prompt, params) == whole, params
         assert whole[:7] + run(spec, prompt, params, output=whole[:7]) == whole, params
+
+
+def test_a_grammar_mask_leaves_only_the_allowed_tokens() -> None:
+    """Bit t of the mask (little-endian 32-bit words, as llguidance writes them): token t."""
+    allowed = (0b1010).to_bytes(4, "little")  # tokens 1 and 3
+    logits = torch.tensor([LOGITS, LOGITS])
+    draws = [Draw(SamplingParams(), [], [], allowed), Draw(SamplingParams(), [], [])]
+    got = controlled(logits, draws, [EOS]).tolist()
+    assert got[0] == [-INF, -1.0, -INF, 3.0, -INF, -INF]
+    assert got[1] == LOGITS
