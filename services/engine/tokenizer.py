@@ -53,8 +53,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template shows a ``tools`` list itself."""
+        return "tools" in (self.chat_template or "")
+
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
@@ -65,11 +71,14 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=bos or "",
             eos_token=eos or "",
+            tools=list(tools) if tools else None,
         )
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         # The template writes BOS itself where the model wants one.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools),
+                           add_special_tokens=False)
 
     @classmethod
     def from_gguf_fields(

@@ -23,7 +23,6 @@ from services.gateway.event_stream import AbortConnection, EventStream
 from services.gateway.inputs import (
     check_token_ids,
     new_request_id,
-    template_message,
     tokenize_chat,
     tokenize_prompt,
 )
@@ -34,10 +33,12 @@ from services.gateway.openai_protocol import (
     DetokenizeRequest,
     ErrorResponse,
     TokenizeRequest,
+    template_messages,
 )
 from services.gateway.pipeline import Delta
 from services.gateway.request_trace import RequestTrace
 from services.gateway.token_text import TokenText
+from services.gateway.tools import ToolCall, parse_reply, with_tools
 from services.request import GenerationRequest
 from services.version import version
 
@@ -133,8 +134,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
         body = (await _parse(request, TokenizeRequest)).checked()
         gateway.check_model(body.model)
         if body.messages is not None:
-            messages = [template_message(m.role, m.text()) for m in body.messages]
-            tokens = tokenize_chat(gateway.tokenizer, messages)
+            tokens = tokenize_chat(gateway.tokenizer, template_messages(body.messages))
         else:
             tokens = tokenize_prompt(gateway.tokenizer, body.prompt or "")
         return {"count": len(tokens), "max_model_len": gateway.max_model_len, "tokens": tokens}
@@ -166,7 +166,11 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                     raise error
                 await gateway.check_structured_output(*_stated_constraint(body))
             with trace.phase("gateway.tokenize") as span:
-                prompt = tokenize_chat(gateway.tokenizer, body.chat_messages())
+                functions = body.functions()
+                own = gateway.tokenizer.template_renders_tools
+                prompt = tokenize_chat(gateway.tokenizer,
+                                       with_tools(body.chat_messages(), functions, own),
+                                       [f.spec() for f in functions] if own else None)
                 span.set_attribute("tandem.prompt_tokens", len(prompt))
             greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
                                          body.sampling_options(), body.salt(), arrival,
@@ -175,9 +179,12 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                                   token_text, body.return_token_ids)
             if body.stream:
                 generation = await _unless_disconnected(request, gateway.start(greq, trace))
-                return event_stream(generation, _chat_events(generation, ctx, body))
+                events = (_chat_events(generation, ctx, body) if body.tool_mode()
+                          in (None, "none") else _chat_tool_events(generation, ctx, body))
+                return event_stream(generation, events)
             merged = await _unless_disconnected(request, _run(gateway, greq, trace))
-            return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt))
+            return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt,
+                                                    *_reply(merged, body)))
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
               responses=_generation_responses())
@@ -385,6 +392,30 @@ async def _chat_events(generation: Generation, ctx: ResponseContext,
             yield event(ctx.chat_chunk(delta, body.logprobs))
     if include_usage:
         yield sse(ctx.usage_chunk("chat.completion.chunk", usage))
+    yield SSE_DONE
+
+
+def _reply(merged: Delta, body: ChatCompletionRequest) -> tuple[str | None, list[ToolCall]]:
+    """The reply's content and tool calls (gateway/tools.py)."""
+    return parse_reply(merged.text, body.functions(), body.tool_mode())
+
+
+async def _chat_tool_events(generation: Generation, ctx: ResponseContext,
+                            body: ChatCompletionRequest) -> AsyncGenerator[bytes, None]:
+    """With tools the reply is known to be a call or text only once it is whole: it streams
+    as one delta (content or tool calls, the OpenAI client reassembles either) at its end."""
+    include_usage = body.include_usage()
+
+    def event(chunk: dict[str, object]) -> bytes:
+        if include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    yield event(ctx.chat_chunk(None, False, first=True))
+    merged = await generation.collect()
+    yield event(ctx.chat_chunk(merged, body.logprobs, reply=_reply(merged, body)))
+    if include_usage:
+        yield sse(ctx.usage_chunk("chat.completion.chunk", merged.usage))
     yield SSE_DONE
 
 

@@ -72,11 +72,12 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]]) -> list[int]:
+def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
+                  tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     if not messages:
         raise bad_request("messages is empty: send at least one message", param="messages")
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, tools)
     except (ValueError, TemplateError) as exc:  # no template, or the template rejected them
         raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.engine.sequence import TokenLogprobs
 from services.gateway.pipeline import Delta, Usage
 from services.gateway.token_text import TokenText
+from services.gateway.tools import ToolCall
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -28,6 +30,11 @@ def usage_json(usage: Usage | None) -> dict[str, Any] | None:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _finish(reason: str | None, calls: Sequence[ToolCall]) -> str | None:
+    """A reply that ended on its own with tool calls finishes as ``tool_calls``."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _lp(value: float) -> float:
@@ -64,13 +71,19 @@ class ResponseContext:
                              "top_logprobs": [entry(t, v) for t, v in lp.top]}
                             for lp in logprobs]}
 
-    def chat_completion(self, delta: Delta, want_logprobs: bool,
-                        prompt_token_ids: list[int]) -> dict[str, Any]:
+    def chat_completion(self, delta: Delta, want_logprobs: bool, prompt_token_ids: list[int],
+                        content: str | None = None, calls: Sequence[ToolCall] = ()
+                        ) -> dict[str, Any]:
+        """``content`` and ``calls``: the reply parsed for tool calls (none: its text)."""
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": content if calls else delta.text}
+        if calls:
+            message["tool_calls"] = [call.to_json() for call in calls]
         choice = self.with_token_ids({
             "index": 0,
-            "message": {"role": "assistant", "content": delta.text},
+            "message": message,
             "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
-            "finish_reason": delta.finish_reason,
+            "finish_reason": _finish(delta.finish_reason, calls),
         }, delta)
         body = self.envelope("chat.completion", [choice])
         body["usage"] = usage_json(delta.usage)
@@ -78,17 +91,23 @@ class ResponseContext:
             body["prompt_token_ids"] = prompt_token_ids
         return body
 
-    def chat_chunk(self, delta: Delta | None, want_logprobs: bool, first: bool = False
+    def chat_chunk(self, delta: Delta | None, want_logprobs: bool, first: bool = False,
+                   reply: tuple[str | None, Sequence[ToolCall]] | None = None
                    ) -> dict[str, Any]:
+        """``reply``: the whole reply parsed for tool calls (``delta`` is all of it)."""
         message: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         choice: dict[str, Any] = {"index": 0, "delta": message, "logprobs": None,
                                   "finish_reason": None}
         if delta is not None:
-            if delta.text:
-                message["content"] = delta.text
+            content, calls = reply if reply is not None else (delta.text, ())
+            text = content if calls else delta.text
+            if text:
+                message["content"] = text
+            if calls:
+                message["tool_calls"] = [call.to_json(i) for i, call in enumerate(calls)]
             if want_logprobs and delta.logprobs:
                 choice["logprobs"] = self.chat_logprobs(delta.logprobs)
-            choice["finish_reason"] = delta.finish_reason
+            choice["finish_reason"] = _finish(delta.finish_reason, calls)
         self.with_token_ids(choice, delta)
         return self.envelope("chat.completion.chunk", [choice])
 

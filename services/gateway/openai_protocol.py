@@ -16,6 +16,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from services.engine.sampling_params import StructuredOutput
 from services.gateway.errors import GatewayError, bad_request, unsupported
 from services.gateway.inputs import SamplingOptions, template_message
+from services.gateway.tools import Function, assistant_calls_text
+from services.gateway.tools import constraint as tool_constraint
 
 
 def _integral(value: object) -> object:
@@ -37,16 +39,13 @@ class _Body(BaseModel):
 # Request fields of OpenAI's and vLLM's APIs that Tandem does not implement: what each is, and
 # the values that ask for nothing (accepted: the client gets what it asked for).
 _OFF: tuple[object, ...] = (None,)
-_TOOLS = "tool calling"
+_TOOLS = "the deprecated function calling (use tools)"
 _STRUCTURED = "this structured output option"
 _BEAM = "beam search"
 _MULTIMODAL = "multimodal input"
 _REASONING = "reasoning controls"
 _STORED = "stored completions (store, metadata)"
 NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
-    "tools": (_TOOLS, (None, [])),
-    "tool_choice": (_TOOLS, (None, "none", "auto")),
-    "parallel_tool_calls": (_TOOLS, (None, True, False)),
     "functions": (_TOOLS, (None, [])),
     "function_call": (_TOOLS, (None, "none", "auto")),
     "guided_decoding_backend": (_STRUCTURED, _OFF),
@@ -289,10 +288,46 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallMessage(_Body):
+    """An earlier assistant turn's tool call (as the API returned it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None  # the arguments always validate here (tool_choice required)
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | dict[str, Any]] | None = None
     name: str | None = None  # accepted; the chat templates Tandem renders do not show it
+    tool_calls: list[ToolCallMessage] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -306,22 +341,66 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """As the chat template reads them; earlier tool calls written the way the model calls."""
+    rendered = []
+    for m in messages:
+        text = m.text()
+        if m.tool_calls:
+            calls = assistant_calls_text([c.model_dump() for c in m.tool_calls])
+            text = f"{text}\n{calls}" if text else calls
+        rendered.append(template_message(m.role, text))
+    return rendered
+
+
 class ChatCompletionRequest(_CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False  # vLLM: the last message's text before the reply; only false
+    # Tool calling (gateway/tools.py).
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # auto may call several; required one
 
     def unsupported_fields(self) -> GatewayError | None:
         if self.echo:
             return unsupported("echo", "echo on chat completions")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return bad_request("tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools and not any(
+                t.function.name == self.tool_choice.function.name for t in self.tools):
+            return bad_request(f"tool_choice names {self.tool_choice.function.name!r}, which "
+                               "is not among the tools", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             return GatewayError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         return self._common_unsupported()
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [template_message(m.role, m.text()) for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return template_messages(self.messages)
+
+    def functions(self) -> list[Function]:
+        return [Function(t.function.name, t.function.description, t.function.parameters)
+                for t in self.tools or ()]
+
+    def tool_mode(self) -> str | None:
+        """None (no tools), none, auto, required, or the name of the function to call."""
+        if not self.tools:
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
+
+    def structured_output_field(self) -> tuple[str, StructuredOutput] | None:
+        stated = super().structured_output_field()
+        forced = tool_constraint(self.functions(), self.tool_mode())
+        if forced is None:
+            return stated
+        if stated is not None:
+            raise bad_request(f"tool_choice and {stated[0]} both constrain the output; give "
+                              "one", param=stated[0])
+        return "tool_choice", forced
 
     def sampling_options(self) -> SamplingOptions:
         return SamplingOptions(

@@ -62,7 +62,7 @@ service_tier store verbosity web_search_options
 """)
 PROBE = {"probe": 1}  # a value no field takes as its default
 
-CHAT = {"messages": [{"role": "user", "content": "Count: one, two,"}], "max_tokens": 4}
+CHAT = {"messages": [{"role": "user", "content": "Count: one, two,"}], "max_tokens": 1}
 
 
 @pytest.mark.parametrize("fields,model", [
@@ -100,16 +100,16 @@ def test_an_unknown_field_is_refused(http: httpx.Client) -> None:
         assert response.json()["error"]["param"] == "temprature"
         assert response.json()["error"]["code"] == "unknown_field"
     nested = http.post("/v1/chat/completions", json={
-        **CHAT, "messages": [{"role": "user", "content": "Hi", "tool_call_id": "x"}]})
+        **CHAT, "messages": [{"role": "user", "content": "Hi", "weight": 1}]})
     assert nested.status_code == 400
-    assert nested.json()["error"]["param"] == "messages.0.tool_call_id"
+    assert nested.json()["error"]["param"] == "messages.0.weight"
 
 
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("repetition_penalty", 0),
     ("min_p", 1.5), ("min_tokens", -1), ("logit_bias", {"a": 1}), ("logit_bias", {"1": 101}),
     ("logit_bias", {"49152": 1}), ("stop_token_ids", [-1]), ("stop_token_ids", [10**6]),
-    ("min_tokens", 5),  # above max_tokens (4)
+    ("min_tokens", 5),  # above max_tokens (1)
 ])
 def test_a_bad_control_is_400_naming_it(http: httpx.Client, field: str, value: object) -> None:
     response = http.post("/v1/chat/completions", json={**CHAT, field: value})

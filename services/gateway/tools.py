@@ -1,0 +1,156 @@
+"""Tool calling: tools into the prompt, ``tool_choice`` into a constraint, the reply into calls.
+
+The convention is Hermes' (Qwen2.5, Hermes 2/3, many fine-tunes): the tools are described in
+the system prompt inside ``<tools></tools>``, and the model answers a call as
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. A chat template that renders
+tools itself (it mentions ``tools``) is given them instead of the system prompt text.
+
+- ``tool_choice`` ``none``: the reply is text. ``auto`` (the default with tools): the reply is
+  parsed; ``<tool_call>`` blocks, or a reply that is one JSON object with ``name`` and
+  ``arguments`` (or ``parameters``: the Llama-3 style), become tool calls, the rest content.
+- ``required``: the reply is held (structured output) to one call of one of the tools, whose
+  arguments validate against that tool's parameters. A named function: the reply is held to
+  that function's arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.sampling_params import StructuredOutput
+
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+
+    def schema(self) -> dict[str, Any]:
+        return self.parameters or _ANY_OBJECT
+
+    def spec(self) -> dict[str, Any]:
+        """As the prompt shows it (OpenAI's tool object)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = self.schema()
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_json(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"id": self.id, "type": "function",
+                                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def new_call(name: str, arguments: object) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments,
+                                                                  ensure_ascii=False)
+    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, text)
+
+
+def system_prompt(functions: list[Function]) -> str:
+    tools = "\n".join(json.dumps(f.spec(), ensure_ascii=False) for f in functions)
+    return ("You are a function calling AI model. You are provided with function signatures "
+            "within <tools></tools> XML tags. You may call one or more functions to assist "
+            "with the user query. Don't make assumptions about what values to plug into "
+            f"functions.\n<tools>\n{tools}\n</tools>\nFor each function call, return a json "
+            "object with function name and arguments within <tool_call></tool_call> XML tags:"
+            '\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+            "</tool_call>")
+
+
+def assistant_calls_text(calls: list[dict[str, Any]]) -> str:
+    """An assistant turn's earlier tool calls, as the model would have written them."""
+    blocks = []
+    for call in calls:
+        function = call.get("function", {})
+        arguments = function.get("arguments", "{}")
+        with contextlib.suppress(json.JSONDecodeError):  # not JSON: shown as it came
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        blocks.append("<tool_call>\n" + json.dumps({"name": function.get("name"),
+                                                    "arguments": arguments},
+                                                   ensure_ascii=False) + "\n</tool_call>")
+    return "\n".join(blocks)
+
+
+def with_tools(messages: list[dict[str, Any]], functions: list[Function],
+               template_renders_tools: bool) -> list[dict[str, Any]]:
+    """The messages with the tools' system prompt (first, or added to the system message)."""
+    if not functions or template_renders_tools:
+        return messages
+    prompt = system_prompt(functions)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{prompt}"},
+                *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def constraint(functions: list[Function], choice: str | None) -> StructuredOutput | None:
+    """``choice``: none, auto, required, or a function's name."""
+    if choice in (None, "none", "auto"):
+        return None
+    if choice == "required":
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "arguments"],
+                  "properties": {"name": {"const": f.name}, "arguments": f.schema()}}
+                 for f in functions]
+        return StructuredOutput("json", json.dumps(calls[0] if len(calls) == 1
+                                                   else {"anyOf": calls}))
+    function = next(f for f in functions if f.name == choice)
+    return StructuredOutput("json", json.dumps(function.schema()))
+
+
+def parse_reply(text: str, functions: list[Function], choice: str | None
+                ) -> tuple[str | None, list[ToolCall]]:
+    """The reply's content and its tool calls (none: the text is all content)."""
+    if choice in (None, "none"):
+        return text, []
+    if choice not in ("auto", "required"):  # a named function: the reply is its arguments
+        return (None, [new_call(choice, text)]) if _is_json(text) else (text, [])
+    names = {f.name for f in functions}
+    calls: list[ToolCall] = []
+    blocks = _CALL.findall(text)
+    for block in blocks or [text.strip()]:
+        call = _call_of(block, names)
+        if call is None:
+            return text, []  # not a well-formed call: the text as it is
+        calls.append(call)
+    content = _CALL.sub("", text).strip() if blocks else ""
+    return content or None, calls
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _call_of(text: str, names: set[str]) -> ToolCall | None:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("name") not in names:
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return new_call(data["name"], arguments)

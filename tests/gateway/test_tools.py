@@ -1,0 +1,142 @@
+"""Tool calling: the reply parsed (Hermes and Llama-3 styles), tool_choice required and named
+enforced by the tool's schema over HTTP, streamed tool-call deltas, tool-result turns."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from services.gateway.core import Gateway
+from services.gateway.runner import ServeAddresses
+from services.gateway.tools import Function, parse_reply, with_tools
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 20},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}}}
+TIME = {"type": "object", "additionalProperties": False, "required": ["timezone"],
+        "properties": {"timezone": {"type": "string", "maxLength": 20}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
+                                           "The weather in a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+FUNCTIONS = [Function("get_weather", None, WEATHER), Function("get_time", None, TIME)]
+ASK = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+
+
+def test_replies_are_parsed_in_both_styles() -> None:
+    hermes = ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": '
+              '"CET"}}\n</tool_call>\n<tool_call>{"name": "get_weather", "arguments": '
+              '{"city": "Oslo", "unit": "celsius"}}</tool_call>')
+    content, calls = parse_reply(hermes, FUNCTIONS, "auto")
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_time", {"timezone": "CET"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]
+    assert len({c.id for c in calls}) == 2
+    llama3 = '{"name": "get_time", "parameters": {"timezone": "UTC"}}'
+    content, calls = parse_reply(llama3, FUNCTIONS, "auto")
+    assert content is None and calls[0].name == "get_time"
+    for text in ("It is sunny.", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "get_time", "argu'):  # cut off at max_tokens
+        assert parse_reply(text, FUNCTIONS, "auto") == (text, [])
+    assert parse_reply(llama3, FUNCTIONS, "none") == (llama3, [])
+    content, calls = parse_reply('{"timezone": "UTC"}', FUNCTIONS, "get_time")
+    assert content is None and (calls[0].name, calls[0].arguments) == (
+        "get_time", '{"timezone": "UTC"}')
+
+
+def test_the_tools_go_into_the_system_prompt() -> None:
+    plain = with_tools(ASK, FUNCTIONS, template_renders_tools=False)
+    assert plain[0]["role"] == "system" and "<tools>" in plain[0]["content"]
+    assert json.dumps(FUNCTIONS[0].spec()) in plain[0]["content"]
+    system = [{"role": "system", "content": "Be brief."}, *ASK]
+    merged = with_tools(system, FUNCTIONS, template_renders_tools=False)
+    assert len(merged) == 2 and merged[0]["content"].startswith("Be brief.\n\n")
+    assert with_tools(ASK, FUNCTIONS, template_renders_tools=True) == ASK
+    assert with_tools(ASK, [], template_renders_tools=False) == ASK
+
+
+def streamed_calls(stream: openai.Stream) -> tuple[list[dict], str | None]:  # type: ignore[type-arg]
+    """Tool calls reassembled from streamed deltas, as OpenAI's clients do, and the finish."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["id"] = delta.id or call.get("id")
+            if delta.function is not None:
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_calls_validate_and_stream_the_same(
+        client: openai.OpenAI, gateway: Gateway, tool_choice: object) -> None:
+    request = {"model": gateway.model_name, "messages": ASK, "tools": TOOLS,
+               "tool_choice": tool_choice, "max_tokens": 60, "temperature": 0}
+    completion = client.chat.completions.create(**request)  # type: ignore[call-overload]
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    schemas = {"get_weather": WEATHER, "get_time": TIME}
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert call.id.startswith("call_") and call.type == "function"
+    calls, finish = streamed_calls(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)]
+    # The call and its result, sent back, render as a conversation the model continues.
+    follow_up = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"result": "sunny, 21 C"}'}]
+    reply = client.chat.completions.create(model=gateway.model_name, messages=follow_up,  # type: ignore[arg-type]
+                                           tools=TOOLS, tool_choice="none", max_tokens=8,  # type: ignore[arg-type]
+                                           temperature=0)
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
+@pytest.fixture(scope="module")
+def http(server: ServeAddresses) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.http_url, timeout=60) as client:
+        yield client
+
+
+def test_a_tool_turn_renders_in_the_prompt(http: httpx.Client) -> None:
+    messages = [*ASK, {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                                            "function": {"name": "get_time",
+                                                                         "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>' in text
+    assert "tool\n12:00" in text
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools.0.function.name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400(http: httpx.Client, fields: dict, param: str) -> None:
+    response = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2,
+                                                       **fields})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith(param)
