@@ -1,5 +1,6 @@
-"""bfloat16 runs the same engine paths; it drifts from float32 over long outputs (expected), so
-the check is that it starts the same way and answers sensibly."""
+"""bfloat16 runs the same engine paths (on a CPU with prepacked linears); it drifts from float32
+over long outputs (expected), so the check is that it starts the same way and answers
+sensibly."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def test_bfloat16_engine_agrees_with_float32_at_the_start(prompts, references):
                                     max_num_batched_tokens=128),
                        load_model(dtype="bfloat16", progress=False))
     assert engine.kv_cache.dtype.is_floating_point and engine.kv_cache.element_size() == 2
+    # On a CPU its linears run on oneDNN-prepacked weights (engine/cpu_linear.py).
+    assert engine.runner.model.head.packed and engine.runner.model.layers[0].qkv.packed
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(prompts, greedy)
     same_first = sum(out[0] == ref.tokens[0] for out, ref in zip(outputs, references,

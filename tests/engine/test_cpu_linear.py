@@ -32,20 +32,3 @@ def test_packed_linear_equals_f_linear(tokens: int, with_bias: bool) -> None:
 def test_only_bfloat16_on_a_cpu_is_packed() -> None:
     assert not packing_available("cpu", torch.float32)
     assert not packing_available("cuda", torch.bfloat16)
-
-
-def test_a_bfloat16_engine_packs_and_agrees_with_float32(loaded_model, prompts) -> None:  # type: ignore[no-untyped-def]
-    from services.engine.config import EngineConfig
-    from services.engine.llm_engine import LLMEngine
-    from services.engine.model_loader import load_model
-    from services.engine.sampling_params import SamplingParams
-
-    bf16 = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=128),
-                     load_model(None, dtype="bfloat16", progress=False))
-    assert bf16.runner.model.head.packed and bf16.runner.model.layers[0].qkv.packed
-    fp32 = LLMEngine(EngineConfig(num_kv_blocks=128), loaded_model)
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    got = bf16.generate([prompts[0]], greedy)[0]
-    want = fp32.generate([prompts[0]], greedy)[0]
-    # bfloat16 drifts from float32 after a while; the first tokens agree.
-    assert got[:4] == want[:4]

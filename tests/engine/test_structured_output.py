@@ -19,8 +19,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "age": {"type": "integer", "minimum": 0, "maximum": 150},
                          "city": {"enum": ["Paris", "Tokyo", "Lima"]}}}
 PROMPTS = ["Describe a person as JSON.", "Give me a JSON record of a famous scientist.",
-           "Who lives in Tokyo? Answer in JSON.", "Make up a character.",
-           "JSON please: your best friend."]
+           "Who lives in Tokyo? Answer in JSON."]
 
 
 def json_params(**kw: object) -> SamplingParams:
