@@ -179,9 +179,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                                   token_text, body.return_token_ids)
             if body.stream:
                 generation = await _unless_disconnected(request, gateway.start(greq, trace))
-                events = (_chat_events(generation, ctx, body) if body.tool_mode()
-                          in (None, "none") else _chat_tool_events(generation, ctx, body))
-                return event_stream(generation, events)
+                return event_stream(generation, _chat_events(generation, ctx, body))
             merged = await _unless_disconnected(request, _run(gateway, greq, trace))
             return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt,
                                                     *_reply(merged, body)))
@@ -385,11 +383,18 @@ async def _chat_events(generation: Generation, ctx: ResponseContext,
 
     yield event(ctx.chat_chunk(None, False, first=True))
     usage = None
-    async for delta in generation:
-        usage = delta.usage or usage
-        if (delta.text or delta.finish_reason or (body.logprobs and delta.logprobs)
-                or (body.return_token_ids and delta.token_ids)):
-            yield event(ctx.chat_chunk(delta, body.logprobs))
+    if body.tool_mode() in (None, "none"):
+        async for delta in generation:
+            usage = delta.usage or usage
+            if (delta.text or delta.finish_reason or (body.logprobs and delta.logprobs)
+                    or (body.return_token_ids and delta.token_ids)):
+                yield event(ctx.chat_chunk(delta, body.logprobs))
+    else:
+        # With tools the reply is a call or text, known only once it is whole: it streams as
+        # one delta at its end (content or tool calls; OpenAI's clients reassemble either).
+        merged = await generation.collect()
+        usage = merged.usage
+        yield event(ctx.chat_chunk(merged, body.logprobs, reply=_reply(merged, body)))
     if include_usage:
         yield sse(ctx.usage_chunk("chat.completion.chunk", usage))
     yield SSE_DONE
@@ -398,25 +403,6 @@ async def _chat_events(generation: Generation, ctx: ResponseContext,
 def _reply(merged: Delta, body: ChatCompletionRequest) -> tuple[str | None, list[ToolCall]]:
     """The reply's content and tool calls (gateway/tools.py)."""
     return parse_reply(merged.text, body.functions(), body.tool_mode())
-
-
-async def _chat_tool_events(generation: Generation, ctx: ResponseContext,
-                            body: ChatCompletionRequest) -> AsyncGenerator[bytes, None]:
-    """With tools the reply is known to be a call or text only once it is whole: it streams
-    as one delta (content or tool calls, the OpenAI client reassembles either) at its end."""
-    include_usage = body.include_usage()
-
-    def event(chunk: dict[str, object]) -> bytes:
-        if include_usage:
-            chunk["usage"] = None
-        return sse(chunk)
-
-    yield event(ctx.chat_chunk(None, False, first=True))
-    merged = await generation.collect()
-    yield event(ctx.chat_chunk(merged, body.logprobs, reply=_reply(merged, body)))
-    if include_usage:
-        yield sse(ctx.usage_chunk("chat.completion.chunk", merged.usage))
-    yield SSE_DONE
 
 
 async def _completion_events(generation: Generation, ctx: ResponseContext,
