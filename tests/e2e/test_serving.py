@@ -150,7 +150,10 @@ def test_seeded_sampling_equals_the_engine_on_the_reference_set(
     """Seeded sampling (temperature 0.8, top-p 0.95) through P, the NIXL pull and a decode
     worker that speculates: the tokens the engine alone samples for the same seeds (draws
     depend only on the seed and the token's position; verification accepts only drafts that
-    equal the target's own draws)."""
+    equal the target's own draws). Half the set (every other prompt) keeps CI short; the
+    structured-output test below samples through the cluster too."""
+    prompts = prompts[::2]
+
     async def run() -> list[list[int]]:
         async with httpx.AsyncClient(base_url=cluster.http_url, timeout=120) as http:
             responses = await asyncio.gather(*(http.post("/v1/completions", json={
