@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 _GGUF_CONTROL_TOKEN = 3
 _GGUF_USER_DEFINED_TOKEN = 4
+
+
+# What apply_chat_template gives the template itself.
+TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token", "tools")
 
 
 class Tokenizer:
@@ -61,12 +65,19 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
+        """``extra``: more variables for the template (a request's ``chat_template_kwargs``);
+        they cannot replace the ones set here (``TEMPLATE_VARIABLES``)."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        clash = sorted(set(extra or ()) & set(TEMPLATE_VARIABLES))
+        if clash:
+            raise ValueError(f"chat template variable {clash[0]!r} is set by the server")
         return self._template.render(
+            **(extra or {}),
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=bos or "",
@@ -75,9 +86,10 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[dict[str, Any]] | None = None,
+                    extra: Mapping[str, Any] | None = None) -> list[int]:
         # The template writes BOS itself where the model wants one.
-        return self.encode(self.apply_chat_template(messages, tools=tools),
+        return self.encode(self.apply_chat_template(messages, tools=tools, extra=extra),
                            add_special_tokens=False)
 
     @classmethod

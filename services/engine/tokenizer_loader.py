@@ -14,7 +14,8 @@ import importlib.util
 import json
 import mmap
 import struct
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ class ModelMetadata:
     model_id: str  # ModelConfig.model_id: keys the block hashes shared with the workers
     max_position_embeddings: int
     source: Path
+    # The model's own sampling defaults (a Hugging Face directory's generation_config.json),
+    # for requests that leave them unset: temperature, top_p, top_k, min_p, repetition_penalty.
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
 
 def builtin_model_path() -> Path:
@@ -180,10 +184,37 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     return config
 
 
+# generation_config.json keys taken as request defaults (as vLLM's --generation-config auto).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face directory's generation_config.json, or {} when it has none."""
+    config_file = path / "generation_config.json"
+    if not config_file.is_file():
+        return {}
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file}: invalid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_file}: not a JSON object")
+    return config
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
 def metadata_from_hf_dir(path: Path, hf: dict[str, Any]) -> ModelMetadata:
-    """From a Hugging Face directory's tokenizer files and config.json (``read_hf_config``)."""
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    """From a Hugging Face directory's tokenizer files, config.json (``read_hf_config``) and
+    generation_config.json: its EOS ids join config.json's (Llama-3 lists <|eot_id|> there),
+    its sampling settings become the requests' defaults."""
+    generation = read_generation_config(path)
+    eos_ids = tuple(dict.fromkeys((*_token_ids(hf.get("eos_token_id")),
+                                   *_token_ids(generation.get("eos_token_id")))))
     try:
         tokenizer = Tokenizer.from_hf_dir(path, eos_token_ids=eos_ids,
                                           bos_token_id=hf.get("bos_token_id"))
@@ -194,4 +225,7 @@ def metadata_from_hf_dir(path: Path, hf: dict[str, Any]) -> ModelMetadata:
         model_id=path.name,
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         source=path,
+        sampling_defaults={k: generation[k] for k in SAMPLING_DEFAULT_KEYS
+                           if isinstance(generation.get(k), int | float)
+                           and not isinstance(generation.get(k), bool)},
     )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 MIB = 1024 * 1024
 
@@ -20,6 +21,9 @@ class GatewayConfig:
     # A streaming client that reads nothing for this long (its connection's buffers full) is
     # cut: its request aborted, its connection dropped. None: never.
     client_read_timeout_s: float | None = 60.0
+    # Sampling settings for requests that leave them unset (the model's generation_config.json:
+    # ModelMetadata.sampling_defaults): SamplingOptions field -> value.
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:

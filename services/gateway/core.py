@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -86,6 +87,10 @@ class Gateway:
                       options: SamplingOptions, cache_salt: str | None = None,
                       arrival_time: float | None = None, prompt_param: str = "prompt"
                       ) -> GenerationRequest:
+        unset = {k: v for k, v in self.config.sampling_defaults.items()
+                 if getattr(options, k) is None}
+        if unset:  # the model's own defaults (generation_config.json)
+            options = dataclasses.replace(options, **unset)
         return build_request(request_id, prompt_token_ids, options, self.max_model_len,
                              cache_salt, self.config.default_max_tokens, arrival_time,
                              prompt_param, self.config.request_timeout_s,

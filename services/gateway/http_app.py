@@ -170,7 +170,8 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 own = gateway.tokenizer.template_renders_tools
                 prompt = tokenize_chat(gateway.tokenizer,
                                        with_tools(body.chat_messages(), functions, own),
-                                       [f.spec() for f in functions] if own else None)
+                                       [f.spec() for f in functions] if own else None,
+                                       body.chat_template_kwargs)
                 span.set_attribute("tandem.prompt_tokens", len(prompt))
             greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
                                          body.sampling_options(), body.salt(), arrival,
@@ -208,10 +209,14 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
             want_logprobs = body.logprobs is not None
+            echoed = ((prompt_in if isinstance(prompt_in, str)
+                       else gateway.tokenizer.decode(prompt)) if body.echo else "")
             if body.stream:
                 generation = await _unless_disconnected(request, gateway.start(greq, trace))
-                return event_stream(generation, _completion_events(generation, ctx, body))
+                return event_stream(generation,
+                                    _completion_events(generation, ctx, body, echoed))
             merged = await _unless_disconnected(request, _run(gateway, greq, trace))
+            merged.text = echoed + merged.text
             return JSONResponse(ctx.completion(merged, want_logprobs, prompt))
 
     return app
@@ -406,10 +411,17 @@ def _reply(merged: Delta, body: ChatCompletionRequest) -> tuple[str | None, list
 
 
 async def _completion_events(generation: Generation, ctx: ResponseContext,
-                             body: CompletionRequest) -> AsyncGenerator[bytes, None]:
+                             body: CompletionRequest, echoed: str = ""
+                             ) -> AsyncGenerator[bytes, None]:
+    """``echoed``: the prompt's text (``echo``), sent first."""
     include_usage = body.include_usage()
     want_logprobs = body.logprobs is not None
     usage = None
+    if echoed:
+        chunk = ctx.completion_chunk(Delta(text=echoed), False)
+        if include_usage:
+            chunk["usage"] = None
+        yield sse(chunk)
     async for delta in generation:
         usage = delta.usage or usage
         if (delta.text or delta.finish_reason or (want_logprobs and delta.logprobs)

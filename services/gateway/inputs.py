@@ -16,7 +16,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from services.engine.sampling_params import SamplingParams, StructuredOutput
-from services.engine.tokenizer import Tokenizer
+from services.engine.tokenizer import TEMPLATE_VARIABLES, Tokenizer
 from services.gateway.errors import bad_request
 from services.request import GenerationRequest
 
@@ -73,11 +73,16 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
 
 
 def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
-                  tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+                  tools: Sequence[dict[str, Any]] | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
     if not messages:
         raise bad_request("messages is empty: send at least one message", param="messages")
+    clash = sorted(set(template_kwargs or ()) & set(TEMPLATE_VARIABLES))
+    if clash:
+        raise bad_request(f"chat_template_kwargs cannot set {clash[0]!r}: the server does",
+                          param="chat_template_kwargs")
     try:
-        return tokenizer.encode_chat(messages, tools)
+        return tokenizer.encode_chat(messages, tools, template_kwargs)
     except (ValueError, TemplateError) as exc:  # no template, or the template rejected them
         raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
 

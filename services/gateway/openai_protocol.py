@@ -66,7 +66,6 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "add_special_tokens": ("add_special_tokens", _OFF),
     "documents": ("documents for the chat template", _OFF),
     "chat_template": ("a per-request chat template", _OFF),
-    "chat_template_kwargs": ("chat_template_kwargs", (None, {})),
     "media_io_kwargs": (_MULTIMODAL, _OFF),
     "mm_processor_kwargs": (_MULTIMODAL, _OFF),
     "mm_payload": (_MULTIMODAL, (None, "tensors")),
@@ -359,6 +358,8 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False  # vLLM: the last message's text before the reply; only false
+    # More variables for the chat template (e.g. enable_thinking); not the server's own.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Tool calling (gateway/tools.py).
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -416,13 +417,13 @@ class ChatCompletionRequest(_CommonRequest):
 class CompletionRequest(_CommonRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     logprobs: Int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False  # the prompt's text before the completion's
     suffix: str | None = None
     best_of: Int | None = None
 
     def unsupported_fields(self) -> GatewayError | None:
-        if self.echo:
-            return unsupported("echo", "echo")
+        if self.echo and self.logprobs is not None:
+            return unsupported("echo", "echo with logprobs (the prompt's logprobs)")
         if self.suffix:
             return unsupported("suffix", "suffix")
         if self.best_of not in (None, 1):

@@ -51,11 +51,16 @@ class GatewayIngress:
         tracing.configure("gateway")
         self.view: ClusterView | None = None
         self.router: Router | None = None
+        meta = await asyncio.to_thread(load_model_metadata, config.model)
         gateway_config = GatewayConfig(served_model_name=config.served_model_name,
                                        max_body_bytes=config.max_body_bytes,
                                        request_timeout_s=config.request_timeout_s,
                                        max_in_flight=config.in_flight_limit(),
-                                       client_read_timeout_s=config.client_read_timeout_s)
+                                       client_read_timeout_s=config.client_read_timeout_s,
+                                       sampling_defaults=meta.sampling_defaults)
+        if meta.sampling_defaults:
+            log.info("request defaults from the model's generation_config.json: %s",
+                     meta.sampling_defaults)
         if config.colocated:
             from services.engine.async_engine import AsyncEngine
             from services.engine.llm_engine import LLMEngine
@@ -67,7 +72,6 @@ class GatewayIngress:
             migrations = None
         else:
             assert prefill is not None and decode is not None
-            meta = await asyncio.to_thread(load_model_metadata, config.model)
             backend = await self._disaggregated(config, meta.model_id, prefill, decode)
             self.gateway = Gateway(backend, meta.tokenizer, gateway_config)
             view = self.view

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.engine.model_loader import LoadedModel
-from services.engine.tokenizer_loader import ModelMetadata, load_model_metadata
+from services.engine.tokenizer_loader import ModelLoadError, ModelMetadata, load_model_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,3 +114,21 @@ def test_hugging_face_directory(metadata: ModelMetadata, tmp_path: Path) -> None
     assert (loaded.model_id, loaded.max_position_embeddings) == ("tiny-llama", 4096)
     assert loaded.tokenizer.eos_token_ids == (2, 0)
     assert loaded.tokenizer.encode(TEXTS[2]) == metadata.tokenizer.encode(TEXTS[2])
+
+
+def test_generation_config_adds_eos_ids_and_request_defaults(metadata: ModelMetadata,
+                                                              tmp_path: Path) -> None:
+    model_dir = tmp_path / "tuned"
+    model_dir.mkdir()
+    metadata.tokenizer.backend.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert load_model_metadata(model_dir).sampling_defaults == {}
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 7], "temperature": 0.6, "top_p": 0.9, "top_k": 20,
+         "do_sample": True, "max_new_tokens": 100, "min_p": None}))
+    loaded = load_model_metadata(model_dir)
+    assert loaded.tokenizer.eos_token_ids == (2, 7)
+    assert loaded.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    (model_dir / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="generation_config.json"):
+        load_model_metadata(model_dir)

@@ -233,3 +233,61 @@ def test_grpc_model_info(stub: pb_grpc.GenerationStub, http: httpx.Client,
     assert (info.model, info.max_model_len, info.vocab_size) == (
         gateway.model_name, gateway.max_model_len, gateway.tokenizer.vocab_size)
     assert info.server_version == http.get("/version").json()["version"]
+
+
+def test_completions_echo_the_prompt(client: openai.OpenAI, gateway: Gateway) -> None:
+    args = {"model": gateway.model_name, "prompt": "Once upon a time", "max_tokens": 6,
+            "temperature": 0}
+    plain = client.completions.create(**args).choices[0].text
+    echoed = client.completions.create(**args, echo=True).choices[0].text
+    assert echoed == "Once upon a time" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        **args, echo=True, stream=True) if c.choices)
+    assert streamed == echoed
+    ids = gateway.tokenizer.encode("Once upon a time")
+    by_ids = client.completions.create(**{**args, "prompt": ids}, echo=True).choices[0].text
+    assert by_ids == gateway.tokenizer.decode(ids) + plain
+
+
+def test_chat_template_kwargs_reach_the_template(http: httpx.Client, gateway: Gateway) -> None:
+    from services.engine.tokenizer import Tokenizer
+
+    base = gateway.tokenizer
+    templated = Tokenizer(base.backend, base.eos_token_ids, chat_template=(
+        "{% if enable_thinking %}<think>{% endif %}{% for m in messages %}{{ m['content'] }}"
+        "{% endfor %}"))
+    messages = [{"role": "user", "content": "Hi"}]
+    assert templated.apply_chat_template(messages, extra={"enable_thinking": True}) == \
+        "<think>Hi"
+    assert templated.apply_chat_template(messages) == "Hi"
+    with pytest.raises(ValueError, match="messages"):
+        templated.apply_chat_template(messages, extra={"messages": []})
+    ok = http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {
+        "enable_thinking": False}})
+    assert ok.status_code == 200
+    refused = http.post("/v1/chat/completions", json={**CHAT, "chat_template_kwargs": {
+        "add_generation_prompt": False}})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset(
+        async_engine: AsyncEngine, gateway: Gateway) -> None:
+    """GatewayConfig.sampling_defaults (a model's generation_config.json): a request without
+    temperature or repetition_penalty gets the model's; one that sets them keeps its own."""
+    from services.gateway.config import GatewayConfig
+    from tests.gateway.helpers import serving
+
+    tuned = Gateway(gateway.backend, gateway.tokenizer, GatewayConfig(
+        sampling_defaults={"temperature": 0.0, "repetition_penalty": 1.5}))
+    messages = [{"role": "user", "content": "Write the word 'the' five times."}]
+    prompt = gateway.tokenizer.encode_chat(messages)
+    with serving(tuned) as addresses, httpx.Client(base_url=addresses.http_url,
+                                                   timeout=60) as http:
+        def tokens(**fields: object) -> list[int]:
+            response = http.post("/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 12, "return_token_ids": True, **fields})
+            return response.json()["choices"][0]["token_ids"]
+
+        assert tokens() == engine_tokens(async_engine, prompt, 12, repetition_penalty=1.5)
+        assert tokens(repetition_penalty=1.0) == engine_tokens(async_engine, prompt, 12)
