@@ -73,12 +73,14 @@ class Gateway:
         if scheme.lower() != "bearer" or not any(matches):
             raise unauthorized()
 
-    async def check_structured_output(self, constraint: StructuredOutput | None, param: str
+    async def check_structured_output(self, stated: tuple[str, StructuredOutput] | None
                                       ) -> None:
-        """400 naming ``param`` when ``constraint`` cannot be compiled (in a thread: the first
-        one builds the grammar tokenizer, ~0.5 s, and a large grammar takes long)."""
-        if constraint is None:
+        """400 naming the field when the constraint it ``stated`` (field, constraint) cannot be
+        compiled (in a thread: the first one builds the grammar tokenizer, ~0.5 s, and a large
+        grammar takes long)."""
+        if stated is None:
             return
+        param, constraint = stated
         problem = await asyncio.to_thread(self.grammars.problem, constraint)
         if problem is not None:
             raise bad_request(f"{param}: {problem}", param=param)

@@ -78,8 +78,10 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
             options = dataclasses.replace(_sampling_options(request),
                                           timeout_s=None if timeout_s is None
                                           else max(timeout_s, 1e-3))
-            await gateway.check_structured_output(
-                options.structured_output, request.sampling.WhichOneof("structured_output") or "")
+            if options.structured_output is not None:
+                await gateway.check_structured_output(
+                    (request.sampling.WhichOneof("structured_output") or "structured_output",
+                     options.structured_output))
         with trace.phase("gateway.tokenize") as span:
             prompt = _prompt_token_ids(gateway, request)
             span.set_attribute("tandem.prompt_tokens", len(prompt))

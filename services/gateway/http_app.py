@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.engine.sampling_params import StructuredOutput
 from services.gateway.body_limit import BodyLimitMiddleware
 from services.gateway.core import Gateway, Generation
 from services.gateway.errors import GatewayError, bad_request
@@ -164,7 +163,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 gateway.check_model(body.model)
                 if error := body.unsupported_fields():
                     raise error
-                await gateway.check_structured_output(*_stated_constraint(body))
+                await gateway.check_structured_output(body.structured_output_field())
             with trace.phase("gateway.tokenize") as span:
                 functions = body.functions()
                 own = gateway.tokenizer.template_renders_tools
@@ -197,7 +196,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 gateway.check_model(body.model)
                 if error := body.unsupported_fields():
                     raise error
-                await gateway.check_structured_output(*_stated_constraint(body))
+                await gateway.check_structured_output(body.structured_output_field())
                 prompt_in = body.single_prompt()
             with trace.phase("gateway.tokenize") as span:
                 prompt = (tokenize_prompt(gateway.tokenizer, prompt_in)
@@ -283,12 +282,6 @@ def _add_schemas(app: FastAPI, *models: type[BaseModel]) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-
-def _stated_constraint(body: ChatCompletionRequest | CompletionRequest
-                ) -> tuple[StructuredOutput | None, str]:
-    found = body.structured_output_field()
-    return (found[1], found[0]) if found else (None, "")
 
 
 def _model_card(gateway: Gateway) -> dict[str, object]:
