@@ -20,7 +20,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.core import Generation
+from services.gateway.choices import Choices
 from services.gateway.errors import GatewayError
 from services.gateway.openai_format import SSE_DONE, sse
 
@@ -30,7 +30,7 @@ AbortConnection = Callable[[Scope], None]  # drop the connection that carries th
 
 
 class EventStream(StreamingResponse):
-    def __init__(self, generation: Generation, events: AsyncGenerator[bytes, None],
+    def __init__(self, generation: Choices, events: AsyncGenerator[bytes, None],
                  read_timeout_s: float | None, abort_connection: AbortConnection | None) -> None:
         # The background task closes the generation even when the client leaves before the
         # body iterator ever starts (then ``_guarded``'s own cleanup never runs).
@@ -68,7 +68,7 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _guarded(generation: Generation, events: AsyncGenerator[bytes, None]
+async def _guarded(generation: Choices, events: AsyncGenerator[bytes, None]
                    ) -> AsyncGenerator[bytes, None]:
     """Close the generation however the stream ends (done, failed, client gone); a failure after
     the headers went out becomes an SSE error event, as OpenAI-compatible servers send."""

@@ -17,10 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.engine.sampling_params import StructuredOutput
-from services.gateway.core import Gateway, Generation
+from services.gateway.choices import Choices, start_choices
+from services.gateway.core import Gateway
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.inputs import (
     CHAT_ROLES,
+    MAX_CHOICES,
     SamplingOptions,
     check_token_ids,
     new_request_id,
@@ -63,8 +65,8 @@ def status_code(error: GatewayError) -> grpc.StatusCode:
 async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
                            authorization: str | None = None,
                            metadata: Mapping[str, str] | None = None,
-                           timeout_s: float | None = None) -> tuple[Generation, str]:
-    """Start the call's generation (rejections raise ``GatewayError``); with it, the request id
+                           timeout_s: float | None = None) -> tuple[Choices, str]:
+    """Start the call's choices (rejections raise ``GatewayError``); with them, the request id
     its responses echo. ``metadata`` may carry the caller's W3C ``traceparent``; ``timeout_s``
     is what is left of the call's deadline (the request ends with DEADLINE_EXCEEDED when it
     passes)."""
@@ -93,8 +95,11 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
         greq = gateway.build_request(new_request_id("gen"), prompt, options,
                                      request.cache_salt or None, arrival,
                                      prompt_param=request.WhichOneof("input") or "prompt")
-        generation = await gateway.start(greq, trace)
-    return generation, request.request_id or greq.request_id
+        n = request.n or 1
+        if n > MAX_CHOICES:
+            raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+        choices = await start_choices(gateway, greq, n, trace)
+    return choices, request.request_id or greq.request_id
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -116,21 +121,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     context.invocation_metadata() or () if not key.endswith("-bin")}
         read_timeout_s = self.gateway.config.client_read_timeout_s
         try:
-            generation, echoed = await start_generation(
+            choices, echoed = await start_generation(
                 self.gateway, request, metadata.get("authorization"), metadata,
                 context.time_remaining())
             try:
-                async for delta in generation:
+                async for index, delta in choices:
                     try:
                         async with asyncio.timeout(read_timeout_s):
-                            await context.write(_response(echoed, delta))
+                            await context.write(_response(echoed, delta, index))
                     except TimeoutError:
                         assert read_timeout_s is not None
-                        await generation.cut_slow_client(read_timeout_s)
+                        await choices.cut_slow_client(read_timeout_s)
                         await context.abort(grpc.StatusCode.CANCELLED,
                                             f"the client read nothing for {read_timeout_s:g} s")
             finally:
-                await generation.aclose()
+                await choices.aclose()
         except GatewayError as exc:
             trailers: Sequence[tuple[str, str]] = ()
             if exc.retry_after_s is not None:
@@ -304,9 +309,10 @@ def _constraint_of(s: pb.SamplingOptions) -> StructuredOutput | None:
     return StructuredOutput(which, getattr(s, which))
 
 
-def _response(request_id: str, delta: Delta) -> pb.GenerateResponse:
+def _response(request_id: str, delta: Delta, index: int = 0) -> pb.GenerateResponse:
     response = pb.GenerateResponse(
         request_id=request_id,
+        index=index,
         token_ids=delta.token_ids,
         text=delta.text,
         logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,

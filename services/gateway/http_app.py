@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -16,7 +17,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.body_limit import BodyLimitMiddleware
-from services.gateway.core import Gateway, Generation
+from services.gateway.choices import Choices, cumulative_logprob, start_choices, total_usage
+from services.gateway.core import Gateway
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.event_stream import AbortConnection, EventStream
 from services.gateway.inputs import (
@@ -34,7 +36,7 @@ from services.gateway.openai_protocol import (
     TokenizeRequest,
     template_messages,
 )
-from services.gateway.pipeline import Delta
+from services.gateway.pipeline import Delta, Usage
 from services.gateway.request_trace import RequestTrace
 from services.gateway.token_text import TokenText
 from services.gateway.tools import ToolCall, parse_reply, with_tools
@@ -67,8 +69,8 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes)
     token_text = TokenText(gateway.tokenizer)
 
-    def event_stream(generation: Generation, events: AsyncGenerator[bytes, None]) -> EventStream:
-        return EventStream(generation, events, gateway.config.client_read_timeout_s,
+    def event_stream(choices: Choices, events: AsyncGenerator[bytes, None]) -> EventStream:
+        return EventStream(choices, events, gateway.config.client_read_timeout_s,
                            abort_connection)
 
     @app.exception_handler(GatewayError)
@@ -178,11 +180,14 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
             if body.stream:
-                generation = await _unless_disconnected(request, gateway.start(greq, trace))
-                return event_stream(generation, _chat_events(generation, ctx, body))
-            merged = await _unless_disconnected(request, _run(gateway, greq, trace))
-            return JSONResponse(ctx.chat_completion(merged, body.logprobs, prompt,
-                                                    *_reply(merged, body)))
+                choices = await _unless_disconnected(
+                    request, start_choices(gateway, greq, body.n, trace))
+                return event_stream(choices, _chat_events(choices, ctx, body))
+            merged = await _unless_disconnected(request, _run(gateway, greq, body.n, trace))
+            return JSONResponse(ctx.chat_completion(
+                [ctx.chat_choice(delta, body.logprobs, i, _reply(delta, body))
+                 for i, delta in enumerate(merged)],
+                total_usage([delta.usage for delta in merged]), prompt))
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
               responses=_generation_responses())
@@ -211,12 +216,23 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
             echoed = ((prompt_in if isinstance(prompt_in, str)
                        else gateway.tokenizer.decode(prompt)) if body.echo else "")
             if body.stream:
-                generation = await _unless_disconnected(request, gateway.start(greq, trace))
-                return event_stream(generation,
-                                    _completion_events(generation, ctx, body, echoed))
-            merged = await _unless_disconnected(request, _run(gateway, greq, trace))
-            merged.text = echoed + merged.text
-            return JSONResponse(ctx.completion(merged, want_logprobs, prompt))
+                choices = await _unless_disconnected(
+                    request, start_choices(gateway, greq, body.n, trace))
+                return event_stream(choices,
+                                    _completion_events(choices, ctx, body, echoed))
+            best_of = body.best_of or body.n
+            if best_of > body.n and greq.params.logprobs is None:  # ranked by their logprobs
+                greq = dataclasses.replace(
+                    greq, params=dataclasses.replace(greq.params, logprobs=0))
+            merged = await _unless_disconnected(request, _run(gateway, greq, best_of, trace))
+            usage = total_usage([delta.usage for delta in merged])
+            if best_of > body.n:
+                merged = sorted(merged, key=cumulative_logprob, reverse=True)[:body.n]
+            for delta in merged:
+                delta.text = echoed + delta.text
+            return JSONResponse(ctx.completion(
+                [ctx.completion_choice(delta, want_logprobs, i) for i, delta in enumerate(merged)],
+                usage, prompt))
 
     return app
 
@@ -342,9 +358,10 @@ def _validation_error(exc: ValidationError) -> GatewayError:
     return bad_request("Invalid request: " + "; ".join(messages) + more, param=param)
 
 
-async def _run(gateway: Gateway, request: GenerationRequest, trace: RequestTrace | None = None
-               ) -> Delta:
-    return await (await gateway.start(request, trace)).collect()
+async def _run(gateway: Gateway, request: GenerationRequest, n: int = 1,
+               trace: RequestTrace | None = None) -> list[Delta]:
+    """Each of the request's ``n`` choices, run to its end."""
+    return await (await start_choices(gateway, request, n, trace)).collect()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -370,8 +387,8 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _chat_events(generation: Generation, ctx: ResponseContext,
-                       body: ChatCompletionRequest) -> AsyncGenerator[bytes, None]:
+async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatCompletionRequest
+                       ) -> AsyncGenerator[bytes, None]:
     include_usage = body.include_usage()
 
     def event(chunk: dict[str, object]) -> bytes:
@@ -379,22 +396,24 @@ async def _chat_events(generation: Generation, ctx: ResponseContext,
             chunk["usage"] = None
         return sse(chunk)
 
-    yield event(ctx.chat_chunk(None, False, first=True))
-    usage = None
+    for index in range(body.n):
+        yield event(ctx.chat_chunk(None, False, first=True, index=index))
+    usages: list[Usage | None] = [None] * body.n
     if body.tool_mode() in (None, "none"):
-        async for delta in generation:
-            usage = delta.usage or usage
+        async for index, delta in choices:
+            usages[index] = delta.usage or usages[index]
             if (delta.text or delta.finish_reason or (body.logprobs and delta.logprobs)
                     or (body.return_token_ids and delta.token_ids)):
-                yield event(ctx.chat_chunk(delta, body.logprobs))
+                yield event(ctx.chat_chunk(delta, body.logprobs, index=index))
     else:
         # With tools the reply is a call or text, known only once it is whole: it streams as
         # one delta at its end (content or tool calls; OpenAI's clients reassemble either).
-        merged = await generation.collect()
-        usage = merged.usage
-        yield event(ctx.chat_chunk(merged, body.logprobs, reply=_reply(merged, body)))
+        for index, merged in enumerate(await choices.collect()):
+            usages[index] = merged.usage
+            yield event(ctx.chat_chunk(merged, body.logprobs, reply=_reply(merged, body),
+                                       index=index))
     if include_usage:
-        yield sse(ctx.usage_chunk("chat.completion.chunk", usage))
+        yield sse(ctx.usage_chunk("chat.completion.chunk", total_usage(usages)))
     yield SSE_DONE
 
 
@@ -403,26 +422,26 @@ def _reply(merged: Delta, body: ChatCompletionRequest) -> tuple[str | None, list
     return parse_reply(merged.text, body.functions(), body.tool_mode())
 
 
-async def _completion_events(generation: Generation, ctx: ResponseContext,
-                             body: CompletionRequest, echoed: str = ""
-                             ) -> AsyncGenerator[bytes, None]:
-    """``echoed``: the prompt's text (``echo``), sent first."""
+async def _completion_events(choices: Choices, ctx: ResponseContext, body: CompletionRequest,
+                             echoed: str = "") -> AsyncGenerator[bytes, None]:
+    """``echoed``: the prompt's text (``echo``), sent first in each choice."""
     include_usage = body.include_usage()
     want_logprobs = body.logprobs is not None
-    usage = None
-    if echoed:
-        chunk = ctx.completion_chunk(Delta(text=echoed), False)
+
+    def event(chunk: dict[str, object]) -> bytes:
         if include_usage:
             chunk["usage"] = None
-        yield sse(chunk)
-    async for delta in generation:
-        usage = delta.usage or usage
+        return sse(chunk)
+
+    usages: list[Usage | None] = [None] * body.n
+    if echoed:
+        for index in range(body.n):
+            yield event(ctx.completion_chunk(Delta(text=echoed), False, index))
+    async for index, delta in choices:
+        usages[index] = delta.usage or usages[index]
         if (delta.text or delta.finish_reason or (want_logprobs and delta.logprobs)
                 or (body.return_token_ids and delta.token_ids)):
-            chunk = ctx.completion_chunk(delta, want_logprobs)
-            if include_usage:
-                chunk["usage"] = None
-            yield sse(chunk)
+            yield event(ctx.completion_chunk(delta, want_logprobs, index))
     if include_usage:
-        yield sse(ctx.usage_chunk("text_completion", usage))
+        yield sse(ctx.usage_chunk("text_completion", total_usage(usages)))
     yield SSE_DONE

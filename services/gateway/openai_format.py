@@ -71,32 +71,36 @@ class ResponseContext:
                              "top_logprobs": [entry(t, v) for t, v in lp.top]}
                             for lp in logprobs]}
 
-    def chat_completion(self, delta: Delta, want_logprobs: bool, prompt_token_ids: list[int],
-                        content: str | None = None, calls: Sequence[ToolCall] = ()
-                        ) -> dict[str, Any]:
-        """``content`` and ``calls``: the reply parsed for tool calls (none: its text)."""
+    def chat_choice(self, delta: Delta, want_logprobs: bool, index: int = 0,
+                    reply: tuple[str | None, Sequence[ToolCall]] | None = None
+                    ) -> dict[str, Any]:
+        """``reply``: the choice's text parsed for tool calls (none: its text)."""
+        content, calls = reply if reply is not None else (delta.text, ())
         message: dict[str, Any] = {"role": "assistant",
                                    "content": content if calls else delta.text}
         if calls:
             message["tool_calls"] = [call.to_json() for call in calls]
-        choice = self.with_token_ids({
-            "index": 0,
+        return self.with_token_ids({
+            "index": index,
             "message": message,
             "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
             "finish_reason": _finish(delta.finish_reason, calls),
         }, delta)
-        body = self.envelope("chat.completion", [choice])
-        body["usage"] = usage_json(delta.usage)
+
+    def chat_completion(self, choices: list[dict[str, Any]], usage: Usage | None,
+                        prompt_token_ids: list[int]) -> dict[str, Any]:
+        body = self.envelope("chat.completion", choices)
+        body["usage"] = usage_json(usage)
         if self.return_token_ids:
             body["prompt_token_ids"] = prompt_token_ids
         return body
 
     def chat_chunk(self, delta: Delta | None, want_logprobs: bool, first: bool = False,
-                   reply: tuple[str | None, Sequence[ToolCall]] | None = None
+                   reply: tuple[str | None, Sequence[ToolCall]] | None = None, index: int = 0
                    ) -> dict[str, Any]:
         """``reply``: the whole reply parsed for tool calls (``delta`` is all of it)."""
         message: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-        choice: dict[str, Any] = {"index": 0, "delta": message, "logprobs": None,
+        choice: dict[str, Any] = {"index": index, "delta": message, "logprobs": None,
                                   "finish_reason": None}
         if delta is not None:
             content, calls = reply if reply is not None else (delta.text, ())
@@ -127,21 +131,24 @@ class ResponseContext:
             "text_offset": delta.text_offsets[:len(delta.logprobs)],
         }
 
-    def completion_choice(self, delta: Delta, want_logprobs: bool) -> dict[str, Any]:
+    def completion_choice(self, delta: Delta, want_logprobs: bool, index: int = 0
+                          ) -> dict[str, Any]:
         return self.with_token_ids({
-            "index": 0,
+            "index": index,
             "text": delta.text,
             "logprobs": self.completion_logprobs(delta) if want_logprobs else None,
             "finish_reason": delta.finish_reason,
         }, delta)
 
-    def completion(self, delta: Delta, want_logprobs: bool, prompt_token_ids: list[int]
-                   ) -> dict[str, Any]:
-        body = self.envelope("text_completion", [self.completion_choice(delta, want_logprobs)])
-        body["usage"] = usage_json(delta.usage)
+    def completion(self, choices: list[dict[str, Any]], usage: Usage | None,
+                   prompt_token_ids: list[int]) -> dict[str, Any]:
+        body = self.envelope("text_completion", choices)
+        body["usage"] = usage_json(usage)
         if self.return_token_ids:
             body["prompt_token_ids"] = prompt_token_ids
         return body
 
-    def completion_chunk(self, delta: Delta, want_logprobs: bool) -> dict[str, Any]:
-        return self.envelope("text_completion", [self.completion_choice(delta, want_logprobs)])
+    def completion_chunk(self, delta: Delta, want_logprobs: bool, index: int = 0
+                         ) -> dict[str, Any]:
+        return self.envelope("text_completion",
+                             [self.completion_choice(delta, want_logprobs, index)])

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from services.engine.sampling_params import StructuredOutput
 from services.gateway.errors import GatewayError, bad_request, unsupported
-from services.gateway.inputs import SamplingOptions, template_message
+from services.gateway.inputs import MAX_CHOICES, SamplingOptions, template_message
 from services.gateway.tools import Function, assistant_calls_text
 from services.gateway.tools import constraint as tool_constraint
 
@@ -153,7 +153,7 @@ class _CommonRequest(_Request):
     top_k: Int | None = Field(None, ge=-1)  # extension; 0 or -1: off
     seed: Int | None = None
     stop: str | list[str] | None = None
-    n: Int = Field(1, ge=1)
+    n: Int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each streamed with its index
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # extension: per-tenant prefix-cache isolation
@@ -274,8 +274,6 @@ class _CommonRequest(_Request):
     def _common_unsupported(self) -> GatewayError | None:
         if error := _refused_extra(self.model_extra):
             return error
-        if self.n != 1:
-            return unsupported("n", f"n={self.n} (only n=1)")
         if self.stream_options is not None and not self.stream:
             return GatewayError(400, "stream_options is only allowed with stream=true",
                                 param="stream_options")
@@ -419,15 +417,20 @@ class CompletionRequest(_CommonRequest):
     logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False  # the prompt's text before the completion's
     suffix: str | None = None
-    best_of: Int | None = None
+    # Generate this many choices and return the n with the highest sum of token logprobs.
+    best_of: Int | None = Field(None, ge=1, le=MAX_CHOICES)
 
     def unsupported_fields(self) -> GatewayError | None:
         if self.echo and self.logprobs is not None:
             return unsupported("echo", "echo with logprobs (the prompt's logprobs)")
         if self.suffix:
             return unsupported("suffix", "suffix")
-        if self.best_of not in (None, 1):
-            return unsupported("best_of", f"best_of={self.best_of} (only 1)")
+        if self.best_of is not None and self.best_of < self.n:
+            return bad_request(f"best_of ({self.best_of}) must be >= n ({self.n})",
+                               param="best_of")
+        if self.stream and self.best_of not in (None, self.n):
+            return bad_request("best_of > n cannot be streamed: the best choices are known "
+                               "only at the end", param="best_of")
         if isinstance(self.prompt, list) and len(self.prompt) != 1 and not all(
                 isinstance(p, int) for p in self.prompt):
             return unsupported("prompt", "more than one prompt per request")

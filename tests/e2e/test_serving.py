@@ -24,6 +24,7 @@ from tests.e2e.cluster import (
     UpProcess,
     all_blocks_free,
     metric_values,
+    per_worker,
     resume_stopped_worker,
     wait_for,
 )
@@ -245,6 +246,47 @@ def test_structured_output_through_prefill_and_a_speculating_decode_worker(
         assert choices[i]["token_ids"] == reference(prompt, 48, **params), i
 
 
+def test_n_choices_prefill_the_prompt_once(cluster: UpProcess, reference) -> None:  # type: ignore[no-untyped-def]
+    """n = 4 with a seed through P and D: each choice equals the engine's output for seed +
+    its index, and the prompt is computed once: the other three choices find its full blocks
+    cached, on P (or, if the router saw them on D first, on D, skipping P)."""
+    block = 16
+    prompt = [3000 + 7 * i for i in range(5 * block + 3)]  # no other test sends these tokens
+    full = (len(prompt) - 1) // block * block
+
+    def prefill_counts() -> tuple[float, float, float]:
+        roles = {dict(k)["worker"]: dict(k)["role"]
+                 for k in metric_values(cluster.http_url, "tandem_kv_cache_blocks")}
+
+        def on_prefill(name: str) -> float:
+            return sum(v for w, v in per_worker(metric_values(cluster.http_url, name)).items()
+                       if roles.get(w) == "prefill")
+
+        skipped = sum(v for k, v in metric_values(cluster.http_url,
+                                                  "tandem_router_decisions_total").items()
+                      if dict(k)["reason"] == "skip_prefill")
+        return (on_prefill("tandem_prefix_cache_queries_total"),
+                on_prefill("tandem_prefix_cache_hits_total"), skipped)
+
+    wait_for(lambda: all_blocks_free(cluster), 30, "an idle cluster")
+    before = prefill_counts()
+    response = httpx.post(f"{cluster.http_url}/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 77, "n": 4,
+        "ignore_eos": True, "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for i, choice in enumerate(choices):
+        assert choice["token_ids"] == reference(prompt, 8, ignore_eos=True, temperature=1.0,
+                                                seed=77 + i), i
+    wait_for(lambda: all_blocks_free(cluster), 30, "every block free after the choices")
+    queries, hits, skipped = (a - b for a, b in zip(prefill_counts(), before, strict=True))
+    on_p = round(queries / len(prompt)) - 1  # choices after the first that P prefilled
+    assert queries == (1 + on_p) * len(prompt), (queries, hits, skipped)
+    assert hits == on_p * full, (queries, hits, skipped)
+    assert on_p + skipped == 3, (queries, hits, skipped)
+
+
 def test_grpc_streams_same_tokens(cluster: UpProcess, client: OpenAI,
                                   reference) -> None:  # type: ignore[no-untyped-def]
     prompt = [1, 504, 3458, 282, 4649, 314]  # token ids: no tokenizer in the way
@@ -395,7 +437,7 @@ def test_stop_string_ends_stream(client: OpenAI) -> None:
     ({"prompt": [1] * 6000, "max_tokens": 1}, 400, "context length"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "n": 3}, 400, "n"),
+    ({"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
     (b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}', 413, "larger than the limit"),
 ])
 def test_bad_requests_get_4xx(cluster: UpProcess, body: object, status: int,

@@ -83,7 +83,7 @@ def test_a_tiny_temperature_is_greedy(client: openai.OpenAI, gateway: Gateway) -
 @pytest.mark.parametrize("kwargs, param, words", [
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"temperature": -1}, "temperature", "greater than or equal to 0"),
-    ({"n": 3}, "n", "n=3"),
+    ({"n": 17}, "n", "less than or equal to 16"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"extra_body": {"top_k": -5}}, "top_k", "greater than or equal to -1"),
     ({"extra_body": {"num_speculative_tokens": 0}}, "num_speculative_tokens",
