@@ -39,7 +39,7 @@ from services.gateway.openai_protocol import (
 from services.gateway.pipeline import Delta, Usage
 from services.gateway.request_trace import RequestTrace
 from services.gateway.token_text import TokenText
-from services.gateway.tools import ToolCall, parse_reply, with_tools
+from services.gateway.tools import CallStream, ToolCall, parse_reply, with_tools
 from services.request import GenerationRequest
 from services.version import version
 
@@ -399,19 +399,32 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
     for index in range(body.n):
         yield event(ctx.chat_chunk(None, False, first=True, index=index))
     usages: list[Usage | None] = [None] * body.n
-    if body.tool_mode() in (None, "none"):
+    mode = body.tool_mode()
+    if mode == "auto":
+        # The reply is a call or text, known only once it is whole: it streams as one delta at
+        # its end (content or tool calls; OpenAI's clients reassemble either).
+        for index, merged in enumerate(await choices.collect()):
+            usages[index] = merged.usage
+            yield event(ctx.chat_chunk(merged, body.logprobs, reply=_reply(merged, body),
+                                       index=index))
+    elif mode not in (None, "none"):  # held to one call: its arguments stream as they form
+        calls = [CallStream(None if mode == "required" else mode) for _ in range(body.n)]
+        async for index, delta in choices:
+            usages[index] = delta.usage or usages[index]
+            call = calls[index]
+            started, arguments = call.feed(delta.text)
+            if delta.finish_reason is not None:
+                arguments += call.finish(complete=delta.finish_reason == "stop")
+            if (started or arguments or delta.finish_reason or (body.logprobs and delta.logprobs)
+                    or (body.return_token_ids and delta.token_ids)):
+                yield event(ctx.call_chunk(delta, body.logprobs, index, call, started,
+                                           arguments))
+    else:
         async for index, delta in choices:
             usages[index] = delta.usage or usages[index]
             if (delta.text or delta.finish_reason or (body.logprobs and delta.logprobs)
                     or (body.return_token_ids and delta.token_ids)):
                 yield event(ctx.chat_chunk(delta, body.logprobs, index=index))
-    else:
-        # With tools the reply is a call or text, known only once it is whole: it streams as
-        # one delta at its end (content or tool calls; OpenAI's clients reassemble either).
-        for index, merged in enumerate(await choices.collect()):
-            usages[index] = merged.usage
-            yield event(ctx.chat_chunk(merged, body.logprobs, reply=_reply(merged, body),
-                                       index=index))
     if include_usage:
         yield sse(ctx.usage_chunk("chat.completion.chunk", total_usage(usages)))
     yield SSE_DONE

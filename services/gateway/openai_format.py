@@ -10,7 +10,7 @@ from typing import Any
 from services.engine.sequence import TokenLogprobs
 from services.gateway.pipeline import Delta, Usage
 from services.gateway.token_text import TokenText
-from services.gateway.tools import ToolCall
+from services.gateway.tools import CallStream, ToolCall
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -112,6 +112,31 @@ class ResponseContext:
             if want_logprobs and delta.logprobs:
                 choice["logprobs"] = self.chat_logprobs(delta.logprobs)
             choice["finish_reason"] = _finish(delta.finish_reason, calls)
+        self.with_token_ids(choice, delta)
+        return self.envelope("chat.completion.chunk", [choice])
+
+    def call_chunk(self, delta: Delta, want_logprobs: bool, index: int, stream: CallStream,
+                   started: bool, arguments: str) -> dict[str, Any]:
+        """A chunk of a reply held to one tool call (``tools.CallStream``): the call's id and
+        name when it ``started``, then its new ``arguments`` text. A reply that ended before
+        a call began (cut short) is sent as content at its end."""
+        message: dict[str, Any] = {}
+        call = stream.call
+        if call is None:
+            if delta.finish_reason is not None and stream.text:
+                message["content"] = stream.text
+        elif started or arguments:
+            function: dict[str, Any] = {"arguments": arguments}
+            entry: dict[str, Any] = {"index": 0, "function": function}
+            if started:
+                entry.update(id=call.id, type="function")
+                function["name"] = call.name
+            message["tool_calls"] = [entry]
+        choice: dict[str, Any] = {
+            "index": index, "delta": message,
+            "logprobs": (self.chat_logprobs(delta.logprobs)
+                         if want_logprobs and delta.logprobs else None),
+            "finish_reason": _finish(delta.finish_reason, [call] if call else [])}
         self.with_token_ids(choice, delta)
         return self.envelope("chat.completion.chunk", [choice])
 

@@ -10,7 +10,7 @@ tools itself (it mentions ``tools``) is given them instead of the system prompt 
   ``arguments`` (or ``parameters``: the Llama-3 style), become tool calls, the rest content.
 - ``required``: the reply is held (structured output) to one call of one of the tools, whose
   arguments validate against that tool's parameters. A named function: the reply is held to
-  that function's arguments.
+  that function's arguments. Either is read as it streams (``CallStream``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from typing import Any
 from services.engine.sampling_params import StructuredOutput
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# The start of a reply held to {"name": ..., "arguments": ...} (tool_choice required).
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+_TAIL = re.compile(r"[}\s]*\Z")  # what may be the end of the call object, not its arguments
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -121,8 +124,11 @@ def parse_reply(text: str, functions: list[Function], choice: str | None
     """The reply's content and its tool calls (none: the text is all content)."""
     if choice in (None, "none"):
         return text, []
-    if choice not in ("auto", "required"):  # a named function: the reply is its arguments
-        return (None, [new_call(choice, text)]) if _is_json(text) else (text, [])
+    if choice != "auto":  # required or a named function: one call, as CallStream reads it
+        stream = CallStream(None if choice == "required" else choice)
+        stream.feed(text)
+        stream.finish(complete=_is_json(text))
+        return (None, [stream.call]) if stream.call is not None else (text, [])
     names = {f.name for f in functions}
     calls: list[ToolCall] = []
     blocks = _CALL.findall(text)
@@ -133,6 +139,64 @@ def parse_reply(text: str, functions: list[Function], choice: str | None
         calls.append(call)
     content = _CALL.sub("", text).strip() if blocks else ""
     return content or None, calls
+
+
+class CallStream:
+    """A reply held to one call (``tool_choice`` required, or a named function, whose reply is
+    the arguments), read as it streams: the call's id and name as soon as they are known, then
+    its arguments' JSON text as it forms (OpenAI's streamed ``tool_calls`` deltas).
+
+    ``call`` is the call so far: its ``arguments`` grow with each ``feed``. Required: the reply
+    is ``{"name": ..., "arguments": {...}}``; the trailing braces are held back until more text
+    shows they are the arguments' own, and the call object's last one is dropped at ``finish``.
+    """
+
+    def __init__(self, name: str | None) -> None:
+        self._name = name  # None: read from the reply
+        self._text = ""
+        self._start = 0  # where the arguments begin in the text
+        self.call: ToolCall | None = None
+
+    @property
+    def text(self) -> str:
+        """The reply so far."""
+        return self._text
+
+    def feed(self, text: str) -> tuple[bool, str]:
+        """Whether the call started with this text, and the arguments' new text."""
+        self._text += text
+        started = False
+        if self.call is None:
+            if self._name is not None:
+                self.call = new_call(self._name, "")
+            else:
+                head = _CALL_HEAD.match(self._text)
+                if head is None:
+                    return False, ""
+                self.call = new_call(json.loads(head.group(1)), "")
+                self._start = head.end()
+            started = True
+        arguments = self._text[self._start:]
+        if self._name is None:
+            arguments = arguments[:_TAIL.search(arguments).start()]  # type: ignore[union-attr]
+        return started, self._grow(arguments)
+
+    def finish(self, complete: bool) -> str:
+        """The arguments' last text. ``complete``: the reply ended as the grammar allows (the
+        call object's closing brace is there); else it was cut short and is sent as it is."""
+        if self.call is None:
+            return ""
+        arguments = self._text[self._start:]
+        if self._name is None and complete:
+            arguments = arguments.rstrip()[:-1].rstrip()  # the call object's "}"
+        return self._grow(arguments)
+
+    def _grow(self, arguments: str) -> str:
+        assert self.call is not None
+        new = arguments[len(self.call.arguments):]
+        if new:
+            self.call = ToolCall(self.call.id, self.call.name, self.call.arguments + new)
+        return new
 
 
 def _is_json(text: str) -> bool:

@@ -13,7 +13,7 @@ import pytest
 
 from services.gateway.core import Gateway
 from services.gateway.runner import ServeAddresses
-from services.gateway.tools import Function, parse_reply, with_tools
+from services.gateway.tools import CallStream, Function, parse_reply, with_tools
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 20},
@@ -59,8 +59,39 @@ def test_the_tools_go_into_the_system_prompt() -> None:
     assert with_tools(ASK, [], template_renders_tools=False) == ASK
 
 
-def streamed_calls(stream: openai.Stream) -> tuple[list[dict], str | None]:  # type: ignore[type-arg]
-    """Tool calls reassembled from streamed deltas, as OpenAI's clients do, and the finish."""
+def test_a_call_streams_its_arguments_as_they_form() -> None:
+    """CallStream, fed a reply a few characters at a time, gives the call's name once and its
+    arguments' text piece by piece; reassembled, the same call as the whole reply's."""
+    arguments = '{"city": "Oslo {}", "unit": {"deep": [1, {"x": 2}]}}'
+    replies = [("required", '{"name": "get_weather", "arguments": ' + arguments + "}"),
+               ("required", '{ "name":"get_weather" ,"arguments":' + arguments + " }"),
+               ("get_weather", arguments)]
+    for mode, reply in replies:
+        stream = CallStream(None if mode == "required" else mode)
+        starts, pieces = 0, []
+        for i in range(0, len(reply), 3):
+            started, new = stream.feed(reply[i:i + 3])
+            starts += started
+            pieces.append(new)
+        pieces.append(stream.finish(complete=True))
+        assert starts == 1 and stream.call is not None
+        assert stream.call.name == "get_weather"
+        assert "".join(pieces) == stream.call.arguments == arguments, (mode, reply)
+        assert len([p for p in pieces if p]) > 5  # not all at the end
+        assert parse_reply(reply, FUNCTIONS, mode)[1][0].arguments == arguments
+    cut = CallStream(None)  # cut short at max_tokens: the arguments as far as they came
+    cut.feed('{"name": "get_time", "arguments": {"timezone": "CE')
+    assert cut.finish(complete=False) == ""
+    assert cut.call is not None and cut.call.arguments == '{"timezone": "CE'
+    early = CallStream(None)  # cut before the call began: no call, the text is content
+    assert early.feed('{"name": "get_ti') == (False, "") and early.call is None
+    assert parse_reply('{"name": "get_ti', FUNCTIONS, "required") == ('{"name": "get_ti', [])
+
+
+def streamed_calls(stream: openai.Stream, pieces: list[str] | None = None  # type: ignore[type-arg]
+                   ) -> tuple[list[dict], str | None]:
+    """Tool calls reassembled from streamed deltas, as OpenAI's clients do, and the finish;
+    ``pieces`` collects the arguments' deltas."""
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -68,6 +99,8 @@ def streamed_calls(stream: openai.Stream) -> tuple[list[dict], str | None]:  # t
             continue
         choice = chunk.choices[0]
         for delta in choice.delta.tool_calls or ():
+            if pieces is not None and delta.function is not None and delta.function.arguments:
+                pieces.append(delta.function.arguments)
             call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
             call["id"] = delta.id or call.get("id")
             if delta.function is not None:
@@ -93,10 +126,13 @@ def test_required_and_named_calls_validate_and_stream_the_same(
         assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     assert call.id.startswith("call_") and call.type == "function"
-    calls, finish = streamed_calls(client.chat.completions.create(**request, stream=True))  # type: ignore[call-overload]
+    pieces: list[str] = []
+    calls, finish = streamed_calls(client.chat.completions.create(**request, stream=True),  # type: ignore[call-overload]
+                                   pieces)
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (call.function.name, call.function.arguments)]
+    assert len(pieces) > 3  # the arguments streamed as they formed
     # The call and its result, sent back, render as a conversation the model continues.
     follow_up = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {
