@@ -9,7 +9,8 @@ With SIGTERM instead, Serve drains the replica: its streams finish there, then i
 With SIGSTOP (a hung worker), the streams stall and move on (the stream idle timeout or Serve's
 health check, whichever comes first). Churn: closed-loop clients while a decode replica is
 SIGKILLed every 30 s and replaced by Serve: no request fails, every output is exact.
-Seeded sampling through the cluster equals the engine's own, colocated, output. A prefill
+Seeded sampling through the cluster equals the engine's own, colocated, output (a JSON-schema
+stream and one with every logits control among them, so these survive migration too). A prefill
 worker killed after its first token, before the decode worker's pull, costs a recompute on
 the decode worker, not the request.
 """
@@ -27,7 +28,7 @@ import httpx
 import psutil
 import pytest
 
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import SamplingParams, StructuredOutput
 from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
 
 # A decode stream silent for 8 s is a hung worker (Serve's health check kills one after ~10 s).
@@ -54,12 +55,39 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
         up.stop()
 
 
+# A JSON schema (greedy stream 7: the output is still unfinished JSON at MAX_TOKENS) and the
+# logits controls (sampled stream 15): a migrated stream's new worker rebuilds its grammar state
+# and penalties from the tokens already sent, and goes on exactly.
+WORDS = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 30}
+CONTROLS: dict[int, dict[str, object]] = {
+    7: {"structured_outputs": {"json": WORDS}},
+    15: {"frequency_penalty": 0.8, "presence_penalty": 0.3, "repetition_penalty": 1.2,
+         "min_p": 0.05, "logit_bias": {"13": -5.0}},
+}
+
+
 def _body(i: int) -> dict[str, object]:
-    """Streams 0-7 greedy, 8-15 seeded sampling, over the 8 prompts."""
+    """Streams 0-7 greedy, 8-15 seeded sampling, over the 8 prompts (two with CONTROLS)."""
     sampling: dict[str, object] = ({"temperature": 0} if i < len(PROMPTS)
                                    else {"temperature": 0.8, "top_p": 0.95, "seed": 100 + i})
     return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, **sampling}
+            "stream": True, "return_token_ids": True, **sampling, **CONTROLS.get(i, {})}
+
+
+def _params(i: int) -> SamplingParams:
+    """``_body(i)`` as the engine's parameters."""
+    body = _body(i)
+    controls = CONTROLS.get(i, {})
+    return SamplingParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True, temperature=float(body["temperature"]),  # type: ignore[arg-type]
+        top_p=float(body.get("top_p", 1.0)), seed=body.get("seed"),  # type: ignore[arg-type]
+        structured_output=(StructuredOutput("json", json.dumps(WORDS))
+                           if "structured_outputs" in controls else None),
+        frequency_penalty=float(controls.get("frequency_penalty", 0.0)),  # type: ignore[arg-type]
+        presence_penalty=float(controls.get("presence_penalty", 0.0)),  # type: ignore[arg-type]
+        repetition_penalty=float(controls.get("repetition_penalty", 1.0)),  # type: ignore[arg-type]
+        min_p=float(controls.get("min_p", 0.0)),  # type: ignore[arg-type]
+        logit_bias=tuple((int(k), v) for k, v in controls.get("logit_bias", {}).items()))  # type: ignore[attr-defined]
 
 
 Progress = list[int]
@@ -106,19 +134,15 @@ def undisturbed(cluster: UpProcess) -> list[list[int]]:
 
 def test_seeded_sampling_through_the_cluster_equals_the_engine(
         undisturbed: list[list[int]], make_engine, loaded_model) -> None:  # type: ignore[no-untyped-def]
-    prompts, params = [], []
-    for i in range(STREAMS):
-        body = _body(i)
-        prompts.append(loaded_model.tokenizer.encode(str(body["prompt"])))
-        params.append(SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
-                                     temperature=float(body["temperature"]),  # type: ignore[arg-type]
-                                     top_p=float(body.get("top_p", 1.0)),  # type: ignore[arg-type]
-                                     seed=body.get("seed")))  # type: ignore[arg-type]
+    prompts = [loaded_model.tokenizer.encode(str(_body(i)["prompt"])) for i in range(STREAMS)]
+    params = [_params(i) for i in range(STREAMS)]
     # One batch: each request's draws depend on its seed and positions, not on its batch.
     expected = make_engine().generate(prompts, params)
     for i in range(STREAMS):
         assert expected[i] == undisturbed[i], i
     assert len(set(map(tuple, undisturbed[len(PROMPTS):]))) == len(PROMPTS)  # samples differ
+    text = loaded_model.tokenizer.decode(undisturbed[7])
+    assert text.startswith('["') and len(text) > 40, text  # held to the schema
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP],
