@@ -8,11 +8,51 @@ from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-_GGUF_CONTROL_TOKEN = 3
-_GGUF_USER_DEFINED_TOKEN = 4
+# tokenizer.ggml.token_type values (llama.cpp's, from SentencePiece's piece types).
+_GGUF_NORMAL, _GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 1, 2, 3, 4
+_GGUF_SPECIAL_TYPES = (_GGUF_UNKNOWN, _GGUF_CONTROL)  # matched in text, skipped when decoding
+
+# How a byte-level BPE vocabulary (tokenizer.ggml.model "gpt2") cuts text before its merges, by
+# tokenizer.ggml.pre: regexes applied in turn, every piece kept, as llama.cpp's llama-vocab.cpp
+# does; the expressions are the models' own (their tokenizer.json or tiktoken pattern). Any other
+# value is refused rather than guessed: a wrong split gives valid-looking but different ids.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SINGLE_DIGITS = r"\p{N}"
+BYTE_LEVEL_SPLITS: dict[str, tuple[str, ...]] = {
+    # Files from before llama.cpp wrote the field. llama.cpp falls back to a split of its own
+    # for them (punctuation and digit runs cut apart); like transformers, we take GPT-2's.
+    "default": (_GPT2_SPLIT,),
+    "gpt-2": (_GPT2_SPLIT,),
+    "llama-bpe": (_LLAMA3_SPLIT,),  # Llama 3
+    "llama3": (_LLAMA3_SPLIT,),
+    "llama-v3": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+    "tekken": (_TEKKEN_SPLIT,),  # Mistral NeMo and later
+    # These split every digit on its own first.
+    "smollm": (_SINGLE_DIGITS, _GPT2_SPLIT),
+    "starcoder": (_SINGLE_DIGITS, _GPT2_SPLIT),
+    "refact": (_SINGLE_DIGITS, _GPT2_SPLIT),
+}
+# A piece that is a whole token is that token, merges or not (Llama 3's tokenizer.json
+# "ignore_merges", and llama.cpp for these).
+_IGNORE_MERGES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
 # What apply_chat_template gives the template itself.
@@ -93,36 +133,49 @@ class Tokenizer:
                            add_special_tokens=False)
 
     @classmethod
-    def from_gguf_fields(
-        cls,
-        tokens: list[str],
-        merges: list[str],
-        token_types: list[int],
-        pre: str,
-        chat_template: str | None,
-        eos_token_ids: Sequence[int],
-        bos_token_id: int | None,
-        add_bos: bool,
-    ) -> Tokenizer:
-        vocab = {token: i for i, token in enumerate(tokens)}
-        merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if pre in ("smollm", "starcoder", "refact"):
-            # These vocabularies split every digit on its own before the byte-level regex.
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+    def from_gguf_fields(cls, fields: Mapping[str, Any]) -> Tokenizer:
+        """From a GGUF file's metadata (its ``tokenizer.*`` keys), built as the vocabulary's
+        ``tokenizer.ggml.model`` declares. ValueError names a model or ``pre`` it cannot build."""
+        model = fields.get("tokenizer.ggml.model")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        token_types: list[int] = fields.get("tokenizer.ggml.token_type") or []
+        if model == "llama":
+            scores: list[float] = fields.get("tokenizer.ggml.scores") or []
+            if len(scores) != len(tokens):
+                raise ValueError("a 'llama' vocabulary needs tokenizer.ggml.scores for every token")
+            backend = _spm_backend(
+                tokens, scores, token_types,
+                add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
             )
+            add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary
+        elif model == "gpt2":
+            backend = _byte_level_backend(
+                tokens, fields.get("tokenizer.ggml.merges") or [],
+                str(fields.get("tokenizer.ggml.pre", "default")),
+            )
+            add_bos_default = False
         else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
-        specials = [
-            AddedToken(tokens[i], special=True, normalized=False)
-            for i, kind in enumerate(token_types)
-            if kind in (_GGUF_CONTROL_TOKEN, _GGUF_USER_DEFINED_TOKEN)
-        ]
-        backend.add_special_tokens(specials)
-        return cls(backend, eos_token_ids, bos_token_id, add_bos, chat_template)
+            raise ValueError(
+                f"unsupported tokenizer.ggml.model {model!r}; supported: 'gpt2', 'llama'"
+            )
+        specials = [i for i, kind in enumerate(token_types) if kind in _GGUF_SPECIAL_TYPES]
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i in specials]
+        )
+        # Matched whole in text, as llama.cpp does, but kept when decoding (e.g. <think>).
+        backend.add_tokens([
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, kind in enumerate(token_types) if kind == _GGUF_USER_DEFINED
+        ])
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+        return cls(
+            backend,
+            eos_token_ids=(int(eos),) if eos is not None else (),
+            bos_token_id=int(bos) if bos is not None else None,
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+            chat_template=fields.get("tokenizer.chat_template"),
+        )
 
     @classmethod
     def from_hf_dir(
@@ -140,3 +193,72 @@ class Tokenizer:
             template = template_file.read_text()
         add_bos = bool(config.get("add_bos_token", False))
         return cls(backend, eos_token_ids, bos_token_id, add_bos, template)
+
+
+def _byte_level_backend(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
+    """Byte-level BPE (tokenizer.ggml.model "gpt2"): tokens spelled in GPT-2's byte alphabet."""
+    splits = BYTE_LEVEL_SPLITS.get(pre)
+    if splits is None:
+        raise ValueError(
+            f"unsupported tokenizer.ggml.pre {pre!r} for tokenizer.ggml.model 'gpt2'; "
+            f"supported: {', '.join(sorted(BYTE_LEVEL_SPLITS))}"
+        )
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = HFTokenizer(models.BPE(
+        vocab=vocab, merges=merge_pairs, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES
+    ))
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _spm_backend(
+    tokens: list[str], scores: list[float], token_types: list[int], add_space_prefix: bool
+) -> HFTokenizer:
+    """SentencePiece BPE (tokenizer.ggml.model "llama") as Hugging Face's Llama tokenizer.json
+    has it: a BPE whose merges rank by the merged token's score, text it cannot spell falling
+    back to the <0xNN> byte tokens, and "\u2581" for spaces (one more in front when
+    ``add_space_prefix``)."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unk = next((tokens[i] for i, kind in enumerate(token_types) if kind == _GGUF_UNKNOWN), None)
+    backend = HFTokenizer(models.BPE(
+        vocab=vocab, merges=_merges_from_scores(tokens, scores, token_types), unk_token=unk,
+        fuse_unk=True, byte_fallback=True,
+    ))
+    # Spaces become "\u2581" in each stretch of text between special tokens, which gets one more
+    # in front: llama.cpp's rule, and sentencepiece's for text without special tokens.
+    # (transformers' Llama tokenizer uses Metaspace, which adds none before a leading space.)
+    spaces = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if add_space_prefix
+        else spaces
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(
+    tokens: list[str], scores: list[float], token_types: list[int]
+) -> list[tuple[str, str]]:
+    """Every way to make a normal token from two tokens, best score first (ties: longer left
+    part, then longer right part, then vocabulary order), as transformers derives them."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    candidates: list[tuple[float, str, str]] = []
+    for i, token in enumerate(tokens):
+        if token_types and token_types[i] != _GGUF_NORMAL:
+            continue
+        splits = [(token[:k], token[k:]) for k in range(1, len(token))]
+        splits = sorted(
+            ((left, right) for left, right in splits if left in ids and right in ids),
+            key=lambda pair: (ids[pair[0]], ids[pair[1]]),
+        )
+        candidates += [(scores[i], left, right) for left, right in splits]
+    candidates.sort(key=lambda c: (-c[0], -len(c[1]), -len(c[2])))
+    return [(left, right) for _, left, right in candidates]

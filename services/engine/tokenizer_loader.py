@@ -88,18 +88,10 @@ def metadata_from_gguf(path: Path, meta: dict[str, Any]) -> ModelMetadata:
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list):
         raise ModelLoadError(f"{path}: GGUF has no tokenizer vocabulary")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    tokenizer = Tokenizer.from_gguf_fields(
-        tokens=tokens,
-        merges=meta.get("tokenizer.ggml.merges") or [],
-        token_types=meta.get("tokenizer.ggml.token_type") or [],
-        pre=str(meta.get("tokenizer.ggml.pre", "default")),
-        chat_template=meta.get("tokenizer.chat_template"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
-        bos_token_id=int(bos) if bos is not None else None,
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-    )
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(meta)
+    except ValueError as exc:  # a tokenizer.ggml.model or .pre it cannot build
+        raise ModelLoadError(f"{path}: {exc}") from exc
     arch = meta.get("general.architecture", "")
     return ModelMetadata(
         tokenizer=tokenizer,
