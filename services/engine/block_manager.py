@@ -64,8 +64,9 @@ class BlockManager:
     # -- admission ------------------------------------------------------------------------
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of ``seq``, leaving >= 1 token to compute."""
-        if not self.enable_prefix_caching:
+        """Block ids of the longest cached prefix of ``seq``, leaving >= 1 token to compute
+        (none for a request that wants its prompt's logprobs: cached blocks have no logits)."""
+        if not self.enable_prefix_caching or seq.prompt_logprob_positions:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

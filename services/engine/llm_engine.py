@@ -32,7 +32,7 @@ from services.engine.outputs import (
     RequestError,
     RequestOutput,
 )
-from services.engine.sampler import sample, token_logprobs, verify
+from services.engine.sampler import rows_logprobs, sample, token_logprobs, verify
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -192,8 +192,10 @@ class LLMEngine:
 
     def _imported_sequence(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
                            params: SamplingParams | None, cache_salt: str | None) -> Sequence:
-        return self._new_sequence(request_id, prompt_token_ids, params, cache_salt,
-                                  [first_token])
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt,
+                                 [first_token])
+        seq.prompt_logprobs_sent = True  # the prefill worker computed and sent them
+        return seq
 
     def commit_import(self, request_id: str) -> None:
         """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding."""
@@ -273,6 +275,11 @@ class LLMEngine:
         if self.fault_hook is not None:
             self.fault_hook(item.seq for item in plan.scheduled)
         result = self.runner.execute(plan.scheduled)
+        for seq, row, _, count in result.prompt_rows:
+            start = len(seq.prompt_logprobs)
+            seq.prompt_logprobs += rows_logprobs(
+                result.logits[row:row + count], seq.token_ids[start + 1:start + 1 + count],
+                seq.sampling.prompt_logprobs or 0)
         reached_end = set(map(id, result.sampled))
         for item in plan.scheduled:
             if id(item.seq) not in reached_end:  # a prefill chunk short of the prompt's end
@@ -364,12 +371,15 @@ class LLMEngine:
             self._finish(seq)
         elif seq.prefill_only:
             kv = self._pin(seq)
+        prompt_logprobs = None
+        if seq.sampling.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=emitted, new_logprobs=new_logprobs,
             finished=seq.finish_reason is not None or kv is not None,  # pinned: done too
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens, kv=kv,
+            num_cached_tokens=seq.num_cached_tokens, kv=kv, prompt_logprobs=prompt_logprobs,
         )
 
     # -- speculative decoding -------------------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ class StepResult:
     # sampled[i] owns logits rows first_rows[i] .. first_rows[i] + len(spec_token_ids): one
     # for its next token, plus one per speculative draft token it verifies.
     first_rows: list[int]
+    # Prompt logprobs: (sequence, its first logits row, the position that row predicts from,
+    # number of rows); row k predicts prompt token position + k + 1.
+    prompt_rows: list[tuple[Sequence, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -53,10 +56,17 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampled: list[Sequence] = []
         first_rows: list[int] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []
         for item in ordered:
             seq, n = item.seq, item.num_new_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             tokens = seq.token_ids + seq.spec_token_ids if seq.spec_token_ids else seq.token_ids
+            wanted_prompt = seq.prompt_logprob_positions
+            first, last = max(start, wanted_prompt.start), min(end, wanted_prompt.stop)
+            if first < last:  # this chunk's logits for the prompt's logprobs
+                prompt_rows.append((seq, len(logits_rows), first, last - first))
+                row = len(input_ids) - start
+                logits_rows.extend(range(row + first, row + last))
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             query_lens.append(n)
@@ -80,7 +90,8 @@ class ModelRunner:
         plan = self.model.attention.prepare(step)
         logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache,
                             plan, self._tensor(logits_rows))
-        return StepResult(logits=logits, sampled=sampled, first_rows=first_rows)
+        return StepResult(logits=logits, sampled=sampled, first_rows=first_rows,
+                          prompt_rows=prompt_rows)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

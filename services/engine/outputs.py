@@ -59,6 +59,9 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     kv: PinnedKV | None = None  # set when a prefill-only request pinned its prompt's KV
+    # SamplingParams.prompt_logprobs: with the request's first output (entry i: prompt token
+    # i + 1's); None otherwise.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

@@ -271,9 +271,18 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
     """Logprobs of the model's raw distribution (before temperature and truncation)."""
-    logprobs = logits.log_softmax(-1)
-    top: list[tuple[int, float]] = []
+    return rows_logprobs(logits.unsqueeze(0), [token_id], top_n)[0]
+
+
+def rows_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int
+                  ) -> list[TokenLogprobs]:
+    """``token_logprobs`` of each row of ``logits`` [rows, vocab] and its token, at once."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1))
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
     if top_n:
-        values, ids = logprobs.topk(top_n)
-        top = list(zip(ids.tolist(), values.tolist(), strict=True))
-    return TokenLogprobs(token_id, float(logprobs[token_id]), top)
+        values, ids = logprobs.topk(top_n, dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                              strict=True)]
+    return [TokenLogprobs(t, p, top) for t, p, top in zip(token_ids, chosen.squeeze(1).tolist(),
+                                                        tops, strict=True)]

@@ -43,6 +43,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+    # The prompt's logprobs (each prompt token after the first, given those before it), in the
+    # request's first output: None: none; 0: the prompt token's; n: plus the top n. Such a
+    # request computes its whole prompt (no prefix-cache hits: a cached block has no logits).
+    prompt_logprobs: int | None = None
     speculative: bool = True  # use the engine's speculative decoding, if it has one
     num_speculative_tokens: int | None = None  # cap on draft tokens per step; None: engine's
     # Logits controls (engine/logits_controls.py), applied before greedy and sampled draws:
@@ -66,8 +70,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= 20):
+                raise ValueError(f"{name} must be between 0 and 20, got {value!r}")
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be between 1 and 16, got "
                              f"{self.num_speculative_tokens}")

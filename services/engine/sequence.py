@@ -61,12 +61,24 @@ class Sequence:
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # sampling.prompt_logprobs: entry i is prompt token i + 1's, given the tokens before it
+    # (filled as prefill chunks run; handed out once, with the first output).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     prefill_only: bool = False  # prefill role: stop after the first token and pin the prompt KV
     # Speculative draft tokens for this step, verified after the last real token; never part
     # of token_ids until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
     # Structured output: the llguidance matcher fed the output so far (engine/grammar.py).
     matcher: Any = None
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """Positions whose logits the prompt's logprobs still need (each predicts the next
+        prompt token); empty unless the request asked for them."""
+        if self.sampling.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return range(0)
+        return range(len(self.prompt_logprobs), self.num_prompt_tokens - 1)
 
     @property
     def num_tokens(self) -> int:

@@ -32,7 +32,8 @@ _MAX_SEED = 2**64 - 1
 
 
 def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
-    """Choice ``index`` of ``request`` (choice 0 is ``request`` itself)."""
+    """Choice ``index`` of ``request`` (choice 0 is ``request`` itself, and alone computes the
+    prompt's logprobs if asked: the same for every choice)."""
     if index == 0:
         return request
     seed = request.params.seed
@@ -40,8 +41,9 @@ def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
         seed += index
         if seed > _MAX_SEED:
             seed -= _SEED_SPACE
+    params = dataclasses.replace(request.params, seed=seed, prompt_logprobs=None)
     return dataclasses.replace(request, request_id=f"{request.request_id}-{index}",
-                               params=dataclasses.replace(request.params, seed=seed))
+                               params=params)
 
 
 async def start_choices(gateway: Gateway, request: GenerationRequest, n: int = 1,

@@ -196,6 +196,7 @@ class Generation:
                 merged.text_offsets += delta.text_offsets
                 merged.finish_reason = delta.finish_reason
                 merged.usage = delta.usage
+                merged.prompt_logprobs = merged.prompt_logprobs or delta.prompt_logprobs
         finally:
             await self.aclose()
         return merged

@@ -219,20 +219,26 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 choices = await _unless_disconnected(
                     request, start_choices(gateway, greq, body.n, trace))
                 return event_stream(choices,
-                                    _completion_events(choices, ctx, body, echoed))
+                                    _completion_events(choices, ctx, body, echoed, prompt))
             best_of = body.best_of or body.n
             if best_of > body.n and greq.params.logprobs is None:  # ranked by their logprobs
                 greq = dataclasses.replace(
                     greq, params=dataclasses.replace(greq.params, logprobs=0))
             merged = await _unless_disconnected(request, _run(gateway, greq, best_of, trace))
             usage = total_usage([delta.usage for delta in merged])
+            prompt_logprobs = merged[0].prompt_logprobs  # choice 0 computed them for all
             if best_of > body.n:
                 merged = sorted(merged, key=cumulative_logprob, reverse=True)[:body.n]
-            for delta in merged:
+            choices_json = []
+            for i, delta in enumerate(merged):
+                _after_echo(delta, echoed)
                 delta.text = echoed + delta.text
-            return JSONResponse(ctx.completion(
-                [ctx.completion_choice(delta, want_logprobs, i) for i, delta in enumerate(merged)],
-                usage, prompt))
+                choice = ctx.completion_choice(delta, want_logprobs, i)
+                if echoed and want_logprobs:
+                    choice["logprobs"] = ctx.echoed_logprobs(prompt, prompt_logprobs,
+                                                             choice["logprobs"])
+                choices_json.append(choice)
+            return JSONResponse(ctx.completion(choices_json, usage, prompt))
 
     return app
 
@@ -435,9 +441,17 @@ def _reply(merged: Delta, body: ChatCompletionRequest) -> tuple[str | None, list
     return parse_reply(merged.text, body.functions(), body.tool_mode())
 
 
+def _after_echo(delta: Delta, echoed: str) -> None:
+    """``delta``'s text offsets counted from the start of its ``echo``ed prompt."""
+    if echoed:
+        delta.text_offsets = [offset + len(echoed) for offset in delta.text_offsets]
+
+
 async def _completion_events(choices: Choices, ctx: ResponseContext, body: CompletionRequest,
-                             echoed: str = "") -> AsyncGenerator[bytes, None]:
-    """``echoed``: the prompt's text (``echo``), sent first in each choice."""
+                             echoed: str = "", prompt: list[int] | None = None
+                             ) -> AsyncGenerator[bytes, None]:
+    """``echoed``: the prompt's text (``echo``), sent first in each choice (with the prompt's
+    logprobs, if asked, which choice 0's first delta carries)."""
     include_usage = body.include_usage()
     want_logprobs = body.logprobs is not None
 
@@ -448,10 +462,16 @@ async def _completion_events(choices: Choices, ctx: ResponseContext, body: Compl
 
     usages: list[Usage | None] = [None] * body.n
     if echoed:
+        prompt_logprobs = choices.generations[0].first.prompt_logprobs
         for index in range(body.n):
-            yield event(ctx.completion_chunk(Delta(text=echoed), False, index))
+            chunk = ctx.completion_chunk(Delta(text=echoed), False, index)
+            if want_logprobs:
+                chunk["choices"][0]["logprobs"] = ctx.echoed_logprobs(prompt or [],
+                                                                      prompt_logprobs)
+            yield event(chunk)
     async for index, delta in choices:
         usages[index] = delta.usage or usages[index]
+        _after_echo(delta, echoed)
         if (delta.text or delta.finish_reason or (want_logprobs and delta.logprobs)
                 or (body.return_token_ids and delta.token_ids)):
             yield event(ctx.completion_chunk(delta, want_logprobs, index))

@@ -40,6 +40,7 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+    prompt_logprobs: int | None = None  # the prompt's, likewise (completions echo + logprobs)
     speculative: bool = True  # speculative decoding, where the server runs it
     num_speculative_tokens: int | None = None  # cap on draft tokens per step
     timeout_s: float | None = None  # the client's deadline for the whole request, if any
@@ -146,6 +147,7 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
             seed=seed,
             ignore_eos=options.ignore_eos,
             logprobs=options.logprobs,
+            prompt_logprobs=options.prompt_logprobs,
             speculative=options.speculative,
             num_speculative_tokens=options.num_speculative_tokens,
             stop_token_ids=options.stop_token_ids,

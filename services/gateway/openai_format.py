@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,6 +155,25 @@ class ResponseContext:
             "token_logprobs": [_lp(lp.logprob) for lp in delta.logprobs],
             "top_logprobs": [{tt.text(t): _lp(v) for t, v in lp.top} for lp in delta.logprobs],
             "text_offset": delta.text_offsets[:len(delta.logprobs)],
+        }
+
+    def echoed_logprobs(self, prompt_token_ids: list[int],
+                        prompt_logprobs: Sequence[TokenLogprobs] | None,
+                        then: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``echo`` with ``logprobs``: the prompt's tokens and logprobs (the first token has
+        none), followed by ``then`` (the completion's, offsets already after the prompt)."""
+        tt = self.token_text
+        texts = [tt.text(t) for t in prompt_token_ids]
+        lps = list(prompt_logprobs or ())
+        then = then or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                        "text_offset": []}
+        return {
+            "tokens": texts + then["tokens"],
+            "token_logprobs": [None, *(_lp(lp.logprob) for lp in lps)] + then["token_logprobs"],
+            "top_logprobs": [None, *({tt.text(t): _lp(v) for t, v in lp.top} for lp in lps)]
+            + then["top_logprobs"],
+            "text_offset": list(itertools.accumulate((len(t) for t in texts[:-1]), initial=0))
+            + then["text_offset"],
         }
 
     def completion_choice(self, delta: Delta, want_logprobs: bool, index: int = 0

@@ -421,8 +421,6 @@ class CompletionRequest(_CommonRequest):
     best_of: Int | None = Field(None, ge=1, le=MAX_CHOICES)
 
     def unsupported_fields(self) -> GatewayError | None:
-        if self.echo and self.logprobs is not None:
-            return unsupported("echo", "echo with logprobs (the prompt's logprobs)")
         if self.suffix:
             return unsupported("suffix", "suffix")
         if self.best_of is not None and self.best_of < self.n:
@@ -449,7 +447,8 @@ class CompletionRequest(_CommonRequest):
                         else self.max_tokens),
             temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=self.stop_strings(),
-            ignore_eos=self.ignore_eos, logprobs=self.logprobs, speculative=self.speculative,
+            ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None, speculative=self.speculative,
             num_speculative_tokens=self.num_speculative_tokens, timeout_s=self.timeout,
             structured_output=self.structured_output(), **self.controls())
 

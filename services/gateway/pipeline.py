@@ -50,6 +50,9 @@ class Delta:
     text_offsets: list[int] = field(default_factory=list)  # per token: where its text starts
     finish_reason: str | None = None  # stop | length | abort, on the last delta only
     usage: Usage | None = None  # on the last delta only
+    # The prompt's logprobs (SamplingParams.prompt_logprobs), on the first delta only: entry i
+    # is prompt token i + 1's.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
@@ -85,8 +88,10 @@ async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
                     if error is exc:
                         raise
                     raise error from exc
-                started = True
                 delta = Delta()
+                if out is not None and not started:
+                    delta.prompt_logprobs = out.prompt_logprobs
+                started = True
                 if out is None:
                     finish = "abort"  # the backend ended the stream without finishing it
                 else:

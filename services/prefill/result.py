@@ -19,6 +19,7 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens the prefill worker found in its prefix cache
     kv: KVHandle | None
     logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -29,7 +30,9 @@ class PrefillResult:
                 "finish_reason": self.finish_reason, "num_prompt_tokens": self.num_prompt_tokens,
                 "num_cached_tokens": self.num_cached_tokens,
                 "kv": None if self.kv is None else self.kv.to_dict(),
-                "logprobs": [logprobs_to_dict(lp) for lp in self.logprobs]}
+                "logprobs": [logprobs_to_dict(lp) for lp in self.logprobs],
+                "prompt_logprobs": None if self.prompt_logprobs is None
+                else [logprobs_to_dict(lp) for lp in self.prompt_logprobs]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrefillResult:
@@ -39,6 +42,8 @@ class PrefillResult:
                        None if data["finish_reason"] is None else str(data["finish_reason"]),
                        int(data["num_prompt_tokens"]), int(data["num_cached_tokens"]),
                        None if kv is None else KVHandle.from_dict(kv),
-                       tuple(logprobs_from_dict(lp) for lp in data.get("logprobs", [])))
+                       tuple(logprobs_from_dict(lp) for lp in data.get("logprobs", [])),
+                       None if data.get("prompt_logprobs") is None
+                       else tuple(logprobs_from_dict(lp) for lp in data["prompt_logprobs"]))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed prefill result: {exc!r}") from None

@@ -131,7 +131,8 @@ class PrefillWorker:
             request_id=request_id, first_token=last.new_token_ids[0],
             finish_reason=None if last.finish_reason is None else str(last.finish_reason),
             num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
-            kv=handle, logprobs=tuple(last.new_logprobs))
+            kv=handle, logprobs=tuple(last.new_logprobs),
+            prompt_logprobs=None if last.prompt_logprobs is None else tuple(last.prompt_logprobs))
 
     async def release(self, lease_id: str) -> bool:
         """The decode worker has the blocks. True if the lease was still held, i.e. the

@@ -255,8 +255,11 @@ class DisaggBackend:
                     self.migrations.migrated(reason)
                     log.warning("request %s: decode worker failed after %d tokens (%s); "
                                 "resuming on %s", request.request_id, len(emitted), exc, worker)
-                    request = dataclasses.replace(request, prefill=None,
-                                                  output_token_ids=tuple(emitted))
+                    # The client has the prompt's logprobs (with the first token): the next
+                    # worker may use its prefix cache.
+                    request = dataclasses.replace(
+                        request, prefill=None, output_token_ids=tuple(emitted),
+                        params=dataclasses.replace(request.params, prompt_logprobs=None))
                 else:
                     failovers += 1
             finally:
@@ -333,7 +336,9 @@ def _first_output(request_id: str, first: PrefillResult, num_prompt: int) -> Req
     return RequestOutput(request_id, [first.first_token], list(first.logprobs),
                          first.finished,
                          None if first.finish_reason is None else FinishReason(first.finish_reason),
-                         num_prompt, 1, first.num_cached_tokens)
+                         num_prompt, 1, first.num_cached_tokens,
+                         prompt_logprobs=(None if first.prompt_logprobs is None
+                                          else list(first.prompt_logprobs)))
 
 
 def _with_cached(out: RequestOutput, num_prompt: int, cached: int) -> RequestOutput:

@@ -287,6 +287,27 @@ def test_n_choices_prefill_the_prompt_once(cluster: UpProcess, reference) -> Non
     assert on_p + skipped == 3, (queries, hits, skipped)
 
 
+def test_echo_with_logprobs_through_prefill_and_decode(cluster: UpProcess, client: OpenAI,
+                                                      make_engine) -> None:  # type: ignore[no-untyped-def]
+    """The prompt's logprobs are computed by the prefill worker and reach the client with the
+    completion's: the engine's own values."""
+    from tests.engine.helpers import outputs
+
+    prompt = [1, 504, 3458, 282, 4649, 314, 1552, 28, 253, 1345]
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4,
+                                         temperature=0, logprobs=1, echo=True)
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    engine = make_engine(num_kv_blocks=64)
+    want = outputs(engine, prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                  prompt_logprobs=1))[0].prompt_logprobs
+    assert want is not None
+    assert logprobs.token_logprobs[0] is None
+    assert logprobs.token_logprobs[1:len(prompt)] == pytest.approx(
+        [lp.logprob for lp in want], abs=1e-4)
+    assert len(logprobs.token_logprobs) == len(prompt) + 4
+
+
 def test_grpc_streams_same_tokens(cluster: UpProcess, client: OpenAI,
                                   reference) -> None:  # type: ignore[no-untyped-def]
     prompt = [1, 504, 3458, 282, 4649, 314]  # token ids: no tokenizer in the way

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.engine.llm_engine import LLMEngine
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 
 
@@ -17,9 +18,14 @@ def run(engine: LLMEngine, prompt: list[int], params: SamplingParams,
         output: Sequence[int] = ()) -> list[int]:
     """One request to its end, stepping the engine; ``output``: tokens it made elsewhere
     (a resumed request), not repeated in the result."""
-    engine.add_request("r", prompt, params, output_token_ids=output)
-    tokens: list[int] = []
+    return [t for out in outputs(engine, prompt, params, output) for t in out.new_token_ids]
+
+
+def outputs(engine: LLMEngine, prompt: list[int], params: SamplingParams,
+            output: Sequence[int] = (), request_id: str = "r") -> list[RequestOutput]:
+    """``run``'s request, as the engine's outputs."""
+    engine.add_request(request_id, prompt, params, output_token_ids=output)
+    found: list[RequestOutput] = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-    return tokens
+        found += [out for out in engine.step() if out.request_id == request_id]
+    return found

@@ -131,8 +131,6 @@ def test_unsupported_features_are_400(client: openai.OpenAI, gateway: Gateway) -
         client.completions.create(model=gateway.model_name, prompt=["a", "b"])
     with pytest.raises(openai.BadRequestError, match="not supported"):
         client.completions.create(model=gateway.model_name, prompt="a", suffix="b")
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(model=gateway.model_name, prompt="a", echo=True, logprobs=1)
     with pytest.raises(openai.BadRequestError, match="top_logprobs requires logprobs"):
         client.chat.completions.create(model=gateway.model_name, top_logprobs=2,
                                        messages=[{"role": "user", "content": "Hi"}])

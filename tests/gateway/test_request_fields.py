@@ -3,6 +3,8 @@ both front ends and equal the engine's own output with the same parameters."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -11,6 +13,7 @@ import openai
 import pytest
 
 from services.engine.async_engine import AsyncEngine
+from services.engine.sampling_params import SamplingParams
 from services.gateway.core import Gateway
 from services.gateway.openai_protocol import (
     NOT_SUPPORTED,
@@ -21,6 +24,7 @@ from services.gateway.openai_protocol import (
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.runner import ServeAddresses
+from services.gateway.token_text import TokenText
 from tests.gateway.helpers import engine_tokens
 
 
@@ -247,6 +251,49 @@ def test_completions_echo_the_prompt(client: openai.OpenAI, gateway: Gateway) ->
     ids = gateway.tokenizer.encode("Once upon a time")
     by_ids = client.completions.create(**{**args, "prompt": ids}, echo=True).choices[0].text
     assert by_ids == gateway.tokenizer.decode(ids) + plain
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs(client: openai.OpenAI,
+                                                       gateway: Gateway,
+                                                       async_engine: AsyncEngine) -> None:
+    """The prompt's tokens and logprobs (the first has none) before the completion's; the
+    engine's own prompt logprobs; the same streamed and in every choice."""
+    text = "Once upon a time there was"
+    ids = gateway.tokenizer.encode(text)
+    args = {"model": gateway.model_name, "prompt": text, "max_tokens": 4, "temperature": 0,
+            "logprobs": 2}
+    plain = client.completions.create(**args).choices[0]
+    echoed = client.completions.create(**args, echo=True, n=2)
+    engine = engine_prompt_logprobs(async_engine, ids, 2)
+    for choice in echoed.choices:
+        lp = choice.logprobs
+        assert lp is not None and choice.text == text + plain.text
+        assert lp.tokens == [TokenText(gateway.tokenizer).text(t) for t in ids] + \
+            plain.logprobs.tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx([e.logprob for e in engine],
+                                                              abs=1e-5)
+        assert lp.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs,
+                                                             abs=1e-4)
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+        assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+        assert lp.text_offset[len(ids)] == len(text)  # the completion's, after the prompt
+    chunks = [c for c in client.completions.create(**args, echo=True, stream=True) if c.choices]
+    first = chunks[0].choices[0]
+    assert first.text == text
+    assert first.logprobs.token_logprobs == echoed.choices[0].logprobs.token_logprobs[:len(ids)]
+    later = [o for c in chunks[1:] for o in c.choices[0].logprobs.text_offset]
+    assert later == echoed.choices[0].logprobs.text_offset[len(ids):]
+
+
+def engine_prompt_logprobs(engine: AsyncEngine, prompt: list[int], top: int) -> list:
+    async def run() -> list:
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top)
+        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt, params):
+            return list(out.prompt_logprobs or ())
+        return []
+
+    return asyncio.run(run())
 
 
 def test_chat_template_kwargs_reach_the_template(http: httpx.Client, gateway: Gateway) -> None:
