@@ -86,6 +86,13 @@ settings `tandem up --config` reads from its YAML file.
 {{- $_ = set $args "colocated" false }}
 {{- $_ = set $args "prefill_replicas" (include "tandem.initialReplicas" .Values.prefill | int) }}
 {{- $_ = set $args "decode_replicas" (include "tandem.initialReplicas" .Values.decode | int) }}
+{{- if include "tandem.apiKeysSecret" . }}
+{{- $_ = set $args "api_keys_file" (include "tandem.secretFile" (dict "ctx" . "key" "api-keys")) }}
+{{- end }}
+{{- $_ = set $args "cluster_secret_file" (include "tandem.secretFile" (dict "ctx" . "key" "cluster-secret")) }}
+{{- if .Values.auth.metricsRequireKey }}
+{{- $_ = set $args "metrics_require_key" true }}
+{{- end }}
 {{- toYaml $args }}
 {{- end }}
 
@@ -120,6 +127,80 @@ settings `tandem up --config` reads from its YAML file.
 {{- toYaml $config }}
 {{- end }}
 
+{{/*
+Security: the Secret holding the API keys (key api-keys), or nothing when keys are off.
+*/}}
+{{- define "tandem.apiKeysSecret" -}}
+{{- $keys := .Values.auth.apiKeys }}
+{{- $tenants := ($keys.create | default dict).tenants | default dict }}
+{{- if and $keys.existingSecret $tenants }}
+{{- fail "auth.apiKeys: set either existingSecret (your Secret) or create.tenants (the chart makes one), not both" }}
+{{- end }}
+{{- if $keys.existingSecret }}
+{{- $keys.existingSecret }}
+{{- else if $tenants }}
+{{- include "tandem.fullname" . }}-api-keys
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the cluster secret (key cluster-secret): the user's, or the chart's. */}}
+{{- define "tandem.clusterSecretName" -}}
+{{- .Values.auth.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "tandem.fullname" .)) }}
+{{- end }}
+
+{{/* A secret file's path in the pods: (dict "ctx" $ "key" "api-keys") */}}
+{{- define "tandem.secretFile" -}}
+{{- printf "%s/%s" (trimSuffix "/" .ctx.Values.auth.secretsMountPath) .key }}
+{{- end }}
+
+{{/*
+Refusals: a Service reachable from outside the cluster with no keys, and a /metrics that needs a
+key Prometheus is not given.
+*/}}
+{{- define "tandem.authChecks" -}}
+{{- $keys := include "tandem.apiKeysSecret" . }}
+{{- if and (eq .Values.service.type "LoadBalancer") (not $keys) }}
+{{- fail "service.type LoadBalancer exposes the API outside the cluster: configure API keys first (auth.apiKeys.existingSecret, a Secret with key api-keys holding tenant:key lines), or use ClusterIP behind an Ingress" }}
+{{- end }}
+{{- if .Values.auth.metricsRequireKey }}
+{{- if not $keys }}
+{{- fail "auth.metricsRequireKey needs API keys: set auth.apiKeys.existingSecret (or auth.apiKeys.create.tenants)" }}
+{{- end }}
+{{- $bearer := .Values.monitoring.serviceMonitor.bearerTokenSecret }}
+{{- if and .Values.monitoring.serviceMonitor.enabled (not (and $bearer.name $bearer.key)) }}
+{{- fail "auth.metricsRequireKey: Prometheus needs a key to scrape /metrics: set monitoring.serviceMonitor.bearerTokenSecret.name and .key (a Secret in the release's namespace holding one tenant's API key), or monitoring.serviceMonitor.enabled=false" }}
+{{- end }}
+{{- end }}
+{{- if not .Values.podSecurityContext.fsGroup }}
+{{- fail "podSecurityContext.fsGroup must be set: the secret files are mounted mode 0440, readable by that group" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The secret files of a pod: (dict "ctx" $ "apiKeys" true) for the head (the gateway reads the
+keys), false for workers (the cluster secret only). One projected volume, mode 0440: the pod's
+fsGroup reads, nobody writes.
+*/}}
+{{- define "tandem.secretsVolume" -}}
+{{- $ctx := .ctx }}
+- name: secrets
+  projected:
+    defaultMode: 288  # 0440
+    sources:
+      {{- if and .apiKeys (include "tandem.apiKeysSecret" $ctx) }}
+      - secret:
+          name: {{ include "tandem.apiKeysSecret" $ctx }}
+          items:
+            - key: api-keys
+              path: api-keys
+      {{- end }}
+      - secret:
+          name: {{ include "tandem.clusterSecretName" $ctx }}
+          items:
+            - key: cluster-secret
+              path: cluster-secret
+{{- end }}
+
 {{/* Volumes every Ray pod has: scratch space (read-only root) and the model. */}}
 {{- define "tandem.rayVolumes" -}}
 - name: tmp
@@ -150,6 +231,9 @@ settings `tandem up --config` reads from its YAML file.
   mountPath: /dev/shm
 - name: home
   mountPath: /home/ray
+- name: secrets
+  mountPath: {{ .Values.auth.secretsMountPath }}
+  readOnly: true
 {{- if .Values.model.path }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
