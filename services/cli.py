@@ -7,6 +7,7 @@ for the benchmark's dependencies (matplotlib, ...) nor the engine's (torch).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -87,7 +88,11 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "max_num_batched_tokens": "max_num_batched_tokens",
              "spec": "spec", "spec_k": "spec_k", "draft_model": "draft_model",
              "request_timeout": "request_timeout_s", "max_in_flight": "max_in_flight",
-             "client_read_timeout": "client_read_timeout_s"}
+             "client_read_timeout": "client_read_timeout_s",
+             "api_keys_file": "api_keys_file", "cluster_secret_file": "cluster_secret_file",
+             "metrics_require_key": "metrics_require_key",
+             "tenant_requests_per_minute": "tenant_requests_per_minute",
+             "tenant_tokens_per_minute": "tenant_tokens_per_minute"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -132,6 +137,19 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--client-read-timeout", type=float, metavar="S",
                     help="a streaming client that reads nothing this long is cut: request "
                          "aborted, connection dropped (60)")
+    up.add_argument("--api-key", action="append", metavar="TENANT:KEY",
+                    help="an API key and its tenant (repeat for more; TANDEM_API_KEYS takes "
+                         "them comma-separated); requests then need `Authorization: Bearer`")
+    up.add_argument("--api-keys-file", metavar="PATH", help="a file of `tenant:key` lines")
+    up.add_argument("--cluster-secret-file", metavar="PATH",
+                    help="the secret (>= 32 characters) that keys the tenants' cache salts "
+                         "(default with keys: a new one for this run)")
+    up.add_argument("--metrics-require-key", action="store_true",
+                    help="/metrics needs an API key too")
+    up.add_argument("--tenant-requests-per-minute", type=int, metavar="N",
+                    help="per tenant; beyond it 429 + Retry-After")
+    up.add_argument("--tenant-tokens-per-minute", type=int, metavar="N",
+                    help="prompt + max_tokens per tenant; beyond it 429 + Retry-After")
     _add_spec_args(up, defaults=False)
     up.set_defaults(func=_up)
 
@@ -142,9 +160,12 @@ def _up(args: argparse.Namespace) -> int:
 
     flags = {field: getattr(args, flag) for flag, field in _UP_FLAGS.items()
              if hasattr(args, flag)}
-    config = (AppConfig.from_yaml(args.config, **flags) if getattr(args, "config", None)
-              else AppConfig.from_dict(flags, "command line"))
-    return up.run(config)
+    keys = [*getattr(args, "api_key", []),
+            *(k for k in os.environ.get("TANDEM_API_KEYS", "").split(",") if k.strip())]
+    with up.secret_files(flags, keys) as flags:
+        config = (AppConfig.from_yaml(args.config, **flags) if getattr(args, "config", None)
+                  else AppConfig.from_dict(flags, "command line"))
+        return up.run(config)
 
 
 def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

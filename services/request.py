@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from services.engine.sampling_params import SamplingParams
 from services.prefill.result import PrefillResult
 
+DEFAULT_TENANT = "default"  # requests without API keys, and a bare key's (gateway/tenants.py)
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -30,6 +32,7 @@ class GenerationRequest:
     # Tokens it already generated (a stream migrated after its decode worker failed): the next
     # worker recomputes them with the prompt (or finds them cached) and goes on from there.
     output_token_ids: tuple[int, ...] = ()
+    tenant: str = DEFAULT_TENANT  # whose API key sent it; its cache_salt is derived from it
 
     def remaining_s(self) -> float | None:
         """Seconds until the deadline (negative once past); None: no deadline."""

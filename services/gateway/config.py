@@ -11,7 +11,7 @@ MIB = 1024 * 1024
 @dataclass(frozen=True)
 class GatewayConfig:
     served_model_name: str | None = None  # None: the backend's model id
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
     max_body_bytes: int = MIB  # larger request bodies get 413 (gRPC: RESOURCE_EXHAUSTED)
     default_max_tokens: int | None = None  # cap when a request sets none; None: context length
     retry_after_s: int = 1  # Retry-After on 429
@@ -38,5 +38,3 @@ class GatewayConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.client_read_timeout_s is not None and not self.client_read_timeout_s > 0:
             raise ValueError(f"client_read_timeout_s must be > 0, got {self.client_read_timeout_s}")
-        if any(not key for key in self.api_keys):
-            raise ValueError("api_keys must not contain an empty key")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -17,12 +16,13 @@ from services.engine.sampling_params import StructuredOutput
 from services.engine.tokenizer import Tokenizer
 from services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import bad_request, model_not_found, overloaded, unauthorized
+from services.gateway.errors import GatewayError, bad_request, model_not_found, overloaded
 from services.gateway.inputs import SamplingOptions, build_request
 from services.gateway.metrics import REJECTED, SLOW_CLIENT, GatewayMetrics, RequestTimer
 from services.gateway.pipeline import Delta, generate_deltas
 from services.gateway.request_trace import RequestTrace
-from services.request import GenerationRequest
+from services.gateway.tenants import Tenants
+from services.request import DEFAULT_TENANT, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +33,17 @@ class Gateway:
     """
 
     def __init__(self, backend: GenerationBackend, tokenizer: Tokenizer,
-                 config: GatewayConfig | None = None) -> None:
+                 config: GatewayConfig | None = None, tenants: Tenants | None = None) -> None:
+        """``tenants``: API keys, cache salts and rate limits (none: no authentication)."""
         self.backend = backend
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer)  # checks structured-output constraints
         self.config = config or GatewayConfig()
+        self.tenants = tenants or Tenants()
         self.model_name = self.config.served_model_name or backend.model_id
         self.created = int(time.time())
-        self.metrics = GatewayMetrics(self.model_name, self._worker_stats)
+        self.metrics = GatewayMetrics(self.model_name, self._worker_stats,
+                                      tenants=self.tenants.tenant_names)
         self.in_flight = 0  # admitted requests that have not ended
         # Awaited before /metrics renders: brings workers' stats up to date when they are
         # polled lazily (an idle cluster); None where stats are always current.
@@ -62,16 +65,10 @@ class Gateway:
         if model and model != self.model_name:
             raise model_not_found(model)
 
-    def check_api_key(self, authorization: str | None) -> None:
-        """``authorization`` is the header's value (``Bearer <key>``)."""
-        if not self.config.api_keys:
-            return
-        scheme, _, key = (authorization or "").partition(" ")
-        key = key.strip().encode()
-        # Compare against every key so timing does not tell which one is close.
-        matches = [hmac.compare_digest(key, k.encode()) for k in self.config.api_keys]
-        if scheme.lower() != "bearer" or not any(matches):
-            raise unauthorized()
+    def authenticate(self, authorization: str | None) -> str:
+        """The caller's tenant; 401 unless ``authorization`` (the header's value, ``Bearer
+        <key>``) holds a known key (without keys configured: the default tenant)."""
+        return self.tenants.authenticate(authorization)
 
     async def check_structured_output(self, stated: tuple[str, StructuredOutput] | None
                                       ) -> None:
@@ -87,27 +84,34 @@ class Gateway:
 
     def build_request(self, request_id: str, prompt_token_ids: list[int],
                       options: SamplingOptions, cache_salt: str | None = None,
-                      arrival_time: float | None = None, prompt_param: str = "prompt"
-                      ) -> GenerationRequest:
+                      arrival_time: float | None = None, prompt_param: str = "prompt",
+                      tenant: str = DEFAULT_TENANT) -> GenerationRequest:
+        """``cache_salt``: the client's; the request's own is derived from it and ``tenant``."""
         unset = {k: v for k, v in self.config.sampling_defaults.items()
                  if getattr(options, k) is None}
         if unset:  # the model's own defaults (generation_config.json)
             options = dataclasses.replace(options, **unset)
         return build_request(request_id, prompt_token_ids, options, self.max_model_len,
-                             cache_salt, self.config.default_max_tokens, arrival_time,
-                             prompt_param, self.config.request_timeout_s,
-                             self.tokenizer.vocab_size)
+                             self.tenants.cache_salt(tenant, cache_salt),
+                             self.config.default_max_tokens, arrival_time, prompt_param,
+                             self.config.request_timeout_s, self.tokenizer.vocab_size, tenant)
 
     async def start(self, request: GenerationRequest, trace: RequestTrace | None = None
                     ) -> Generation:
         """Submit the request and wait for its first step (rejections raise ``GatewayError``).
         ``trace`` (the request's span) ends with the generation."""
-        timer = self.metrics.start_request(request.arrival_time)
+        timer = self.metrics.start_request(request.arrival_time, request.tenant)
         limit = self.config.max_in_flight
         if limit is not None and self.in_flight >= limit:  # shed before any work or any 200
             timer.fail(REJECTED)
             raise overloaded(f"{self.in_flight} requests are in flight, the limit is {limit}",
                              self.config.retry_after_s)
+        try:  # the tenant's rate limits: at most its prompt and max_tokens
+            charged = self.tenants.admit(request.tenant,
+                                         request.num_prompt_tokens + request.params.max_tokens)
+        except GatewayError:
+            timer.fail(REJECTED)
+            raise
         self._admitted(1)
         deltas = generate_deltas(self.backend, self.tokenizer, request, timer,
                                  self.config.retry_after_s)
@@ -122,10 +126,18 @@ class Gateway:
                 await deltas.aclose()
             finally:
                 self._admitted(-1)
+                self.tenants.settle(request.tenant, charged, 0)  # refused: it cost nothing
             raise
         if trace is not None:
             trace.first_token()
-        return Generation(request, first, deltas, trace, lambda: self._admitted(-1), timer)
+
+        def ended() -> None:
+            self._admitted(-1)
+            self.tenants.settle(request.tenant, charged,
+                                request.num_prompt_tokens + generation.generated)
+
+        generation = Generation(request, first, deltas, trace, ended, timer)
+        return generation
 
     def _admitted(self, change: int) -> None:
         self.in_flight += change
@@ -147,6 +159,7 @@ class Generation:
     trace: RequestTrace | None = None
     on_end: Callable[[], None] | None = None  # called once, when it is closed
     timer: RequestTimer | None = None  # its metrics
+    generated: int = 0  # tokens handed out so far
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
@@ -163,6 +176,7 @@ class Generation:
             raise
 
     def _note(self, delta: Delta) -> None:
+        self.generated += len(delta.token_ids)
         if self.trace is not None and delta.finish_reason is not None:
             self.trace.finish(delta)
 

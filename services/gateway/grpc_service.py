@@ -75,7 +75,7 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
     trace.client_request_id(request.request_id)
     with trace.guard():
         with trace.phase("gateway.parse"):
-            gateway.check_api_key(authorization)
+            tenant = gateway.authenticate(authorization)
             gateway.check_model(request.model)
             options = dataclasses.replace(_sampling_options(request),
                                           timeout_s=None if timeout_s is None
@@ -94,7 +94,8 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
         # two calls with one id cannot meet in an engine, a lease or the router.
         greq = gateway.build_request(new_request_id("gen"), prompt, options,
                                      request.cache_salt or None, arrival,
-                                     prompt_param=request.WhichOneof("input") or "prompt")
+                                     prompt_param=request.WhichOneof("input") or "prompt",
+                                     tenant=tenant)
         n = request.n or 1
         if n > MAX_CHOICES:
             raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
@@ -152,7 +153,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         metadata = dict(context.invocation_metadata() or ())
         try:
-            self.gateway.check_api_key(_as_str(metadata.get("authorization")))
+            self.gateway.authenticate(_as_str(metadata.get("authorization")))
         except GatewayError as exc:
             await context.abort(status_code(exc), exc.message)
         gateway = self.gateway

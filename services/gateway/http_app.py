@@ -111,7 +111,9 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                                  status_code=200 if healthy else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if gateway.config.metrics_require_key:
+            gateway.authenticate(request.headers.get("authorization"))
         if gateway.refresh_stats is not None:
             await gateway.refresh_stats()
         body, content_type = gateway.metrics.render()
@@ -119,19 +121,19 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
 
     @app.get("/v1/models", responses=_error_responses(401))
     async def list_models(request: Request) -> dict[str, object]:
-        gateway.check_api_key(request.headers.get("authorization"))
+        gateway.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [_model_card(gateway)]}
 
     @app.get("/v1/models/{model:path}", responses=_error_responses(401, 404))
     async def get_model(model: str, request: Request) -> dict[str, object]:
-        gateway.check_api_key(request.headers.get("authorization"))
+        gateway.authenticate(request.headers.get("authorization"))
         gateway.check_model(model)
         return _model_card(gateway)
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest),
               responses=_error_responses(400, 401, 404))
     async def tokenize(request: Request) -> dict[str, object]:
-        gateway.check_api_key(request.headers.get("authorization"))
+        gateway.authenticate(request.headers.get("authorization"))
         body = (await _parse(request, TokenizeRequest)).checked()
         gateway.check_model(body.model)
         if body.messages is not None:
@@ -143,7 +145,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest),
               responses=_error_responses(400, 401, 404))
     async def detokenize(request: Request) -> dict[str, object]:
-        gateway.check_api_key(request.headers.get("authorization"))
+        gateway.authenticate(request.headers.get("authorization"))
         body = await _parse(request, DetokenizeRequest)
         gateway.check_model(body.model)
         tokens = check_token_ids(body.tokens, gateway.tokenizer.vocab_size, param="tokens")
@@ -160,7 +162,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
         trace = RequestTrace("http", "chat.completions", request.headers)
         with trace.guard(aborts=(ClientDisconnected,)):
             with trace.phase("gateway.parse"):
-                gateway.check_api_key(request.headers.get("authorization"))
+                tenant = gateway.authenticate(request.headers.get("authorization"))
                 body = await _parse(request, ChatCompletionRequest)
                 gateway.check_model(body.model)
                 if error := body.unsupported_fields():
@@ -176,7 +178,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 span.set_attribute("tandem.prompt_tokens", len(prompt))
             greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
                                          body.sampling_options(), body.salt(), arrival,
-                                         prompt_param="messages")
+                                         prompt_param="messages", tenant=tenant)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
             if body.stream:
@@ -196,7 +198,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
         trace = RequestTrace("http", "completions", request.headers)
         with trace.guard(aborts=(ClientDisconnected,)):
             with trace.phase("gateway.parse"):
-                gateway.check_api_key(request.headers.get("authorization"))
+                tenant = gateway.authenticate(request.headers.get("authorization"))
                 body = await _parse(request, CompletionRequest)
                 gateway.check_model(body.model)
                 if error := body.unsupported_fields():
@@ -209,7 +211,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                           else check_token_ids(prompt_in, gateway.tokenizer.vocab_size))
                 span.set_attribute("tandem.prompt_tokens", len(prompt))
             greq = gateway.build_request(new_request_id("cmpl"), prompt, body.sampling_options(),
-                                         body.salt(), arrival)
+                                         body.salt(), arrival, tenant=tenant)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
             want_logprobs = body.logprobs is not None

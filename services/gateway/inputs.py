@@ -18,7 +18,7 @@ from jinja2 import TemplateError
 from services.engine.sampling_params import SamplingParams, StructuredOutput
 from services.engine.tokenizer import TEMPLATE_VARIABLES, Tokenizer
 from services.gateway.errors import bad_request
-from services.request import GenerationRequest
+from services.request import DEFAULT_TENANT, GenerationRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
@@ -105,7 +105,8 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
                   max_model_len: int, cache_salt: str | None = None,
                   default_max_tokens: int | None = None, arrival_time: float | None = None,
                   prompt_param: str = "prompt", max_timeout_s: float | None = None,
-                  vocab_size: int | None = None) -> GenerationRequest:
+                  vocab_size: int | None = None, tenant: str = DEFAULT_TENANT
+                  ) -> GenerationRequest:
     """Check the request against the context length (and the token ids it names against
     ``vocab_size``) and turn options into SamplingParams. Its deadline is the client's
     ``timeout_s`` or ``max_timeout_s`` (the server's limit), whichever is sooner."""
@@ -167,7 +168,7 @@ def build_request(request_id: str, prompt_token_ids: list[int], options: Samplin
     deadline = time.time() + min(timeouts) if timeouts else None
     return GenerationRequest(request_id, prompt_token_ids, params, options.stop, cache_salt or None,
                              time.monotonic() if arrival_time is None else arrival_time,
-                             deadline=deadline)
+                             deadline=deadline, tenant=tenant)
 
 
 # The same bounds for every front end (HTTP's pydantic models state them too).

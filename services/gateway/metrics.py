@@ -7,7 +7,7 @@ counters are read from the backend's stats at scrape time, one series per worker
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -19,6 +19,7 @@ from prometheus_client.utils import floatToGoString
 from services.engine.outputs import EngineStats
 from services.engine.sequence import FinishReason
 from services.gateway.errors import GatewayError
+from services.request import DEFAULT_TENANT
 
 # vLLM's buckets, so dashboards and SLO queries carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -53,10 +54,13 @@ StatsSource = Callable[[], Mapping[str, EngineStats]]
 
 class GatewayMetrics:
     def __init__(self, model_name: str, stats_source: StatsSource,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 tenants: Sequence[str] = (DEFAULT_TENANT,)) -> None:
+        """``tenants``: the request metrics' ``tenant`` label values known at start."""
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
-        labels = ["model_name"]
+        gauges = ["model_name"]
+        labels = ["model_name", "tenant"]  # per request: whose API key sent it
         self.ttft = Histogram("tandem_time_to_first_token_seconds",
                               "Time from request arrival to its first generated token.",
                               labels, buckets=TTFT_BUCKETS, registry=self.registry)
@@ -88,24 +92,27 @@ class GatewayMetrics:
                                 "client_read_timeout_s: cut), error (internal).",
                                 [*labels, "reason"], registry=self.registry)
         self.in_flight = Gauge("tandem_requests_in_flight",
-                               "Requests the gateway admitted that have not ended.", labels,
+                               "Requests the gateway admitted that have not ended.", gauges,
                                registry=self.registry)
         self.in_flight_limit = Gauge("tandem_requests_in_flight_limit",
                                      "The gateway's admission bound (beyond it: 429); 0 = none.",
-                                     labels, registry=self.registry)
+                                     gauges, registry=self.registry)
         self.in_flight.labels(model_name)
         self.in_flight_limit.labels(model_name)
         # Every series from the start, so that rate() sees the first request of each.
-        for ttft_le, tpot_le in goodput_cells():
-            self.within_slo.labels(model_name, ttft_le, tpot_le)
-        for reason in FAILURE_REASONS:
-            self.failures.labels(model_name, reason)
-        for finish in FinishReason:
-            self.success.labels(model_name, str(finish))
+        for tenant in tenants:
+            for ttft_le, tpot_le in goodput_cells():
+                self.within_slo.labels(model_name, tenant, ttft_le, tpot_le)
+            for reason in FAILURE_REASONS:
+                self.failures.labels(model_name, tenant, reason)
+            for finish in FinishReason:
+                self.success.labels(model_name, tenant, str(finish))
         self.registry.register(_EngineStatsCollector(model_name, stats_source))
 
-    def start_request(self, arrival_time: float | None = None) -> RequestTimer:
-        return RequestTimer(self, time.monotonic() if arrival_time is None else arrival_time)
+    def start_request(self, arrival_time: float | None = None, tenant: str = DEFAULT_TENANT
+                      ) -> RequestTimer:
+        return RequestTimer(self, time.monotonic() if arrival_time is None else arrival_time,
+                            tenant)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
@@ -130,6 +137,7 @@ def goodput_cells(ttft: float = 0.0, tpot: float = 0.0) -> list[tuple[str, str]]
 class RequestTimer:
     metrics: GatewayMetrics
     arrival_time: float  # time.monotonic()
+    tenant: str = DEFAULT_TENANT
     first_token_time: float | None = None
     last_token_time: float | None = None
     ended: bool = field(default=False)
@@ -141,13 +149,13 @@ class RequestTimer:
         now = time.monotonic() if now is None else now
         name = self.metrics.model_name
         if self.last_token_time is None:
-            self.metrics.ttft.labels(name).observe(now - self.arrival_time)
+            self.metrics.ttft.labels(name, self.tenant).observe(now - self.arrival_time)
             self.first_token_time = now
             count -= 1
         else:
             gap = (now - self.last_token_time) / count
             for _ in range(count):
-                self.metrics.itl.labels(name).observe(gap)
+                self.metrics.itl.labels(name, self.tenant).observe(gap)
         self.last_token_time = now
 
     def end(self, finished_reason: str, prompt_tokens: int, generation_tokens: int,
@@ -157,26 +165,26 @@ class RequestTimer:
         self.ended = True
         name = self.metrics.model_name
         now = time.monotonic() if now is None else now
-        self.metrics.e2e.labels(name).observe(now - self.arrival_time)
-        self.metrics.success.labels(name, finished_reason).inc()
-        self.metrics.prompt_tokens.labels(name).inc(prompt_tokens)
-        self.metrics.generation_tokens.labels(name).inc(generation_tokens)
+        self.metrics.e2e.labels(name, self.tenant).observe(now - self.arrival_time)
+        self.metrics.success.labels(name, self.tenant, finished_reason).inc()
+        self.metrics.prompt_tokens.labels(name, self.tenant).inc(prompt_tokens)
+        self.metrics.generation_tokens.labels(name, self.tenant).inc(generation_tokens)
         if finished_reason == "abort" or self.first_token_time is None:
             return
         ttft = self.first_token_time - self.arrival_time
         tpot = 0.0  # a single token has no gaps, so it meets any TPOT target (as vLLM counts it)
         if generation_tokens > 1:
             tpot = (now - self.first_token_time) / (generation_tokens - 1)
-            self.metrics.tpot.labels(name).observe(tpot)
+            self.metrics.tpot.labels(name, self.tenant).observe(tpot)
         for ttft_le, tpot_le in goodput_cells(ttft, tpot):
-            self.metrics.within_slo.labels(name, ttft_le, tpot_le).inc()
+            self.metrics.within_slo.labels(name, self.tenant, ttft_le, tpot_le).inc()
 
     def fail(self, reason: str) -> None:
         """The request failed (one of ``FAILURE_REASONS``); it counts here, not as ended."""
         if self.ended:
             return
         self.ended = True
-        self.metrics.failures.labels(self.metrics.model_name, reason).inc()
+        self.metrics.failures.labels(self.metrics.model_name, self.tenant, reason).inc()
 
 
 class _EngineStatsCollector(Collector):

@@ -81,6 +81,14 @@ class AppConfig:
     # None: one decode batch (decode_replicas x max_num_seqs; colocated: max_num_seqs), so an
     # admitted request waits for its prefill, not for a decode slot (loadtest/overload.py).
     max_in_flight: int | None = None
+    # Tenants and keys (services/gateway/tenants.py, docs/operations.md "Security").
+    api_keys_file: str | None = None  # `tenant:key` lines; None: no authentication
+    # >= 32 characters; keys the tenants' prefix-cache salts. None: `tandem up` makes one per
+    # run (the chart mounts one from a Secret); needed with api_keys_file.
+    cluster_secret_file: str | None = None
+    metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
+    tenant_requests_per_minute: int | None = None  # per tenant; None: no limit
+    tenant_tokens_per_minute: int | None = None  # prompt + max_tokens, per tenant; None: none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -114,6 +122,14 @@ class AppConfig:
             raise ConfigError(f"port and grpc_port must differ, both are {self.port}")
         if self.max_in_flight is not None:
             _at_least("max_in_flight", self.max_in_flight, 1)
+        for name in ("tenant_requests_per_minute", "tenant_tokens_per_minute"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        if self.api_keys_file is not None and self.cluster_secret_file is None:
+            raise ConfigError("api_keys_file needs cluster_secret_file (it keys the tenants' "
+                              "prefix-cache salts); `tandem up` makes one")
+        if self.metrics_require_key and self.api_keys_file is None:
+            raise ConfigError("metrics_require_key needs api_keys_file")
         _at_least("max_migrations", self.max_migrations, 0)
         for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s",
                      "idle_poll_interval_s", "request_timeout_s", "prefill_timeout_s",

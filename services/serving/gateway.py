@@ -34,6 +34,7 @@ from services.gateway import (
     GatewayConfig,
 )
 from services.gateway.runner import FrontEnds
+from services.gateway.tenants import Tenants, read_api_keys, read_secret
 from services.serving import metrics
 from services.serving.backend import BackendTimeouts, DisaggBackend
 from services.serving.cluster_view import ClusterView, WorkerSnapshot
@@ -42,6 +43,19 @@ from services.serving.config import AppConfig
 log = logging.getLogger(__name__)
 
 WORKERS_READY_TIMEOUT_S = 300.0
+
+
+def tenants_of(config: AppConfig) -> Tenants:
+    """The API keys, cache-salt secret and rate limits the config names (files read here, in
+    the gateway's process: on Kubernetes, Secrets mounted into its pod)."""
+    keys = read_api_keys(config.api_keys_file) if config.api_keys_file else {}
+    secret = read_secret(config.cluster_secret_file) if config.cluster_secret_file else b""
+    tenants = Tenants(keys, secret, config.tenant_requests_per_minute,
+                      config.tenant_tokens_per_minute)
+    if keys:  # the tenants, never the keys
+        log.info("API keys on: %d key(s) for tenants %s", len(keys),
+                 ", ".join(tenants.tenant_names))
+    return tenants
 
 
 class GatewayIngress:
@@ -57,7 +71,9 @@ class GatewayIngress:
                                        request_timeout_s=config.request_timeout_s,
                                        max_in_flight=config.in_flight_limit(),
                                        client_read_timeout_s=config.client_read_timeout_s,
-                                       sampling_defaults=meta.sampling_defaults)
+                                       sampling_defaults=meta.sampling_defaults,
+                                       metrics_require_key=config.metrics_require_key)
+        tenants = tenants_of(config)
         if meta.sampling_defaults:
             log.info("request defaults from the model's generation_config.json: %s",
                      meta.sampling_defaults)
@@ -67,13 +83,13 @@ class GatewayIngress:
 
             engine = await asyncio.to_thread(LLMEngine, config.engine_config())
             self.gateway = Gateway(EngineBackend(AsyncEngine(engine)), engine.tokenizer,
-                                   gateway_config)
+                                   gateway_config, tenants)
             source = self._colocated_snapshot
             migrations = None
         else:
             assert prefill is not None and decode is not None
             backend = await self._disaggregated(config, meta.model_id, prefill, decode)
-            self.gateway = Gateway(backend, meta.tokenizer, gateway_config)
+            self.gateway = Gateway(backend, meta.tokenizer, gateway_config, tenants)
             view = self.view
             assert view is not None
             self.gateway.refresh_stats = lambda: view.refresh(config.poll_interval_s)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from typing import TextIO
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
 
-from services.serving.config import AppConfig
+from services.gateway.tenants import parse_api_keys
+from services.serving.config import AppConfig, ConfigError
 
 APP_NAME = "tandem"
 READY_TIMEOUT_S = 600.0
@@ -24,8 +30,35 @@ def ready_line(config: AppConfig) -> str:
     shape += f"; {threads} torch thread{'s' if threads > 1 else ''} per engine"
     if config.threads_per_worker is None:
         shape += f", from {len(os.sched_getaffinity(0))} CPUs"
+    keys = "API keys on" if config.api_keys_file else "no API keys"
     return (f"Tandem ready: HTTP http://{config.host}:{config.port}/v1  "
-            f"gRPC {config.host}:{config.grpc_port}  ({shape})")
+            f"gRPC {config.host}:{config.grpc_port}  ({shape}; {keys})")
+
+
+@contextlib.contextmanager
+def secret_files(settings: dict[str, Any], keys: list[str]) -> Iterator[dict[str, Any]]:
+    """``settings`` with the API keys given on the command line (``tenant:key``) written to a
+    private file (``api_keys_file``), and a new cluster secret for this run when keys are on
+    and none is named; the files are removed afterwards. Keys never travel in the config."""
+    with tempfile.TemporaryDirectory(prefix="tandem-secrets-") as private:  # mode 0700
+        settings = dict(settings)
+        if keys:
+            if settings.get("api_keys_file"):
+                raise ConfigError("give API keys as --api-key/TANDEM_API_KEYS or as "
+                                  "--api-keys-file, not both")
+            parse_api_keys("\n".join(keys), "--api-key")  # malformed: refused here
+            settings["api_keys_file"] = _private_file(private, "api-keys", "\n".join(keys))
+        if settings.get("api_keys_file") and not settings.get("cluster_secret_file"):
+            settings["cluster_secret_file"] = _private_file(private, "cluster-secret",
+                                                            secrets.token_urlsafe(36))
+        yield settings
+
+
+def _private_file(directory: str, name: str, text: str) -> str:
+    path = Path(directory) / name
+    path.touch(mode=0o600)
+    path.write_text(text + "\n")
+    return str(path)
 
 
 def run(config: AppConfig, out: TextIO = sys.stdout) -> int:

@@ -267,7 +267,8 @@ def test_every_le_in_the_rules_is_a_bucket_bound() -> None:
 # -- the metrics behind goodput and failures ----------------------------------------------------
 
 def _counter(gateway: GatewayMetrics, name: str, **labels: str) -> float:
-    value = gateway.registry.get_sample_value(name, {"model_name": "model", **labels})
+    value = gateway.registry.get_sample_value(name, {"model_name": "model", "tenant": "default",
+                                                     **labels})
     return 0.0 if value is None else value
 
 

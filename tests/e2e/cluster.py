@@ -101,9 +101,10 @@ def _read_line(process: subprocess.Popen[str], timeout_s: float) -> str | None:
     return result[0].strip() if result else None
 
 
-def metric_values(http_url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+def metric_values(http_url: str, name: str, headers: dict[str, str] | None = None
+                  ) -> dict[tuple[tuple[str, str], ...], float]:
     """{labels: value} of one Prometheus series name on /metrics."""
-    text = httpx.get(f"{http_url}/metrics", timeout=10).text
+    text = httpx.get(f"{http_url}/metrics", headers=headers, timeout=10).text
     values = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):

@@ -60,7 +60,7 @@ def _post(server: ServeAddresses, body: dict[str, object]) -> httpx.Response:
 
 
 def _failures(gateway: Gateway, reason: str) -> float:
-    value = gateway.metrics.failures.labels(gateway.model_name, reason)._value.get()
+    value = gateway.metrics.failures.labels(gateway.model_name, "default", reason)._value.get()
     return float(value)
 
 

@@ -84,8 +84,8 @@ def test_each_gateway_has_its_own_registry(async_engine: AsyncEngine,
     second = Gateway(EngineBackend(async_engine), loaded_model.tokenizer)
     assert first.metrics.registry is not second.metrics.registry
     first.metrics.start_request().end("stop", 3, 4)
-    assert b'tandem_prompt_tokens_total{model_name="SmolLM2-135M-Instruct"} 3.0' in (
-        first.metrics.render()[0])
+    series = b'tandem_prompt_tokens_total{model_name="SmolLM2-135M-Instruct",tenant="default"}'
+    assert series + b" 3.0" in first.metrics.render()[0]
     assert b"tandem_prompt_tokens_total{" not in second.metrics.render()[0]
 
 

@@ -43,7 +43,8 @@ def slow(async_engine: AsyncEngine, loaded_model: LoadedModel
 
 
 def _slow_clients(gateway: Gateway) -> float:
-    return gateway.metrics.failures.labels(gateway.model_name, "slow_client")._value.get()
+    failures = gateway.metrics.failures.labels(gateway.model_name, "default", "slow_client")
+    return failures._value.get()
 
 
 def _stalled_http_stream(addresses: ServeAddresses) -> socket.socket:

@@ -1,0 +1,188 @@
+"""Tenants: who a request's API key belongs to, the prefix-cache salt that keeps tenants apart,
+and per-tenant rate limits.
+
+- Keys come from a file (``api_keys_file``) of ``tenant:key`` lines (a bare ``key`` belongs to
+  tenant ``default``); blank lines and ``#`` comments are skipped. No keys: no authentication,
+  and every request is tenant ``default``.
+- The cache salt a request's blocks are hashed with is derived on the server: an HMAC, keyed by
+  the cluster secret, of the tenant and the client's own ``cache_salt``. A client's salt only
+  subdivides its tenant's cache, so one tenant can neither hit another's cached prompts nor learn
+  from ``cached_tokens`` (or TTFT) that they are cached.
+- Rate limits (``tenant_requests_per_minute``, ``tenant_tokens_per_minute``) are token buckets
+  per tenant that refill continuously. A request is charged its prompt plus its ``max_tokens``
+  when it is admitted and refunded what it did not generate when it ends; one over either limit
+  gets 429 with Retry-After and never reaches a worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.gateway.errors import GatewayError, unauthorized
+from services.request import DEFAULT_TENANT
+
+MIN_SECRET_CHARS = 32
+
+
+class TenantConfigError(ValueError):
+    """A malformed keys file or secret; the message says where."""
+
+
+def parse_api_keys(text: str, source: str = "api keys") -> dict[str, str]:
+    """``tenant:key`` lines -> {key: tenant}."""
+    keys: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        tenant, sep, key = line.rpartition(":")
+        tenant = tenant.strip() if sep else DEFAULT_TENANT
+        key = key.strip()
+        if not key or not tenant:
+            raise TenantConfigError(f"{source} line {number}: expected tenant:key")
+        if key in keys:
+            raise TenantConfigError(f"{source} line {number}: a key is listed twice")
+        keys[key] = tenant
+    return keys
+
+
+def read_api_keys(path: str | Path) -> dict[str, str]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TenantConfigError(f"cannot read api_keys_file {path}: {exc.strerror}") from None
+    keys = parse_api_keys(text, str(path))
+    if not keys:
+        raise TenantConfigError(f"api_keys_file {path} holds no key")
+    return keys
+
+
+def read_secret(path: str | Path) -> bytes:
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as exc:
+        raise TenantConfigError(f"cannot read cluster_secret_file {path}: {exc.strerror}"
+                                ) from None
+    if len(secret) < MIN_SECRET_CHARS:
+        raise TenantConfigError(f"cluster_secret_file {path}: the secret must have at least "
+                                f"{MIN_SECRET_CHARS} characters")
+    return secret.encode()
+
+
+def rate_limited(tenant: str, what: str, retry_after_s: int) -> GatewayError:
+    return GatewayError(429, f"Rate limit reached for tenant {tenant!r}: {what}. Retry after "
+                             f"{retry_after_s} s.", type="rate_limit_error",
+                        code="rate_limit_exceeded", retry_after_s=retry_after_s)
+
+
+@dataclass
+class _Bucket:
+    """Holds up to ``per_minute`` units and refills at ``per_minute`` a minute."""
+
+    per_minute: float
+    level: float
+    updated: float
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.per_minute,
+                         self.level + (now - self.updated) * self.per_minute / 60.0)
+        self.updated = now
+
+    def wait_s(self, amount: float) -> float:
+        """Seconds until ``amount`` fits (it is capped at a full bucket)."""
+        missing = min(amount, self.per_minute) - self.level
+        return 0.0 if missing <= 0 else missing * 60.0 / self.per_minute
+
+
+@dataclass
+class Tenants:
+    """API keys, tenants' cache salts and rate limits (thread-safe)."""
+
+    keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant; empty: no auth
+    secret: bytes = b""  # keys the cache salts; empty: a client's salt is used as given
+    requests_per_minute: int | None = None  # per tenant; None: no limit
+    tokens_per_minute: int | None = None  # prompt + max_tokens, per tenant; None: no limit
+    clock: Callable[[], float] = time.monotonic
+    _buckets: dict[tuple[str, str], _Bucket] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("requests_per_minute", "tokens_per_minute"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise TenantConfigError(f"tenant_{name} must be >= 1, got {value}")
+        if self.keys and not self.secret:
+            raise TenantConfigError("API keys need a cluster secret (it keys the tenants' "
+                                    "cache salts)")
+
+    @property
+    def tenant_names(self) -> list[str]:
+        return sorted(set(self.keys.values())) or [DEFAULT_TENANT]
+
+    def authenticate(self, authorization: str | None) -> str:
+        """The tenant of ``Authorization: Bearer <key>`` (401 if wrong or missing); without
+        keys, the default tenant."""
+        if not self.keys:
+            return DEFAULT_TENANT
+        scheme, _, given = (authorization or "").partition(" ")
+        key = given.strip().encode()
+        tenant = None
+        for known, owner in self.keys.items():  # every key compared: timing tells nothing
+            if hmac.compare_digest(key, known.encode()):
+                tenant = owner
+        if scheme.lower() != "bearer" or tenant is None:
+            raise unauthorized()
+        return tenant
+
+    def cache_salt(self, tenant: str, client_salt: str | None) -> str | None:
+        """The salt the request's blocks are hashed with."""
+        if not self.secret:
+            return client_salt or None
+        message = f"{tenant}\0{client_salt or ''}".encode()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+
+    def admit(self, tenant: str, tokens: int) -> int:
+        """Charge one request of ``tokens`` (prompt + max_tokens) to ``tenant``; 429 if either
+        limit is reached (nothing charged). Returns the tokens charged (for ``settle``)."""
+        limits = [("requests", self.requests_per_minute, 1),
+                  ("tokens", self.tokens_per_minute, tokens)]
+        limits = [(what, per_minute, amount) for what, per_minute, amount in limits
+                  if per_minute is not None]
+        if not limits:
+            return 0
+        now = self.clock()
+        with self._lock:
+            buckets = [(what, self._bucket(tenant, what, per_minute, now), amount)
+                       for what, per_minute, amount in limits]
+            for what, bucket, amount in buckets:
+                wait = bucket.wait_s(amount)
+                if wait > 0:
+                    raise rate_limited(tenant, f"{bucket.per_minute:g} {what} per minute",
+                                       max(1, math.ceil(wait)))
+            for _, bucket, amount in buckets:
+                bucket.level -= min(amount, bucket.per_minute)
+        return min(tokens, self.tokens_per_minute) if self.tokens_per_minute else 0
+
+    def settle(self, tenant: str, charged: int, used: int) -> None:
+        """A request charged ``charged`` tokens ended having used ``used``: refund the rest."""
+        refund = charged - min(used, charged)
+        if refund <= 0 or self.tokens_per_minute is None:
+            return
+        with self._lock:
+            bucket = self._buckets.get((tenant, "tokens"))
+            if bucket is not None:
+                bucket.level = min(bucket.per_minute, bucket.level + refund)
+
+    def _bucket(self, tenant: str, what: str, per_minute: int, now: float) -> _Bucket:
+        bucket = self._buckets.get((tenant, what))
+        if bucket is None:
+            bucket = self._buckets[(tenant, what)] = _Bucket(per_minute, per_minute, now)
+        bucket.refill(now)
+        return bucket

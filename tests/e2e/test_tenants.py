@@ -1,0 +1,90 @@
+"""`tandem up --colocated` with API keys from TANDEM_API_KEYS (its private key and secret files):
+both front ends refuse a missing or wrong key before any work, two tenants never share cached
+prompts whatever `cache_salt` they send, a tenant over its rate limit gets 429 + Retry-After
+while the other is served, and the request metrics carry the tenant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from services.gateway.pb import generation_pb2 as pb
+from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tests.e2e.cluster import UpProcess, metric_values
+
+pytestmark = pytest.mark.timeout(300)
+
+KEYS = "acme:key-acme-1,acme:key-acme-2,bolt:key-bolt"
+PROMPT = list(range(2000, 2512))  # 512 tokens
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    up = UpProcess.from_settings(Path(tmp_path_factory.mktemp("tenants")),
+                                 {"colocated": True, "tenant_requests_per_minute": 6},
+                                 {"TANDEM_API_KEYS": KEYS})
+    up.args += ["--metrics-require-key"]
+    up.start()
+    try:
+        yield up
+    finally:
+        assert up.stop() == 0
+
+
+def client(cluster: UpProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key=key, base_url=f"{cluster.http_url}/v1", max_retries=0,
+                         timeout=120)
+
+
+def scrape(cluster: UpProcess, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    assert httpx.get(f"{cluster.http_url}/metrics", timeout=10).status_code == 401
+    return metric_values(cluster.http_url, name, {"authorization": "Bearer key-bolt"})
+
+
+def test_keys_tenants_and_limits(cluster: UpProcess) -> None:
+    url = cluster.http_url
+    # No key, a wrong key: refused on both front ends.
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(cluster, "key-nobody").completions.create(model="", prompt="Hi", max_tokens=1)
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        request = pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingOptions(max_tokens=1))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(request, timeout=60))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        replies = list(stub.Generate(request, timeout=60,
+                                     metadata=[("authorization", "Bearer key-bolt")]))
+        assert replies[-1].usage.completion_tokens == 1
+
+    def cached(key: str, salt: str | None = None) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        reply = client(cluster, key).completions.create(
+            model="", prompt=PROMPT, max_tokens=1, temperature=0, extra_body=extra)
+        assert reply.usage.prompt_tokens_details is not None
+        return reply.usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("key-acme-1", "s") == 0
+    assert cached("key-acme-2", "s") == 496  # the same tenant
+    assert cached("key-bolt") == 0  # the other tenant
+    assert cached("key-bolt", "s") == 0  # with acme's cache_salt too
+    # acme has sent 2 of its 6 requests a minute: 4 more pass, the next is refused.
+    acme = client(cluster, "key-acme-1")
+    for _ in range(4):
+        acme.completions.create(model="", prompt="Hi", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as limited:
+        acme.completions.create(model="", prompt="Hi", max_tokens=1)
+    assert int(limited.value.response.headers["retry-after"]) >= 1
+    client(cluster, "key-bolt").completions.create(model="", prompt="Hi", max_tokens=1)
+    failures = {(dict(k)["tenant"], dict(k)["reason"]): v
+                for k, v in scrape(cluster, "tandem_request_failures_total").items()}
+    assert failures[("acme", "rejected")] == 1 and failures[("bolt", "rejected")] == 0
+    ended: dict[str, float] = {}
+    for labels, value in scrape(cluster, "tandem_request_success_total").items():
+        ended[dict(labels)["tenant"]] = ended.get(dict(labels)["tenant"], 0) + value
+    assert ended == {"acme": 6, "bolt": 4}
