@@ -302,7 +302,7 @@ class DecodeWorker:
                 start = time.perf_counter()
                 nbytes = await self.transport.read_blocks(
                     kv.worker_id, kv.block_ids[skip:], slot.block_ids[skip:],
-                    self.config.transfer_timeout_s)
+                    self.config.transfer_timeout_s, kv.lease_id)
                 self.metrics.observe_transfer(time.perf_counter() - start)
                 self.metrics.bytes_moved += nbytes
                 self.metrics.blocks_pulled += len(kv.block_ids) - skip

@@ -118,7 +118,11 @@ class NixlTransport(KVTransport):
         except Exception as exc:  # already gone on NIXL's side
             log.debug("removing NIXL agent %s: %s", name, exc)
 
-    async def _read(self, peer_id: str, remote: list[int], local: list[int]) -> None:
+    async def _read(self, peer_id: str, remote: list[int], local: list[int],
+                    lease_id: str) -> None:
+        # One-sided: NIXL reads the peer's registered memory without the peer's code seeing
+        # the read, so the lease is not checked here; reading needs the peer's agent metadata,
+        # which only pairing (on the control plane) hands out.
         agent = self._agent
         name, region = self._remote[peer_id]
         size = self._registered().shape[1]

@@ -1,9 +1,10 @@
 """Plain TCP transport, for machines where NIXL cannot load.
 
-Every worker serves reads of its own cache; a reader sends ``{"op": "read", "blocks": [...]}``
-and gets ``{"ok": true, "nbytes": N}`` followed by the blocks' raw bytes in request order (or
-``{"ok": false, "error": ...}``). Bytes go straight between the socket and a host cache; a GPU
-cache is staged through host memory (the blocks gathered and copied out before sending,
+Every worker serves reads of its own cache; a reader sends ``{"op": "read", "lease": ...,
+"blocks": [...]}`` and gets ``{"ok": true, "nbytes": N}`` followed by the blocks' raw bytes in
+request order (or ``{"ok": false, "error": ...}``: among others for a read that no live lease
+of this worker covers, ``reads_allowed``). Bytes go straight between the socket and a host
+cache; a GPU cache is staged through host memory (the blocks gathered and copied out before sending,
 received into a host buffer and copied in), which is how ``auto`` moves GPU KV where NIXL
 cannot.
 """
@@ -75,6 +76,9 @@ class TcpTransport(KVTransport):
         try:
             while (request := await sock_read_frame(loop, conn)) is not None:
                 ids, error = self._parse_read(request, blocks.shape[0])
+                if not error and not self._allowed(request.get("lease"), ids):
+                    error = "no live lease of this worker covers these blocks"
+                    log.warning("KV read refused: %s (%d blocks)", error, len(ids))
                 if error:
                     await loop.sock_sendall(conn, encode_frame({"ok": False, "error": error}))
                     continue
@@ -92,6 +96,10 @@ class TcpTransport(KVTransport):
             log.debug("KV reader connection ended: %s", exc)
         finally:
             conn.close()
+
+    def _allowed(self, lease_id: object, ids: list[int]) -> bool:
+        check = self.reads_allowed
+        return isinstance(lease_id, str) and check is not None and check(lease_id, ids)
 
     @staticmethod
     def _parse_read(request: dict[str, Any], num_blocks: int) -> tuple[list[int], str | None]:
@@ -136,13 +144,15 @@ class TcpTransport(KVTransport):
         for conn in self._idle.pop(peer_id, []):
             conn.close()
 
-    async def _read(self, peer_id: str, remote: list[int], local: list[int]) -> None:
+    async def _read(self, peer_id: str, remote: list[int], local: list[int],
+                    lease_id: str) -> None:
         loop = asyncio.get_running_loop()
         blocks = self._registered()
         conn = await self._connection(peer_id)
         reusable = False
         try:
-            await loop.sock_sendall(conn, encode_frame({"op": "read", "blocks": remote}))
+            await loop.sock_sendall(conn, encode_frame({"op": "read", "lease": lease_id,
+                                                        "blocks": remote}))
             reply = await sock_read_frame(loop, conn)
             if reply is None:
                 raise KVTransferError(f"peer {peer_id!r} closed the connection")

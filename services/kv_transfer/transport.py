@@ -3,14 +3,18 @@
 Transfers are pulls: the decode worker reads the prefill worker's blocks into its own. Block
 ids index both workers' block-major caches; a block is one contiguous byte range, so a
 transfer is one descriptor per block. Leases, release and reject are not the transport's
-business: they travel on the control channel, where they get answers.
+business: they travel on the control channel, where they get answers. A read names the lease
+it reads under; a transport that serves reads itself (TCP) serves only reads its owner's
+``reads_allowed`` approves (the prefill worker: a live lease covering exactly those blocks;
+lease ids are random 128-bit values the prefill worker gives only to the gateway, which hands
+them to the decode worker it chose). A worker that grants no lease (decode) serves no read.
 """
 
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -59,6 +63,8 @@ class KVTransport(ABC):
         self._peer_metadata: dict[str, dict[str, Any]] = {}
         # Set by make_transport when "auto" fell back to this one: why NIXL could not serve.
         self.fallback_reason: str | None = None
+        # Whether a read under (lease id, block ids) may have this worker's blocks; None: no.
+        self.reads_allowed: Callable[[str, Sequence[int]], bool] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -122,8 +128,10 @@ class KVTransport(ABC):
     # -- transfers ------------------------------------------------------------------------
 
     async def read_blocks(self, peer_id: str, remote_block_ids: Sequence[int],
-                          local_block_ids: Sequence[int], timeout_s: float) -> int:
-        """Copy the peer's blocks into ours, pairwise; returns the bytes moved.
+                          local_block_ids: Sequence[int], timeout_s: float,
+                          lease_id: str = "") -> int:
+        """Copy the peer's blocks into ours, pairwise, under the peer's lease ``lease_id``;
+        returns the bytes moved.
 
         Raises ``KVTransferError`` (``KVTransferTimeout`` after ``timeout_s``). When this
         returns or raises, nothing is writing into the local blocks any more.
@@ -144,7 +152,7 @@ class KVTransport(ABC):
             async with asyncio.timeout(timeout_s):
                 if self.faults.delay_reads_s:
                     await asyncio.sleep(self.faults.delay_reads_s)
-                await self._read(peer_id, remote, list(local_block_ids))
+                await self._read(peer_id, remote, list(local_block_ids), lease_id)
         except TimeoutError:
             raise KVTransferTimeout(
                 f"reading {len(remote)} blocks from {peer_id!r} took over {timeout_s:g}s"
@@ -172,7 +180,8 @@ class KVTransport(ABC):
     def _remove_peer(self, peer_id: str) -> None: ...
 
     @abstractmethod
-    async def _read(self, peer_id: str, remote: list[int], local: list[int]) -> None:
+    async def _read(self, peer_id: str, remote: list[int], local: list[int],
+                    lease_id: str) -> None:
         """Raise ``KVTransferError`` on failure; on cancellation, return only once the
         transfer can no longer write into ``local``."""
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 Clock = Callable[[], float]
@@ -12,9 +12,10 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True)
 class Lease:
-    lease_id: str
+    lease_id: str  # 128 random bits: whoever holds it may read block_ids (no more)
     request_id: str
     expires_at: float  # on the table's clock
+    block_ids: frozenset[int] = frozenset()
 
 
 class LeaseTable:
@@ -26,10 +27,18 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, request_id: str) -> Lease:
-        lease = Lease(uuid.uuid4().hex, request_id, self.clock() + self.ttl_s)
+    def grant(self, request_id: str, block_ids: Iterable[int] = ()) -> Lease:
+        lease = Lease(secrets.token_hex(16), request_id, self.clock() + self.ttl_s,
+                      frozenset(block_ids))
         self._leases[lease.lease_id] = lease
         return lease
+
+    def covers(self, lease_id: str, block_ids: Sequence[int]) -> bool:
+        """Whether a live lease ``lease_id`` holds every one of ``block_ids`` (the KV
+        transport's ``reads_allowed``; called from its thread: one dict lookup)."""
+        lease = self._leases.get(lease_id)
+        return (lease is not None and lease.expires_at > self.clock()
+                and lease.block_ids.issuperset(block_ids))
 
     def take(self, lease_id: str) -> Lease | None:
         """End a lease (release or reject); None if it already ended or never existed."""

@@ -45,6 +45,7 @@ class PrefillWorker:
         self.transport = transport
         self.engine = AsyncEngine(engine, on_events)
         self.leases = LeaseTable(self.config.lease_ttl_s, clock)
+        self.transport.reads_allowed = self.leases.covers  # a read needs a live lease
         self.metrics = PrefillMetrics()
         self.peers: dict[str, PairingInfo] = {}  # decode workers met so far
         self._blocks = block_bytes(engine.kv_cache)
@@ -120,7 +121,7 @@ class PrefillWorker:
         self.metrics.prefills += 1
         handle = None
         if last.kv is not None:
-            lease = self.leases.grant(request_id)
+            lease = self.leases.grant(request_id, last.kv.block_ids)
             self.metrics.leases_granted += 1
             self.transport.expect_reads(self.config.lease_ttl_s)  # until the lease expires
             checksums = (tuple(block_checksums(self._blocks, last.kv.block_ids))

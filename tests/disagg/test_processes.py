@@ -9,6 +9,7 @@ survived by recomputing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -150,6 +151,33 @@ def test_reject_and_killed_decode_free_prefill_blocks(cluster, prompts):
         asyncio.run(scenario())
     finally:
         doomed.stop()
+
+
+def test_a_forged_lease_reads_nothing_and_the_output_stays_exact(cluster, prompts, references):
+    """The decode worker is handed a lease id the prefill worker never granted: over TCP the
+    read is refused (P's blocks never leave it), over NIXL (one-sided) P refuses the release,
+    so D does not trust what it read; either way D recomputes, the output is exact, and P's
+    real lease ends (rejected, or expired meanwhile) with its blocks freed."""
+    async def scenario() -> None:
+        async with cluster.clients() as (p, d):
+            start = await free_blocks(p)
+            before = (await d.status())["metrics"]
+            first = await p.prefill("forged", prompts[6], GREEDY)
+            assert first.kv is not None
+            forged = dataclasses.replace(first, kv=dataclasses.replace(first.kv,
+                                                                       lease_id="f" * 32))
+            result = await d.generate("forged", prompts[6], GREEDY, forged)
+            check_all([result.output_token_ids], [references[6]], "forged lease")
+            assert result.kv_source == KVSource.RECOMPUTE
+            after = (await d.status())["metrics"]
+            assert after["transfer_failures"] == before["transfer_failures"] + 1
+            assert after["recomputes"] == before["recomputes"] + 1
+            # P's real lease: rejected now, or already expired (LEASE_TTL_S) meanwhile.
+            await p.reject(first.kv.lease_id, "test")
+            assert await free_blocks(p) == start
+            assert (await p.status())["leases"] == 0
+
+    asyncio.run(scenario())
 
 
 def test_prefill_killed_mid_request_recomputes(cluster, prompts, references):

@@ -12,6 +12,8 @@ import torch
 from services.engine.outputs import EngineStats
 from services.kv_transfer.factory import make_transport
 from services.kv_transfer.tcp_transport import TcpTransport
+from services.kv_transfer.transport import KVTransferError
+from services.prefill.leases import LeaseTable
 from services.serving.cluster_view import WorkerSnapshot
 from services.serving.metrics import WorkerCollector
 
@@ -33,16 +35,58 @@ def test_staged_tcp_moves_exactly_the_named_blocks(server_staged: bool,
         expected = dest.clone()
         server = TcpTransport("p0", staged=server_staged)
         reader = TcpTransport("d0", staged=reader_staged)
+        leases = LeaseTable(30)
+        server.reads_allowed = leases.covers
         await server.start(source)
         await reader.start(dest)
         try:
             reader.add_peer("p0", server.metadata())
             remote, local = [7, 0, 11, 3], [2, 9, 0, 5]
-            moved = await reader.read_blocks("p0", remote, local, timeout_s=10)
+            lease = leases.grant("r", remote)
+            moved = await reader.read_blocks("p0", remote, local, timeout_s=10,
+                                             lease_id=lease.lease_id)
             assert moved == len(remote) * source[0].numel() * source.element_size()
             expected[local] = source[remote]
             assert torch.equal(dest, expected)  # the named blocks, and nothing else
-            assert await reader.read_blocks("p0", [], [], timeout_s=10) == 0
+            assert await reader.read_blocks("p0", [], [], timeout_s=10,
+                                            lease_id=lease.lease_id) == 0
+        finally:
+            await reader.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_read_needs_a_live_lease_covering_its_blocks() -> None:
+    """Over TCP a read names its lease: no lease, an unknown or expired one, blocks beyond
+    it, or a worker that grants none (a decode worker) and nothing is read."""
+    async def scenario() -> None:
+        now = [0.0]
+        leases = LeaseTable(30, clock=lambda: now[0])
+        source, dest = _cache(1), _cache(2)
+        untouched = dest.clone()
+        server, reader = TcpTransport("p0"), TcpTransport("d0")
+        server.reads_allowed = leases.covers
+        await server.start(source)
+        await reader.start(dest)
+        try:
+            reader.add_peer("p0", server.metadata())
+            lease = leases.grant("r", [1, 2])
+            for lease_id, blocks in (("", [1]), ("f" * 32, [1]), (lease.lease_id, [1, 3])):
+                with pytest.raises(KVTransferError, match="no live lease"):
+                    await reader.read_blocks("p0", blocks, [0] * len(blocks), timeout_s=10,
+                                             lease_id=lease_id)
+            assert torch.equal(dest, untouched)
+            await reader.read_blocks("p0", [2], [0], timeout_s=10, lease_id=lease.lease_id)
+            assert torch.equal(dest[0], source[2])
+            now[0] = 31.0  # expired
+            with pytest.raises(KVTransferError, match="no live lease"):
+                await reader.read_blocks("p0", [1], [4], timeout_s=10, lease_id=lease.lease_id)
+            # The reader's own cache (no lease table) serves nobody.
+            server.add_peer("d0", reader.metadata())
+            with pytest.raises(KVTransferError, match="no live lease"):
+                await server.read_blocks("d0", [0], [5], timeout_s=10, lease_id="any")
+            assert torch.equal(source, _cache(1))
         finally:
             await reader.close()
             await server.close()
