@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,40 @@ def test_engine_threads_come_from_the_cpus_unless_set():
     # `tandem up` says which shape it chose, and from what.
     line = ready_line(AppConfig())
     assert line.endswith(f"(1 prefill, 1 decode; {max(1, (cpus - 1) // 2)} torch thread"
-                         f"{'s' if (cpus - 1) // 2 > 1 else ''} per engine, from {cpus} CPUs)")
+                         f"{'s' if (cpus - 1) // 2 > 1 else ''} per engine, from {cpus} CPUs; "
+                         "no API keys)")
     assert ready_line(AppConfig(colocated=True, threads_per_worker=2)).endswith(
-        "(colocated; 2 torch threads per engine)")
+        "(colocated; 2 torch threads per engine; no API keys)")
+    keyed = AppConfig(api_keys_file="keys", cluster_secret_file="secret")
+    assert ready_line(keyed).endswith("; API keys on)")
+
+
+def test_keys_settings_and_tandem_ups_private_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import stat
+
+    from services.serving.up import secret_files
+
+    with pytest.raises(ConfigError, match="api_keys_file needs cluster_secret_file"):
+        AppConfig(api_keys_file="keys")
+    with pytest.raises(ConfigError, match="metrics_require_key needs api_keys_file"):
+        AppConfig(metrics_require_key=True)
+    with pytest.raises(ConfigError, match="tenant_requests_per_minute must be >= 1"):
+        AppConfig(tenant_requests_per_minute=0)
+    # Keys from the command line: a private file (0600) and a new secret, gone afterwards.
+    with secret_files({"port": 1}, ["acme:sk-1", "bolt:sk-2"]) as settings:
+        keys, secret = settings["api_keys_file"], settings["cluster_secret_file"]
+        assert Path(keys).read_text().split() == ["acme:sk-1", "bolt:sk-2"]
+        assert len(Path(secret).read_text().strip()) >= 32
+        for path in (keys, secret):
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(keys)).st_mode) == 0o700
+        assert settings["port"] == 1
+    assert not os.path.exists(keys) and not os.path.exists(secret)
+    with secret_files({}, []) as settings:
+        assert settings == {}  # no keys: no files, no secret
+    with pytest.raises(ConfigError, match="not both"), secret_files(
+            {"api_keys_file": str(tmp_path / "k")}, ["a:b"]):
+        pass
+    with pytest.raises(ValueError, match="tenant:key"), secret_files({}, ["acme:"]):
+        pass
