@@ -25,7 +25,12 @@ from tests.gateway.helpers import engine_tokens
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 16},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-PROMPTS = ["Describe a person.", "Who wrote Hamlet?", "Tell me about a pilot."]
+# Ten prompts, each greedy and sampled: 20 JSON-schema requests through the colocated path (the
+# e2e test sends 20 through prefill and a speculating decode worker).
+PROMPTS = ["Describe a person.", "Who wrote Hamlet?", "Tell me about a pilot.",
+           "Invent a character for a novel.", "Who is your favourite scientist?",
+           "Describe a chef.", "Tell me about a sailor.", "Who painted the Mona Lisa?",
+           "Describe a teacher.", "Tell me about an astronaut."]
 
 
 def ask(text: str) -> list[dict[str, str]]:
