@@ -41,11 +41,13 @@ def test_all_concurrent(make_engine, prompts, references):
     assert_no_leak(engine)
 
 
-# 512 is the default budget: test_all_concurrent runs it.
+# 512 is the default budget: test_all_concurrent runs it. Chunks of 16 (many steps per prompt)
+# run every other prompt of the set, to keep CI short; 64 runs them all.
 @pytest.mark.parametrize("chunk", [16, 64])
 def test_chunk_sizes(make_engine, prompts, references, chunk):
+    step = 2 if chunk == 16 else 1
     engine = make_engine(max_num_batched_tokens=chunk)
-    check_all(engine.generate(prompts, GREEDY), references, f"chunk {chunk}")
+    check_all(engine.generate(prompts[::step], GREEDY), references[::step], f"chunk {chunk}")
     assert_no_leak(engine)
 
 
