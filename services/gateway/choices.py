@@ -66,15 +66,13 @@ async def _all_or_none(work: Sequence[Awaitable[T]], on_failure: Callable[[], Aw
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t.exception() for t in done if t.exception() is not None), None)
-        if failed is None:
-            return [t.result() for t in tasks]
+        if failed is not None:
+            raise failed
+        return [t.result() for t in tasks]
     except BaseException:
         await _cancel(tasks)
         await on_failure()
         raise
-    await _cancel(tasks)
-    await on_failure()
-    raise failed
 
 
 async def _cancel(tasks: Sequence[asyncio.Future[Any]]) -> None:
