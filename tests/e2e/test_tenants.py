@@ -16,6 +16,7 @@ import pytest
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tests.e2e.cluster import UpProcess, metric_values
+from tests.gateway.helpers import cached_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,7 +27,7 @@ PROMPT = list(range(2000, 2512))  # 512 tokens
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     up = UpProcess.from_settings(Path(tmp_path_factory.mktemp("tenants")),
-                                 {"colocated": True, "tenant_requests_per_minute": 6},
+                                 {"colocated": True, "tenant_tokens_per_minute": 1200},
                                  {"TANDEM_API_KEYS": KEYS})
     up.args += ["--metrics-require-key"]
     up.start()
@@ -63,22 +64,17 @@ def test_keys_tenants_and_limits(cluster: UpProcess) -> None:
         assert replies[-1].usage.completion_tokens == 1
 
     def cached(key: str, salt: str | None = None) -> int:
-        extra = {"cache_salt": salt} if salt else {}
-        reply = client(cluster, key).completions.create(
-            model="", prompt=PROMPT, max_tokens=1, temperature=0, extra_body=extra)
-        assert reply.usage.prompt_tokens_details is not None
-        return reply.usage.prompt_tokens_details.cached_tokens or 0
+        return cached_tokens(client(cluster, key), PROMPT, salt)
 
     assert cached("key-acme-1", "s") == 0
     assert cached("key-acme-2", "s") == 496  # the same tenant
     assert cached("key-bolt") == 0  # the other tenant
     assert cached("key-bolt", "s") == 0  # with acme's cache_salt too
-    # acme has sent 2 of its 6 requests a minute: 4 more pass, the next is refused.
+    # acme has used 2 x 513 of its 1,200 tokens a minute: a request that may use 1,001 must wait
+    # for ~40 s of refill, so it is refused; bolt's small one is served.
     acme = client(cluster, "key-acme-1")
-    for _ in range(4):
-        acme.completions.create(model="", prompt="Hi", max_tokens=1)
     with pytest.raises(openai.RateLimitError) as limited:
-        acme.completions.create(model="", prompt="Hi", max_tokens=1)
+        acme.completions.create(model="", prompt="Hi", max_tokens=1000)
     assert int(limited.value.response.headers["retry-after"]) >= 1
     client(cluster, "key-bolt").completions.create(model="", prompt="Hi", max_tokens=1)
     failures = {(dict(k)["tenant"], dict(k)["reason"]): v
@@ -87,4 +83,4 @@ def test_keys_tenants_and_limits(cluster: UpProcess) -> None:
     ended: dict[str, float] = {}
     for labels, value in scrape(cluster, "tandem_request_success_total").items():
         ended[dict(labels)["tenant"]] = ended.get(dict(labels)["tenant"], 0) + value
-    assert ended == {"acme": 6, "bolt": 4}
+    assert ended == {"acme": 2, "bolt": 4}

@@ -8,6 +8,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
+import openai
+
 from services.engine.async_engine import AsyncEngine
 from services.engine.sampling_params import SamplingParams
 from services.gateway.core import Gateway
@@ -56,3 +58,12 @@ def wait_engine_idle(engine: AsyncEngine, timeout_s: float = 30.0) -> None:
         return s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
 
     wait_until(idle, "the engine to be idle with all KV blocks free", timeout_s)
+
+
+def cached_tokens(client: openai.OpenAI, prompt: list[int], salt: str | None = None) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of a one-token greedy completion."""
+    extra = {"cache_salt": salt} if salt else {}
+    reply = client.completions.create(model="", prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body=extra)
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    return reply.usage.prompt_tokens_details.cached_tokens or 0

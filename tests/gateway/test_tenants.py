@@ -20,7 +20,7 @@ from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.runner import ServeAddresses
 from services.gateway.tenants import TenantConfigError, Tenants, parse_api_keys
-from tests.gateway.helpers import serving, wait_engine_idle
+from tests.gateway.helpers import cached_tokens, serving, wait_engine_idle
 
 SECRET = b"s" * 32
 KEYS = {"key-a1": "acme", "key-a2": "acme", "key-b": "bolt"}
@@ -117,12 +117,7 @@ def test_a_tenant_never_sees_anothers_cache(addresses: ServeAddresses,
     prompt = list(range(1000, 1512))  # 512 tokens no other test sends
 
     def cached(key: str, salt: str | None = None) -> int:
-        extra = {"cache_salt": salt} if salt else {}
-        reply = client(addresses, key).completions.create(
-            model="", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
-        details = reply.usage.prompt_tokens_details
-        assert details is not None
-        return details.cached_tokens or 0
+        return cached_tokens(client(addresses, key), prompt, salt)
 
     assert cached("key-a1", "team-1") == 0
     assert cached("key-a2", "team-1") == 496  # the same tenant, another of its keys
@@ -134,7 +129,7 @@ def test_a_tenant_never_sees_anothers_cache(addresses: ServeAddresses,
 
 def test_tenant_rate_limits_and_metrics(async_engine: AsyncEngine,
                                         loaded_model: LoadedModel) -> None:
-    tenants = Tenants(KEYS, SECRET, requests_per_minute=2)
+    tenants = Tenants(KEYS, SECRET, requests_per_minute=2, clock=lambda: 0.0)  # no refill
     gateway = Gateway(EngineBackend(async_engine), loaded_model.tokenizer, tenants=tenants)
     with serving(gateway) as served:
         acme, bolt = client(served, "key-a1"), client(served, "key-b")
