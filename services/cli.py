@@ -142,8 +142,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                          "them comma-separated); requests then need `Authorization: Bearer`")
     up.add_argument("--api-keys-file", metavar="PATH", help="a file of `tenant:key` lines")
     up.add_argument("--cluster-secret-file", metavar="PATH",
-                    help="the secret (>= 32 characters) that keys the tenants' cache salts "
-                         "(default with keys: a new one for this run)")
+                    help="the secret (>= 32 characters) that keys the tenants' cache salts and "
+                         "authenticates the workers' traffic (default: a new one per run)")
     up.add_argument("--metrics-require-key", action="store_true",
                     help="/metrics needs an API key too")
     up.add_argument("--tenant-requests-per-minute", type=int, metavar="N",
@@ -156,16 +156,16 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 def _up(args: argparse.Namespace) -> int:
     from services.serving import up
-    from services.serving.config import AppConfig
+    from services.serving.config import AppConfig, read_yaml_settings
 
     flags = {field: getattr(args, flag) for flag, field in _UP_FLAGS.items()
              if hasattr(args, flag)}
     keys = [*getattr(args, "api_key", []),
             *(k for k in os.environ.get("TANDEM_API_KEYS", "").split(",") if k.strip())]
-    with up.secret_files(flags, keys) as flags:
-        config = (AppConfig.from_yaml(args.config, **flags) if getattr(args, "config", None)
-                  else AppConfig.from_dict(flags, "command line"))
-        return up.run(config)
+    source = getattr(args, "config", None)
+    settings = {**(read_yaml_settings(source) if source else {}), **flags}
+    with up.secret_files(settings, keys) as settings:
+        return up.run(AppConfig.from_dict(settings, source or "command line"))
 
 
 def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

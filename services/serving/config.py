@@ -83,8 +83,9 @@ class AppConfig:
     max_in_flight: int | None = None
     # Tenants and keys (services/gateway/tenants.py, docs/operations.md "Security").
     api_keys_file: str | None = None  # `tenant:key` lines; None: no authentication
-    # >= 32 characters; keys the tenants' prefix-cache salts. None: `tandem up` makes one per
-    # run (the chart mounts one from a Secret); needed with api_keys_file.
+    # >= 32 characters; keys the tenants' prefix-cache salts and authenticates the workers'
+    # traffic (control channel, KV reads). None: `tandem up` makes one per run (the chart
+    # mounts one from a Secret); needed with api_keys_file.
     cluster_secret_file: str | None = None
     metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
     tenant_requests_per_minute: int | None = None  # per tenant; None: no limit
@@ -219,15 +220,20 @@ class AppConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> AppConfig:
         """Settings from the file, then ``overrides`` (CLI flags that were given) on top."""
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-        return cls.from_dict({**data, **overrides}, str(path))
+        return cls.from_dict({**read_yaml_settings(path), **overrides}, str(path))
+
+
+def read_yaml_settings(path: str | Path) -> dict[str, Any]:
+    """A config file's settings, unchecked (``AppConfig.from_dict`` checks them)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
 
 
 def _at_least(name: str, value: int, low: int) -> None:

@@ -38,8 +38,9 @@ def ready_line(config: AppConfig) -> str:
 @contextlib.contextmanager
 def secret_files(settings: dict[str, Any], keys: list[str]) -> Iterator[dict[str, Any]]:
     """``settings`` with the API keys given on the command line (``tenant:key``) written to a
-    private file (``api_keys_file``), and a new cluster secret for this run when keys are on
-    and none is named; the files are removed afterwards. Keys never travel in the config."""
+    private file (``api_keys_file``), and a new cluster secret for this run unless one is
+    named (it authenticates the workers to each other and keys the tenants' cache salts); the
+    files are removed afterwards. Keys never travel in the config."""
     with tempfile.TemporaryDirectory(prefix="tandem-secrets-") as private:  # mode 0700
         settings = dict(settings)
         if keys:
@@ -48,7 +49,7 @@ def secret_files(settings: dict[str, Any], keys: list[str]) -> Iterator[dict[str
                                   "--api-keys-file, not both")
             parse_api_keys("\n".join(keys), "--api-key")  # malformed: refused here
             settings["api_keys_file"] = _private_file(private, "api-keys", "\n".join(keys))
-        if settings.get("api_keys_file") and not settings.get("cluster_secret_file"):
+        if not settings.get("cluster_secret_file"):
             settings["cluster_secret_file"] = _private_file(private, "cluster-secret",
                                                             secrets.token_urlsafe(36))
         yield settings

@@ -94,8 +94,11 @@ def test_keys_settings_and_tandem_ups_private_files(tmp_path) -> None:  # type: 
         assert stat.S_IMODE(os.stat(os.path.dirname(keys)).st_mode) == 0o700
         assert settings["port"] == 1
     assert not os.path.exists(keys) and not os.path.exists(secret)
-    with secret_files({}, []) as settings:
-        assert settings == {}  # no keys: no files, no secret
+    with secret_files({}, []) as settings:  # no keys: no keys file, still a cluster secret
+        assert list(settings) == ["cluster_secret_file"]
+        assert len(Path(settings["cluster_secret_file"]).read_text().strip()) >= 32
+    with secret_files({"cluster_secret_file": "mine"}, []) as settings:
+        assert settings == {"cluster_secret_file": "mine"}  # a named one is kept
     with pytest.raises(ConfigError, match="not both"), secret_files(
             {"api_keys_file": str(tmp_path / "k")}, ["a:b"]):
         pass
