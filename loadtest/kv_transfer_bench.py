@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import secrets
 import socket
 import statistics
 import subprocess
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.control.auth import ClusterKey
 from services.control.process import WorkerSpec, spawn_workers
 from services.decode.service import RemoteDecode
 from services.engine.sampling_params import SamplingParams
@@ -67,25 +69,30 @@ async def bench_transport(transport: str, lens: list[int], repeats: int, threads
                           log_dir: Path) -> list[tuple[int, int, float, float, float]]:
     """(prompt tokens, bytes, median transfer s, cold transfer s, TTFT s) per prompt length."""
     engine = {"num_kv_blocks": 2 * (max(lens) // 16 + 1), "num_threads": threads}
-    p_spec = WorkerSpec(f"bench-p-{transport}", dict(engine), {}, transport)
-    d_spec = WorkerSpec(f"bench-d-{transport}", {**engine, "enable_prefix_caching": False}, {},
-                        transport)
+    secret = log_dir / "cluster-secret"  # as deployed: the workers authenticate each other
+    secret.touch(mode=0o600)
+    secret.write_text(secrets.token_urlsafe(36))
+    key = ClusterKey.from_file(secret)
+    p_id, d_id = f"bench-p-{transport}", f"bench-d-{transport}"
+    p_spec = WorkerSpec(p_id, dict(engine), {}, transport, cluster_secret_file=str(secret))
+    d_spec = WorkerSpec(d_id, {**engine, "enable_prefix_caching": False}, {}, transport,
+                        cluster_secret_file=str(secret))
     p_proc, d_proc = spawn_workers([("prefill", p_spec, log_dir / f"p-{transport}.log"),
                                     ("decode", d_spec, log_dir / f"d-{transport}.log")])
-    p = RemotePrefill("127.0.0.1", p_proc.port)
-    d = RemoteDecode("127.0.0.1", d_proc.port)
+    p = RemotePrefill("127.0.0.1", p_proc.port, key)
+    d = RemoteDecode("127.0.0.1", d_proc.port, key)
     rows = []
     try:
         await d.pair_prefill("127.0.0.1", p_proc.port)
         for length in lens:
             prompt = make_prompt(length, seed=length)
             start = time.perf_counter()
-            first = await p.prefill(f"cold-{length}", prompt, PARAMS)
+            first = await p.prefill(f"cold-{length}", prompt, PARAMS, reader=d_id)
             ttft = time.perf_counter() - start
             samples, nbytes = [], 0
             for r in range(repeats + 1):
                 if r:
-                    first = await p.prefill(f"warm-{length}-{r}", prompt, PARAMS)
+                    first = await p.prefill(f"warm-{length}-{r}", prompt, PARAMS, reader=d_id)
                 before = await _metrics(d)
                 result = await d.generate(f"pull-{length}-{r}", prompt, PARAMS, first)
                 after = await _metrics(d)

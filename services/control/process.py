@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from services import tracing
+from services.control.auth import ClusterKey
 from services.control.rpc import Handler, RpcServer
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
@@ -42,6 +43,9 @@ class WorkerSpec:
     faults: dict[str, Any] = field(default_factory=dict)  # TransferFaults fields (debug)
     host: str = "127.0.0.1"
     port: int = 0  # control channel; 0 picks a free port
+    # The cluster secret (services/control/auth.py): the control channel and KV reads prove
+    # it. None: both unauthenticated (tests of that only).
+    cluster_secret_file: str | None = None
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
@@ -76,14 +80,16 @@ def worker_main(argv: list[str] | None, usage: str,
 
 async def run_worker(spec: WorkerSpec, build: Callable[[LLMEngine, KVTransport, WorkerSpec], W],
                      handlers: Callable[[W], Mapping[str, Handler]]) -> None:
+    key = (ClusterKey.from_file(spec.cluster_secret_file) if spec.cluster_secret_file
+           else None)
     engine = LLMEngine(EngineConfig(**spec.engine))
     transport = make_transport(spec.transport, spec.worker_id, TransferFaults(**spec.faults),
-                               spec.host, engine.config.device)
+                               spec.host, engine.config.device, key)
     worker = build(engine, transport, spec)
     tracing.configure(str(getattr(worker, "role", "worker")))
     await worker.start()
     try:
-        await serve_until_signalled(RpcServer(handlers(worker), spec.host, spec.port),
+        await serve_until_signalled(RpcServer(handlers(worker), spec.host, spec.port, key),
                                     {"worker_id": spec.worker_id, "transport": transport.kind})
     finally:
         await worker.close()

@@ -5,6 +5,11 @@ the handler in a ``control.<method>`` span under it.
 
 A connection carries one call at a time; the client keeps a pool for concurrent calls. When
 a client drops a connection mid-call, the server cancels that call (a closed stream aborts).
+
+With a ``ClusterKey`` (the cluster secret, services/control/auth.py), each connection starts
+with the cluster handshake: a client that cannot prove the secret is answered with the reason
+and disconnected before any call is read (counted in ``refused``, logged once per
+connection); a server that cannot prove it is not called.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from services import tracing
+from services.control import auth
+from services.control.auth import ClusterKey
 from services.kv_transfer.framing import FrameError, encode_frame, read_frame
 
 log = logging.getLogger(__name__)
@@ -33,10 +40,12 @@ class RpcError(RuntimeError):
 
 class RpcServer:
     def __init__(self, handlers: Mapping[str, Handler], host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, key: ClusterKey | None = None) -> None:
         self.handlers = dict(handlers)
         self.host = host
         self.port = port
+        self.key = key
+        self.refused = 0  # connections that failed the handshake
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
@@ -59,6 +68,8 @@ class RpcServer:
         assert task is not None
         self._connections.add(task)
         try:
+            if self.key is not None and not await self._authenticate(reader, writer):
+                return
             while (request := await read_frame(reader)) is not None:
                 reply = await self._dispatch(request, reader)
                 if reply is None:  # the client went away mid-call
@@ -70,6 +81,23 @@ class RpcServer:
         finally:
             self._connections.discard(task)
             writer.close()
+
+    async def _authenticate(self, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> bool:
+        assert self.key is not None
+
+        async def send(frame: dict[str, Any]) -> None:
+            writer.write(encode_frame(frame))
+            await writer.drain()
+
+        try:
+            await auth.accept(self.key, "control", send, lambda: read_frame(reader))
+        except (auth.AuthError, TimeoutError, FrameError) as exc:
+            self.refused += 1
+            log.warning("control connection from %s refused: %s",
+                        writer.get_extra_info("peername"), exc or "handshake timed out")
+            return False
+        return True
 
     async def _dispatch(self, request: dict[str, Any], reader: asyncio.StreamReader
                         ) -> dict[str, Any] | None:
@@ -113,11 +141,15 @@ def _error(call_id: object, error_type: str, message: str) -> dict[str, Any]:
 class RpcClient:
     def __init__(self, host: str, port: int,
                  errors: Mapping[str, type[Exception]] | None = None,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, key: ClusterKey | None = None,
+                 name: str = "client") -> None:
+        """``key``, ``name``: prove the cluster secret under this name on each connection."""
         self.host = host
         self.port = port
         self.errors = dict(errors or {})
         self.connect_timeout_s = connect_timeout_s
+        self.key = key
+        self.name = name
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._next_id = 0
 
@@ -135,6 +167,9 @@ class RpcClient:
                 conn[1].write(encode_frame(frame))
                 await conn[1].drain()
                 reply = await read_frame(conn[0])
+            if reply is not None and "hello" in reply:
+                raise auth.AuthError(f"RPC {method}: the server asks for the cluster "
+                                     f"handshake; this client has no cluster secret")
             if reply is None or reply.get("id") != call_id:
                 raise ConnectionError(f"RPC {method}: the server closed the connection")
             reusable = True
@@ -153,7 +188,20 @@ class RpcClient:
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         async with asyncio.timeout(self.connect_timeout_s):
-            return await asyncio.open_connection(self.host, self.port)
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        if self.key is None:
+            return reader, writer
+
+        async def send(frame: dict[str, Any]) -> None:
+            writer.write(encode_frame(frame))
+            await writer.drain()
+
+        try:
+            await auth.connect(self.key, "control", self.name, send, lambda: read_frame(reader))
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
 
     async def close(self) -> None:
         for _, writer in self._idle:

@@ -30,6 +30,9 @@ class DecodeMetrics:
     recomputes: int = 0
     queued: int = 0  # imports with no room for the KV now, queued to prefill here instead
     rejects: Counter[str] = field(default_factory=Counter)  # by reason
+    # Refused as unauthenticated or not meant for this worker: an unsigned pairing reply, a KV
+    # handle that is unsigned or names another reader (the prompt is recomputed here).
+    refusals: int = 0
 
     def observe_transfer(self, seconds: float) -> None:
         self.transfer_seconds += seconds

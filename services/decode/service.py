@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from services.control.auth import ClusterKey
 from services.control.codec import params_from_dict, params_to_dict, token_ids
 from services.control.rpc import Handler, RpcClient
 from services.decode.errors import DecodeRejectedError, KVTransferFailedError
@@ -32,7 +33,9 @@ def decode_handlers(worker: DecodeWorker) -> dict[str, Handler]:
     running: dict[str, asyncio.Task[DecodeResult]] = {}
 
     async def pair_prefill(p: dict[str, Any]) -> Any:
-        return (await worker.pair(RemotePrefill(str(p["host"]), int(p["port"])))).to_dict()
+        peer = RemotePrefill(str(p["host"]), int(p["port"]), worker.transport.key,
+                             worker.worker_id)
+        return (await worker.pair(peer)).to_dict()
 
     async def generate(p: dict[str, Any]) -> Any:
         request_id = str(p["request_id"])
@@ -73,10 +76,11 @@ def decode_handlers(worker: DecodeWorker) -> dict[str, Handler]:
 
 
 class RemoteDecode:
-    """A decode worker in another process."""
+    """A decode worker in another process (``key``, ``name``: as for RemotePrefill)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.rpc = RpcClient(host, port, ERRORS)
+    def __init__(self, host: str, port: int, key: ClusterKey | None = None,
+                 name: str = "gateway") -> None:
+        self.rpc = RpcClient(host, port, ERRORS, key=key, name=name)
 
     async def pair_prefill(self, host: str, port: int) -> PairingInfo:
         """Have the decode worker pair with the prefill worker serving at host:port."""

@@ -35,7 +35,7 @@ from services.engine.outputs import EngineOverloadedError, RequestError, Request
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.checksum import block_bytes, block_checksums
 from services.kv_transfer.handle import KVHandle
-from services.kv_transfer.pairing import PairingInfo, check_pairing
+from services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
 from services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
 from services.prefill.result import PrefillResult
 
@@ -122,7 +122,7 @@ class DecodeWorker:
     async def start(self) -> None:
         await self.transport.start(self.engine.llm.kv_cache)
         self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
-                                            self.transport)
+                                            self.transport).signed(self.transport.key)
 
     def drain(self) -> None:
         """Stop taking new requests (they are rejected); running ones finish."""
@@ -140,8 +140,14 @@ class DecodeWorker:
         return self._info
 
     async def pair(self, peer: PrefillPeer) -> PairingInfo:
-        """Meet a prefill worker once: check settings both ways, load its transport metadata."""
+        """Meet a prefill worker once: check its signature and settings both ways, load its
+        transport metadata."""
         theirs = await peer.pair(self.info)
+        try:
+            theirs.check_signed(self.transport.key)
+        except PairingError:
+            self.metrics.refusals += 1
+            raise
         check_pairing(self.info, theirs)
         self.transport.add_peer(theirs.worker_id, theirs.transport_metadata)
         self._peers[theirs.worker_id] = PeerLink(peer, theirs)
@@ -155,7 +161,7 @@ class DecodeWorker:
         """Engine stats and metrics, as JSON-able data."""
         stats = await self.engine.call(lambda engine: engine.stats)
         return {"worker_id": self.worker_id, "engine": dataclasses.asdict(stats),
-                "accepting": self.accepting, "metrics": self.metrics.snapshot(),
+                "accepting": self.accepting, "metrics": self._metrics(),
                 **self.transport.describe()}
 
     # -- requests -------------------------------------------------------------------------
@@ -255,6 +261,12 @@ class DecodeWorker:
             start, source = (lambda e: e.recompute_import(request_id)), KVSource.RECOMPUTE
         return self._stream(request_id, source, start, trace)
 
+    def _metrics(self) -> dict[str, Any]:
+        """The worker's counters; its refusals include its transport's."""
+        data = self.metrics.snapshot()
+        data["refusals"] += self.transport.refusals
+        return data
+
     # -- internals ------------------------------------------------------------------------
 
     def _stream(self, request_id: str, source: KVSource, start: Callable[[LLMEngine], None],
@@ -297,6 +309,7 @@ class DecodeWorker:
         try:
             if link is None:
                 raise KVTransferError(f"not paired with prefill worker {kv.worker_id!r}")
+            self._check_handle(kv)
             self._phases[request_id] = "transferring"
             if skip < len(kv.block_ids):
                 start = time.perf_counter()
@@ -322,7 +335,7 @@ class DecodeWorker:
         self._phases[request_id] = "confirming"
         try:
             async with asyncio.timeout(self.config.control_timeout_s):
-                held = await link.peer.release(kv.lease_id)
+                held = await link.peer.release(kv.lease_id, self.worker_id)
         except Exception as exc:
             if skip == len(kv.block_ids):
                 return None  # nothing was read, so nothing needs vouching for
@@ -336,6 +349,20 @@ class DecodeWorker:
             return KVTransferError(f"{kv.worker_id!r} no longer held lease {kv.lease_id} "
                                    f"(expired?), so the blocks read may not be this prompt's")
         return None
+
+    def _check_handle(self, kv: KVHandle) -> None:
+        """Pull only under a handle a worker of this cluster signed, offered to this worker
+        (another's, e.g. after the gateway failed over from its decode worker, is recomputed
+        here and its lease rejected)."""
+        if not kv.verified(self.transport.key):
+            problem = "is not signed with the cluster secret"
+        elif kv.reader is not None and kv.reader != self.worker_id:
+            problem = f"was offered to decode worker {kv.reader!r}"
+        else:
+            return
+        self.metrics.refusals += 1
+        raise KVTransferError(f"the KV handle for lease {kv.lease_id} of {kv.worker_id!r} "
+                              f"{problem}")
 
     def _verify(self, kv: KVHandle, slot: ImportSlot, skip: int) -> None:
         assert kv.checksums is not None

@@ -28,8 +28,6 @@ from pathlib import Path
 from services.gateway.errors import GatewayError, unauthorized
 from services.request import DEFAULT_TENANT
 
-MIN_SECRET_CHARS = 32
-
 
 class TenantConfigError(ValueError):
     """A malformed keys file or secret; the message says where."""
@@ -62,18 +60,6 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
     if not keys:
         raise TenantConfigError(f"api_keys_file {path} holds no key")
     return keys
-
-
-def read_secret(path: str | Path) -> bytes:
-    try:
-        secret = Path(path).read_text().strip()
-    except OSError as exc:
-        raise TenantConfigError(f"cannot read cluster_secret_file {path}: {exc.strerror}"
-                                ) from None
-    if len(secret) < MIN_SECRET_CHARS:
-        raise TenantConfigError(f"cluster_secret_file {path}: the secret must have at least "
-                                f"{MIN_SECRET_CHARS} characters")
-    return secret.encode()
 
 
 def rate_limited(tenant: str, what: str, retry_after_s: int) -> GatewayError:

@@ -9,6 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from services.control.auth import ClusterKey
     from services.kv_transfer.transport import KVTransport, TransferFaults
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,10 @@ def nixl_problem(device: str) -> str | None:
 
 
 def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
-                   host: str = "127.0.0.1", device: str = "cpu") -> KVTransport:
-    """The transport for a worker whose KV cache lives on ``device``. ``auto`` takes NIXL
+                   host: str = "127.0.0.1", device: str = "cpu",
+                   key: ClusterKey | None = None) -> KVTransport:
+    """The transport for a worker whose KV cache lives on ``device``; ``key``: the cluster
+    secret its connections prove (services/control/auth.py). ``auto`` takes NIXL
     when it can move that memory, else TCP (through host memory for a GPU cache): a fallback
     a GPU worker logs as a warning and reports (``fallback_reason``, a metric)."""
     if kind not in TRANSPORTS:
@@ -51,9 +54,9 @@ def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
             raise KVTransferError(
                 f"the NIXL transport needs the nixl-cu12 package ({exc}); use transport 'tcp'"
             ) from None
-        return NixlTransport(name, faults)
+        return NixlTransport(name, faults, key)
     from services.kv_transfer.tcp_transport import TcpTransport
 
-    transport = TcpTransport(name, faults, host=host)
+    transport = TcpTransport(name, faults, host=host, key=key)
     transport.fallback_reason = fallback_reason
     return transport

@@ -2,37 +2,55 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from services.control.auth import ClusterKey
 
 
 @dataclass(frozen=True)
 class KVHandle:
-    """Which blocks to pull from which prefill worker, under which lease."""
+    """Which blocks to pull from which prefill worker, under which lease, by which reader;
+    signed by the prefill worker with the cluster key (``mac``; None without a key)."""
 
     worker_id: str  # the prefill worker holding the blocks
     lease_id: str
     block_ids: tuple[int, ...]  # the prompt's blocks in order; the last may be partly filled
     num_tokens: int  # prompt tokens whose KV the blocks hold
     checksums: tuple[int, ...] | None = None  # CRC32 per block (debug mode)
+    reader: str | None = None  # the decode worker the lease was offered to; None: any
+    mac: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def content(self) -> dict[str, Any]:
+        """What the MAC covers: everything but itself."""
         return {"worker_id": self.worker_id, "lease_id": self.lease_id,
                 "block_ids": list(self.block_ids), "num_tokens": self.num_tokens,
-                "checksums": None if self.checksums is None else list(self.checksums)}
+                "checksums": None if self.checksums is None else list(self.checksums),
+                "reader": self.reader}
+
+    def signed(self, key: ClusterKey | None) -> KVHandle:
+        return self if key is None else replace(self, mac=key.sign("kv-handle", self.content()))
+
+    def verified(self, key: ClusterKey | None) -> bool:
+        return key is None or key.verify(self.mac, "kv-handle", self.content())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.content(), "mac": self.mac}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVHandle:
         worker_id, lease_id = data.get("worker_id"), data.get("lease_id")
         block_ids, num_tokens = data.get("block_ids"), data.get("num_tokens")
-        checksums = data.get("checksums")
+        checksums, reader, mac = data.get("checksums"), data.get("reader"), data.get("mac")
         if not (isinstance(worker_id, str) and isinstance(lease_id, str)
                 and _ints(block_ids) and type(num_tokens) is int and num_tokens > 0
                 and (checksums is None or (_ints(checksums)
-                                           and len(checksums) == len(block_ids)))):
+                                           and len(checksums) == len(block_ids)))
+                and (reader is None or isinstance(reader, str))
+                and (mac is None or isinstance(mac, str))):
             raise ValueError(f"malformed KV handle: {data!r}")
         return cls(worker_id, lease_id, tuple(block_ids), num_tokens,
-                   None if checksums is None else tuple(checksums))
+                   None if checksums is None else tuple(checksums), reader, mac)
 
 
 def _ints(values: object) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.control.auth import ClusterKey
 from services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
 
 
@@ -53,9 +54,10 @@ class NixlTransport(KVTransport):
     kind = "nixl"
 
     def __init__(self, name: str, faults: TransferFaults | None = None,
-                 progress_interval_s: float = 0.002, poll_interval_s: float = 0.0005,
-                 idle_progress_interval_s: float = 0.25) -> None:
-        super().__init__(name, faults)
+                 key: ClusterKey | None = None, progress_interval_s: float = 0.002,
+                 poll_interval_s: float = 0.0005, idle_progress_interval_s: float = 0.25
+                 ) -> None:
+        super().__init__(name, faults, key)
         self.progress_interval_s = progress_interval_s
         self.idle_progress_interval_s = idle_progress_interval_s
         self._brisk_until = 0.0  # time.monotonic() until which reads are expected
@@ -122,7 +124,7 @@ class NixlTransport(KVTransport):
                     lease_id: str) -> None:
         # One-sided: NIXL reads the peer's registered memory without the peer's code seeing
         # the read, so the lease is not checked here; reading needs the peer's agent metadata,
-        # which only pairing (on the control plane) hands out.
+        # which only pairing hands out (signed with the cluster key, on the control plane).
         agent = self._agent
         name, region = self._remote[peer_id]
         size = self._registered().shape[1]

@@ -6,12 +6,13 @@ a clear error at start-up instead of garbage tokens later.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from services.engine.block_hash import HASH_SCHEME
 
 if TYPE_CHECKING:
+    from services.control.auth import ClusterKey
     from services.engine.llm_engine import LLMEngine
     from services.kv_transfer.transport import KVTransport
 
@@ -39,6 +40,9 @@ class PairingInfo:
     transport: str
     protocol_version: int = PROTOCOL_VERSION
     transport_metadata: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Signed with the cluster key by its worker (None without a key): the transport metadata
+    # is what a NIXL peer needs to read this worker's cache.
+    mac: str | None = field(default=None, compare=False)
 
     @classmethod
     def for_engine(cls, engine: LLMEngine, worker_id: str, role: str,
@@ -50,8 +54,21 @@ class PairingInfo:
                    head_dim=spec.head_dim, hash_scheme=HASH_SCHEME, transport=transport.kind,
                    transport_metadata=transport.metadata())
 
+    def content(self) -> dict[str, Any]:
+        """What the MAC covers: everything but itself."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mac"}
+
+    def signed(self, key: ClusterKey | None) -> PairingInfo:
+        return self if key is None else replace(self, mac=key.sign("pairing", self.content()))
+
+    def check_signed(self, key: ClusterKey | None) -> None:
+        """Raise ``PairingError`` unless a worker holding the cluster secret wrote this."""
+        if key is not None and not key.verify(self.mac, "pairing", self.content()):
+            raise PairingError(f"{self.role} worker {self.worker_id!r}: its pairing info is not "
+                               f"signed with this cluster's secret")
+
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**self.content(), "mac": self.mac}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PairingInfo:
@@ -59,7 +76,11 @@ class PairingInfo:
             info = cls(**data)
         except TypeError as exc:
             raise PairingError(f"malformed pairing info: {exc}") from None
+        if info.mac is not None and not isinstance(info.mac, str):
+            raise PairingError(f"malformed pairing info: mac={info.mac!r}")
         for f in fields(cls):
+            if f.name == "mac":
+                continue
             expected = dict if f.name == "transport_metadata" else f.type
             value = getattr(info, f.name)
             ok = isinstance(value, dict) if expected is dict else (

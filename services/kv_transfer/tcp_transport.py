@@ -1,12 +1,15 @@
 """Plain TCP transport, for machines where NIXL cannot load.
 
 Every worker serves reads of its own cache; a reader sends ``{"op": "read", "lease": ...,
-"blocks": [...]}`` and gets ``{"ok": true, "nbytes": N}`` followed by the blocks' raw bytes in
-request order (or ``{"ok": false, "error": ...}``: among others for a read that no live lease
-of this worker covers, ``reads_allowed``). Bytes go straight between the socket and a host
-cache; a GPU cache is staged through host memory (the blocks gathered and copied out before sending,
-received into a host buffer and copied in), which is how ``auto`` moves GPU KV where NIXL
-cannot.
+"reader": <its worker id>, "blocks": [...]}`` and gets ``{"ok": true, "nbytes": N}`` followed
+by the blocks' raw bytes in request order (or ``{"ok": false, "error": ...}``: among others for
+a read that no live lease of this worker offered to that reader covers, ``reads_allowed``).
+With a cluster key each connection starts with the cluster handshake (services/control/auth.py),
+which proves the reader's name; a connection that fails it is closed before any read.
+
+Bytes go straight between the socket and a host cache; a GPU cache is staged through host
+memory (the blocks gathered and copied out before sending, received into a host buffer and
+copied in), which is how ``auto`` moves GPU KV where NIXL cannot.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 
 import torch
 
+from services.control import auth
+from services.control.auth import ClusterKey
 from services.kv_transfer.framing import (
     FrameError,
     encode_frame,
@@ -37,8 +42,9 @@ class TcpTransport(KVTransport):
     kind = "tcp"
 
     def __init__(self, name: str, faults: TransferFaults | None = None,
-                 host: str = "127.0.0.1", port: int = 0, staged: bool | None = None) -> None:
-        super().__init__(name, faults)
+                 host: str = "127.0.0.1", port: int = 0, staged: bool | None = None,
+                 key: ClusterKey | None = None) -> None:
+        super().__init__(name, faults, key)
         self.host = host
         self.port = port
         self.staged = staged  # through host buffers; None: when the cache is not in host memory
@@ -74,11 +80,14 @@ class TcpTransport(KVTransport):
         loop = asyncio.get_running_loop()
         blocks = self._registered()
         try:
+            reader = await self._authenticate(conn)  # None: unkeyed, the reader names itself
             while (request := await sock_read_frame(loop, conn)) is not None:
                 ids, error = self._parse_read(request, blocks.shape[0])
-                if not error and not self._allowed(request.get("lease"), ids):
-                    error = "no live lease of this worker covers these blocks"
-                    log.warning("KV read refused: %s (%d blocks)", error, len(ids))
+                name = reader if reader is not None else request.get("reader")
+                if not error and not self._allowed(request.get("lease"), ids, name):
+                    error = "no live lease of this worker for this reader covers these blocks"
+                    self.refusals += 1
+                    log.warning("KV read by %r refused: %s (%d blocks)", name, error, len(ids))
                 if error:
                     await loop.sock_sendall(conn, encode_frame({"ok": False, "error": error}))
                     continue
@@ -92,14 +101,29 @@ class TcpTransport(KVTransport):
                 host = blocks.numpy()
                 for block_id in ids:
                     await loop.sock_sendall(conn, memoryview(host[block_id]))
-        except (OSError, FrameError) as exc:
-            log.debug("KV reader connection ended: %s", exc)
+        except auth.AuthError as exc:
+            self.refusals += 1
+            log.warning("KV connection refused: %s", exc)
+        except (OSError, FrameError, TimeoutError) as exc:
+            log.debug("KV reader connection ended: %r", exc)
         finally:
             conn.close()
 
-    def _allowed(self, lease_id: object, ids: list[int]) -> bool:
+    async def _authenticate(self, conn: socket.socket) -> str | None:
+        """The reader's proven name (None without a key)."""
+        if self.key is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        async def send(frame: dict[str, Any]) -> None:
+            await loop.sock_sendall(conn, encode_frame(frame))
+
+        return await auth.accept(self.key, "kv", send, lambda: sock_read_frame(loop, conn))
+
+    def _allowed(self, lease_id: object, ids: list[int], reader: object) -> bool:
         check = self.reads_allowed
-        return isinstance(lease_id, str) and check is not None and check(lease_id, ids)
+        return (isinstance(lease_id, str) and isinstance(reader, str) and check is not None
+                and check(lease_id, ids, reader))
 
     @staticmethod
     def _parse_read(request: dict[str, Any], num_blocks: int) -> tuple[list[int], str | None]:
@@ -152,10 +176,14 @@ class TcpTransport(KVTransport):
         reusable = False
         try:
             await loop.sock_sendall(conn, encode_frame({"op": "read", "lease": lease_id,
+                                                        "reader": self.name,
                                                         "blocks": remote}))
             reply = await sock_read_frame(loop, conn)
             if reply is None:
                 raise KVTransferError(f"peer {peer_id!r} closed the connection")
+            if "hello" in reply:
+                raise KVTransferError(f"peer {peer_id!r} asks for the cluster handshake; this "
+                                      f"worker has no cluster secret")
             if not reply.get("ok"):
                 reusable = True
                 raise KVTransferError(f"peer {peer_id!r} refused the read: {reply.get('error')}")
@@ -188,10 +216,24 @@ class TcpTransport(KVTransport):
         conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().sock_connect(conn, (host, port))
+            await loop.sock_connect(conn, (host, port))
         except OSError as exc:
             conn.close()
             raise KVTransferError(f"cannot connect to peer {peer_id!r} at {host}:{port}: "
                                   f"{exc}") from None
+        if self.key is not None:
+            async def send(frame: dict[str, Any]) -> None:
+                await loop.sock_sendall(conn, encode_frame(frame))
+
+            try:
+                await auth.connect(self.key, "kv", self.name, send,
+                                   lambda: sock_read_frame(loop, conn))
+            except (auth.AuthError, OSError, FrameError) as exc:
+                conn.close()
+                raise KVTransferError(f"peer {peer_id!r} at {host}:{port}: {exc}") from None
+            except BaseException:
+                conn.close()
+                raise
         return conn

@@ -4,10 +4,13 @@ Transfers are pulls: the decode worker reads the prefill worker's blocks into it
 ids index both workers' block-major caches; a block is one contiguous byte range, so a
 transfer is one descriptor per block. Leases, release and reject are not the transport's
 business: they travel on the control channel, where they get answers. A read names the lease
-it reads under; a transport that serves reads itself (TCP) serves only reads its owner's
-``reads_allowed`` approves (the prefill worker: a live lease covering exactly those blocks;
-lease ids are random 128-bit values the prefill worker gives only to the gateway, which hands
-them to the decode worker it chose). A worker that grants no lease (decode) serves no read.
+it reads under and the reader; a transport that serves reads itself (TCP) serves only reads
+its owner's ``reads_allowed`` approves (the prefill worker: a live lease, offered to that
+reader, covering those blocks; lease ids are random 128-bit values the prefill worker gives
+only to the gateway, which hands them to the decode worker it chose), and with a cluster key
+only to readers that proved the cluster secret. A worker that grants no lease (decode) serves
+no read. NIXL reads are one-sided: the serving side's code never sees them; who can read is
+whoever holds its agent metadata, which only pairing hands out (signed with the cluster key).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from services.control.auth import ClusterKey
 from services.kv_transfer.checksum import block_bytes
 
 
@@ -55,16 +59,20 @@ class PeerRegion:
 class KVTransport(ABC):
     kind: ClassVar[str]
 
-    def __init__(self, name: str, faults: TransferFaults | None = None) -> None:
-        self.name = name
+    def __init__(self, name: str, faults: TransferFaults | None = None,
+                 key: ClusterKey | None = None) -> None:
+        self.name = name  # the worker id: a reader's name to the peers it reads from
         self.faults = faults or TransferFaults()
+        self.key = key  # the cluster secret: connections prove it (transports that connect)
+        self.refusals = 0  # connections or reads refused (no handshake, no lease for them)
         self._blocks: torch.Tensor | None = None  # [num_blocks, bytes_per_block] uint8 view
         self._peers: dict[str, PeerRegion] = {}
         self._peer_metadata: dict[str, dict[str, Any]] = {}
         # Set by make_transport when "auto" fell back to this one: why NIXL could not serve.
         self.fallback_reason: str | None = None
-        # Whether a read under (lease id, block ids) may have this worker's blocks; None: no.
-        self.reads_allowed: Callable[[str, Sequence[int]], bool] | None = None
+        # Whether a read under (lease id, block ids) by (reader) may have this worker's
+        # blocks; None: no read may.
+        self.reads_allowed: Callable[[str, Sequence[int], str], bool] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 

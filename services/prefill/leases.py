@@ -12,10 +12,14 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True)
 class Lease:
-    lease_id: str  # 128 random bits: whoever holds it may read block_ids (no more)
+    lease_id: str  # 128 random bits: the reader holding it may read block_ids (no more)
     request_id: str
     expires_at: float  # on the table's clock
     block_ids: frozenset[int] = frozenset()
+    reader: str | None = None  # the decode worker it was offered to; None: any
+
+    def for_reader(self, reader: str | None) -> bool:
+        return self.reader is None or self.reader == reader
 
 
 class LeaseTable:
@@ -27,18 +31,22 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, request_id: str, block_ids: Iterable[int] = ()) -> Lease:
+    def grant(self, request_id: str, block_ids: Iterable[int] = (),
+              reader: str | None = None) -> Lease:
         lease = Lease(secrets.token_hex(16), request_id, self.clock() + self.ttl_s,
-                      frozenset(block_ids))
+                      frozenset(block_ids), reader)
         self._leases[lease.lease_id] = lease
         return lease
 
-    def covers(self, lease_id: str, block_ids: Sequence[int]) -> bool:
-        """Whether a live lease ``lease_id`` holds every one of ``block_ids`` (the KV
-        transport's ``reads_allowed``; called from its thread: one dict lookup)."""
+    def covers(self, lease_id: str, block_ids: Sequence[int], reader: str) -> bool:
+        """Whether a live lease ``lease_id`` offered to ``reader`` holds every one of
+        ``block_ids`` (the KV transport's ``reads_allowed``: one dict lookup)."""
         lease = self._leases.get(lease_id)
         return (lease is not None and lease.expires_at > self.clock()
-                and lease.block_ids.issuperset(block_ids))
+                and lease.for_reader(reader) and lease.block_ids.issuperset(block_ids))
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
 
     def take(self, lease_id: str) -> Lease | None:
         """End a lease (release or reject); None if it already ended or never existed."""

@@ -16,6 +16,9 @@ class PrefillMetrics:
     leases_rejected: int = 0
     leases_expired: int = 0
     late_messages: int = 0  # release/reject for a lease that had already ended
+    # Refused as unauthenticated or not meant for the sender: an unsigned pairing, a release by
+    # a worker the lease was not offered to (the KV transport counts its own refusals).
+    refusals: int = 0
     reject_reasons: Counter[str] = field(default_factory=Counter)
 
     def snapshot(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from services.control.auth import ClusterKey
 from services.control.codec import params_from_dict, params_to_dict, token_ids
 from services.control.rpc import Handler, RpcClient
 from services.engine.outputs import EngineOverloadedError, RequestError
@@ -24,14 +25,15 @@ def prefill_handlers(worker: PrefillWorker) -> dict[str, Handler]:
         return (await worker.pair(PairingInfo.from_dict(p["info"]))).to_dict()
 
     async def prefill(p: dict[str, Any]) -> Any:
-        salt = p.get("cache_salt")
+        salt, reader = p.get("cache_salt"), p.get("reader")
         result = await worker.prefill(str(p["request_id"]), token_ids(p["prompt"]),
                                       params_from_dict(p["params"]),
-                                      None if salt is None else str(salt))
+                                      None if salt is None else str(salt),
+                                      None if reader is None else str(reader))
         return result.to_dict()
 
     async def release(p: dict[str, Any]) -> Any:
-        return await worker.release(str(p["lease_id"]))
+        return await worker.release(str(p["lease_id"]), str(p["reader"]))
 
     async def reject(p: dict[str, Any]) -> Any:
         return await worker.reject(str(p["lease_id"]), str(p.get("reason", "unspecified")))
@@ -48,23 +50,26 @@ def prefill_handlers(worker: PrefillWorker) -> dict[str, Handler]:
 
 class RemotePrefill:
     """A prefill worker in another process; usable wherever a PrefillWorker is (a PrefillPeer
-    for decode workers, ``prefill`` for the gateway)."""
+    for decode workers, ``prefill`` for the gateway). ``key``, ``name``: the cluster secret
+    this client proves, under its worker id (services/control/auth.py)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.rpc = RpcClient(host, port, ERRORS)
+    def __init__(self, host: str, port: int, key: ClusterKey | None = None,
+                 name: str = "gateway") -> None:
+        self.rpc = RpcClient(host, port, ERRORS, key=key, name=name)
 
     async def pair(self, info: PairingInfo) -> PairingInfo:
         return PairingInfo.from_dict(await self.rpc.call("pair", {"info": info.to_dict()}))
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, cache_salt: str | None = None) -> PrefillResult:
+                      params: SamplingParams, cache_salt: str | None = None,
+                      reader: str | None = None) -> PrefillResult:
         result = await self.rpc.call("prefill", {
             "request_id": request_id, "prompt": list(prompt_token_ids),
-            "params": params_to_dict(params), "cache_salt": cache_salt})
+            "params": params_to_dict(params), "cache_salt": cache_salt, "reader": reader})
         return PrefillResult.from_dict(result)
 
-    async def release(self, lease_id: str) -> bool:
-        return bool(await self.rpc.call("release", {"lease_id": lease_id}))
+    async def release(self, lease_id: str, reader: str) -> bool:
+        return bool(await self.rpc.call("release", {"lease_id": lease_id, "reader": reader}))
 
     async def reject(self, lease_id: str, reason: str) -> bool:
         return bool(await self.rpc.call("reject", {"lease_id": lease_id, "reason": reason}))

@@ -21,7 +21,7 @@ from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.kv_transfer.checksum import block_bytes, block_checksums
 from services.kv_transfer.handle import KVHandle
-from services.kv_transfer.pairing import PairingInfo, check_pairing
+from services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
 from services.kv_transfer.transport import KVTransport
 from services.prefill.config import PrefillConfig
 from services.prefill.leases import Clock, Lease, LeaseTable
@@ -57,7 +57,7 @@ class PrefillWorker:
     async def start(self) -> None:
         await self.transport.start(self.engine.llm.kv_cache)
         self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
-                                            self.transport)
+                                            self.transport).signed(self.transport.key)
         self._reaper = asyncio.create_task(self._reap(), name=f"{self.worker_id}-leases")
 
     async def drain(self, timeout_s: float, poll_s: float = 0.1) -> int:
@@ -84,7 +84,15 @@ class PrefillWorker:
         return self._info
 
     async def pair(self, decode: PairingInfo) -> PairingInfo:
-        """Meet a decode worker: refuse on any setting mismatch, else return our info."""
+        """Meet a decode worker: refuse an info not signed with the cluster secret or any
+        setting mismatch, else return our info (signed)."""
+        try:
+            decode.check_signed(self.transport.key)
+        except PairingError:
+            self.metrics.refusals += 1
+            log.warning("%s: refused to pair with %r: not signed with the cluster secret",
+                        self.worker_id, decode.worker_id)
+            raise
         check_pairing(self.info, decode)
         self.peers[decode.worker_id] = decode
         self.transport.expect_reads(self.config.lease_ttl_s)  # it wires up to us next
@@ -93,13 +101,16 @@ class PrefillWorker:
     # -- requests -------------------------------------------------------------------------
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, cache_salt: str | None = None) -> PrefillResult:
+                      params: SamplingParams, cache_salt: str | None = None,
+                      reader: str | None = None) -> PrefillResult:
         """Prefill the prompt and sample its first token; unless that ends the request, the
-        prompt's blocks stay pinned under a lease until released, rejected or expired."""
+        prompt's blocks stay pinned under a lease until released, rejected or expired. Only
+        the decode worker ``reader`` may read them under it (None: any paired one)."""
         prompt = list(prompt_token_ids)
         trace = PrefillTrace(request_id, self.worker_id, len(prompt))
         try:
-            result = await self._prefill(request_id, prompt, params, cache_salt, trace)
+            result = await self._prefill(request_id, prompt, params, cache_salt, reader,
+                                         trace)
         except BaseException as exc:
             trace.fail(exc)
             raise
@@ -107,7 +118,8 @@ class PrefillWorker:
         return result
 
     async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       cache_salt: str | None, trace: PrefillTrace) -> PrefillResult:
+                       cache_salt: str | None, reader: str | None, trace: PrefillTrace
+                       ) -> PrefillResult:
         def start(engine: LLMEngine) -> None:
             if trace.recording:
                 trace.admitted(engine)
@@ -121,13 +133,14 @@ class PrefillWorker:
         self.metrics.prefills += 1
         handle = None
         if last.kv is not None:
-            lease = self.leases.grant(request_id, last.kv.block_ids)
+            lease = self.leases.grant(request_id, last.kv.block_ids, reader)
             self.metrics.leases_granted += 1
             self.transport.expect_reads(self.config.lease_ttl_s)  # until the lease expires
             checksums = (tuple(block_checksums(self._blocks, last.kv.block_ids))
                          if self.config.checksums else None)
             handle = KVHandle(self.worker_id, lease.lease_id, last.kv.block_ids,
-                              last.kv.num_tokens, checksums)
+                              last.kv.num_tokens, checksums, reader
+                              ).signed(self.transport.key)
         return PrefillResult(
             request_id=request_id, first_token=last.new_token_ids[0],
             finish_reason=None if last.finish_reason is None else str(last.finish_reason),
@@ -135,9 +148,16 @@ class PrefillWorker:
             kv=handle, logprobs=tuple(last.new_logprobs),
             prompt_logprobs=None if last.prompt_logprobs is None else tuple(last.prompt_logprobs))
 
-    async def release(self, lease_id: str) -> bool:
-        """The decode worker has the blocks. True if the lease was still held, i.e. the
-        blocks it read were this prompt's; False if it had already ended (e.g. expired)."""
+    async def release(self, lease_id: str, reader: str | None = None) -> bool:
+        """The decode worker ``reader`` has the blocks. True if the lease was still held for
+        it, i.e. the blocks it read were this prompt's; False if it had already ended (e.g.
+        expired) or was offered to another worker (then it stays)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None and not lease.for_reader(reader):
+            self.metrics.refusals += 1
+            log.warning("%s: refused %r's release of lease for %s: it was offered to %r",
+                        self.worker_id, reader, lease.request_id, lease.reader)
+            return False
         lease = self.leases.take(lease_id)
         if lease is None:
             self.metrics.late_messages += 1
@@ -147,7 +167,9 @@ class PrefillWorker:
         return True
 
     async def reject(self, lease_id: str, reason: str) -> bool:
-        """The decode worker will not take the request (or its transfer failed)."""
+        """The decode worker will not take the request (or its transfer failed, or it was not
+        the lease's reader), or the gateway dropped it: the blocks are freed now. Anyone
+        holding the lease id may: it only frees (its reader then recomputes)."""
         lease = self.leases.take(lease_id)
         if lease is None:
             self.metrics.late_messages += 1
@@ -171,8 +193,14 @@ class PrefillWorker:
         """Engine stats, lease count and metrics, as JSON-able data."""
         stats = await self.engine.call(lambda engine: engine.stats)
         return {"worker_id": self.worker_id, "engine": dataclasses.asdict(stats),
-                "leases": len(self.leases), "metrics": self.metrics.snapshot(),
+                "leases": len(self.leases), "metrics": self._metrics(),
                 **self.transport.describe()}
+
+    def _metrics(self) -> dict[str, Any]:
+        """The worker's counters; its refusals include its transport's."""
+        data = self.metrics.snapshot()
+        data["refusals"] += self.transport.refusals
+        return data
 
     # -- internals ------------------------------------------------------------------------
 

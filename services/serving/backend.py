@@ -179,8 +179,8 @@ class DisaggBackend:
             assert worker is not None
             try:
                 async with asyncio.timeout(self.timeouts.prefill_s):
-                    result, report = await _call(self.prefill.prefill.remote(request,
-                                                                             route_to=worker))
+                    result, report = await _call(self.prefill.prefill.remote(
+                        request, route_to=worker, reader=decision.decode_worker))
             except (ReplicaGoneError, EngineDeadError, TimeoutError) as exc:
                 if isinstance(exc, TimeoutError):
                     log.warning("request %s: prefill worker %s did not answer within %.1f s",

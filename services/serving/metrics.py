@@ -77,6 +77,10 @@ class WorkerCollector(Collector):
                                     "fault (it is being replaced).", labels=labels)
         rejects = counter("tandem_decode_rejects",
                           "Leases a decode worker rejected, by reason.", ("reason",))
+        refusals = counter("tandem_worker_refusals",
+                           "Connections and messages a worker refused: no proof of the cluster "
+                           "secret, an unsigned pairing or KV handle, a KV read or lease "
+                           "release by a worker the lease was not offered to.")
         fallback = GaugeMetricFamily("tandem_kv_transport_fallback",
                                      "1 when the worker moves KV over TCP through host memory "
                                      "because NIXL cannot move its GPU memory (kv_transport "
@@ -89,6 +93,7 @@ class WorkerCollector(Collector):
             free.add_metric(key, w.stats.num_free_blocks)
             total.add_metric(key, w.stats.num_blocks)
             m = w.metrics
+            refusals.add_metric(key, _number(m, "refusals"))
             if w.role == "prefill":
                 leases.add_metric(key, w.leases)
                 prefills.add_metric(key, _number(m, "prefills"))
@@ -109,7 +114,7 @@ class WorkerCollector(Collector):
                     rejects.add_metric([*key, reason], float(count))
         yield from (info, free, total, leases, prefills, granted, ended, moved, seconds,
                     transfers, failures, checksums, imports, recomputes, queued, rejects, healthy,
-                    fallback)
+                    fallback, refusals)
 
 
 class RouterCollector(Collector):

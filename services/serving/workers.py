@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from router import WorkerInfo, WorkerLoad
 from services import tracing
+from services.control.auth import ClusterKey
 from services.decode.config import DecodeConfig
 from services.decode.worker import DecodeWorker
 from services.engine.faults import fault_hook_from_env, planned_faults
@@ -71,11 +72,14 @@ class _Replica:
         # the sequence lets it keep the newest load.
         self._report_seq = itertools.count(1)
         self.host = reachable_host(config.worker_host)
+        # The cluster secret: KV reads prove it, lease handles and pairings are signed with it.
+        self.key = (ClusterKey.from_file(config.cluster_secret_file)
+                    if config.cluster_secret_file else None)
         return self.engine
 
     def _transport(self):  # type: ignore[no-untyped-def]
         return make_transport(self.config.kv_transport, self.worker_id, host=self.host,
-                              device=self.engine.config.device)
+                              device=self.engine.config.device, key=self.key)
 
     def _check_route(self, route_to: str | None) -> None:
         if route_to is not None and route_to != self.worker_id:
@@ -136,12 +140,14 @@ class PrefillReplica(_Replica):
         await self.worker.start()
         self.events.start(self.info(), self.load, lambda: self.worker.engine.healthy)
 
-    async def prefill(self, request: GenerationRequest, route_to: str | None = None
-                      ) -> tuple[PrefillResult, WorkerReport]:
+    async def prefill(self, request: GenerationRequest, route_to: str | None = None,
+                      reader: str | None = None) -> tuple[PrefillResult, WorkerReport]:
+        """``reader``: the decode replica the gateway will hand the lease to (only it may
+        read the blocks and release the lease)."""
         self._check_route(route_to)
         with tracing.attached(request.trace):  # the gateway's request span parents this one
             result = await self.worker.prefill(request.request_id, request.prompt_token_ids,
-                                               request.params, request.cache_salt)
+                                               request.params, request.cache_salt, reader)
         fault = self._faults.get(request.params.seed) if request.params.seed is not None else None
         if fault in ("sigstop", "sigkill") and result.kv is not None:
             self._tripwire = (result.kv.lease_id, signal.SIGSTOP if fault == "sigstop"
@@ -169,12 +175,12 @@ class PrefillReplica(_Replica):
         with tracing.served("control.pair", trace):
             return await self.worker.pair(decode)
 
-    async def release(self, lease_id: str, route_to: str | None = None,
+    async def release(self, lease_id: str, reader: str, route_to: str | None = None,
                       trace: dict[str, str] | None = None) -> bool:
         self._check_route(route_to)
         self._trip(lease_id)
         with tracing.served("control.release", trace):
-            return await self.worker.release(lease_id)
+            return await self.worker.release(lease_id, reader)
 
     async def reject(self, lease_id: str, reason: str, route_to: str | None = None,
                      trace: dict[str, str] | None = None) -> bool:
@@ -205,8 +211,8 @@ class ServePrefillPeer:
                                                             trace=tracing.inject())
         return result
 
-    async def release(self, lease_id: str) -> bool:
-        return bool(await self.handle.release.remote(lease_id, route_to=self.worker_id,
+    async def release(self, lease_id: str, reader: str) -> bool:
+        return bool(await self.handle.release.remote(lease_id, reader, route_to=self.worker_id,
                                                      trace=tracing.inject()))
 
     async def reject(self, lease_id: str, reason: str) -> bool:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+from services.control.auth import ClusterKey
 from services.control.process import WorkerProcess, WorkerSpec, spawn_workers
 from services.decode.config import DecodeConfig
 from services.decode.worker import DecodeResult, DecodeWorker
@@ -41,8 +43,8 @@ class FakeClock:
 
 class Prefill(Protocol):
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, cache_salt: str | None = None
-                      ) -> PrefillResult: ...
+                      params: SamplingParams, cache_salt: str | None = None,
+                      reader: str | None = None) -> PrefillResult: ...
 
     async def status(self) -> dict[str, Any]: ...
 
@@ -56,9 +58,10 @@ class Decode(Protocol):
 
 
 async def run_request(prefill: Prefill, decode: Decode, request_id: str, prompt: list[int],
-                      params: SamplingParams = GREEDY) -> DecodeResult:
-    """What the gateway does: first token from P, the rest from D."""
-    first = await prefill.prefill(request_id, prompt, params)
+                      params: SamplingParams = GREEDY, reader: str = "d0") -> DecodeResult:
+    """What the gateway does: first token from P (its lease offered to the decode worker
+    ``reader``), the rest from D."""
+    first = await prefill.prefill(request_id, prompt, params, reader=reader)
     assert not first.finished, "the test prompts never end at their first token"
     return await decode.generate(request_id, prompt, params, first)
 
@@ -113,9 +116,19 @@ async def local_pair(model: LoadedModel, transport: str, *,
 WORKER_ENGINE = {"num_kv_blocks": 512, "num_threads": 1}
 
 
-def worker_spec(worker_id: str, transport: str, role_config: dict[str, Any]) -> WorkerSpec:
+def worker_spec(worker_id: str, transport: str, role_config: dict[str, Any],
+                secret_file: Path | None = None) -> WorkerSpec:
     return WorkerSpec(worker_id=worker_id, engine=dict(WORKER_ENGINE), role=role_config,
-                      transport=transport)
+                      transport=transport,
+                      cluster_secret_file=None if secret_file is None else str(secret_file))
+
+
+def write_secret(directory: Path) -> tuple[Path, ClusterKey]:
+    """A new cluster secret in a private file, and its key."""
+    path = directory / "cluster-secret"
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_urlsafe(36))
+    return path, ClusterKey.from_file(path)
 
 
 def spawn(log_dir: Path, *workers: tuple[str, WorkerSpec]) -> list[WorkerProcess]:

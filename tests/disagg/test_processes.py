@@ -16,11 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
+from services.control.auth import AuthError, ClusterKey
 from services.control.process import WorkerProcess
 from services.decode.errors import DecodeRejectedError
 from services.decode.service import RemoteDecode
 from services.decode.worker import KVSource
+from services.kv_transfer.tcp_transport import TcpTransport
+from services.kv_transfer.transport import KVTransferError
 from services.prefill.service import RemotePrefill
 from tests.disagg.cluster import (
     GREEDY,
@@ -30,6 +34,7 @@ from tests.disagg.cluster import (
     spawn,
     wait_until,
     worker_spec,
+    write_secret,
 )
 from tests.engine.test_exactness import check_all
 from tests.hf_reference import compare
@@ -45,11 +50,13 @@ class Cluster:
     log_dir: Path
     prefill: WorkerProcess
     decode: WorkerProcess
+    secret_file: Path
+    key: ClusterKey
 
     @asynccontextmanager
     async def clients(self) -> AsyncIterator[tuple[RemotePrefill, RemoteDecode]]:
-        p = RemotePrefill("127.0.0.1", self.prefill.port)
-        d = RemoteDecode("127.0.0.1", self.decode.port)
+        p = RemotePrefill("127.0.0.1", self.prefill.port, self.key)
+        d = RemoteDecode("127.0.0.1", self.decode.port, self.key)
         try:
             yield p, d
         finally:
@@ -61,15 +68,16 @@ class Cluster:
 def cluster(request, tmp_path_factory) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
     transport = request.param
     log_dir = tmp_path_factory.mktemp(f"disagg-{transport}")
-    decode_spec = worker_spec("d0", transport, {"verify_checksums": True})
+    secret_file, key = write_secret(log_dir)
+    decode_spec = worker_spec("d0", transport, {"verify_checksums": True}, secret_file)
     decode_spec.engine.update(DECODE_ENGINE)
     prefill, decode = spawn(
         log_dir,
         ("prefill", worker_spec("p0", transport, {"lease_ttl_s": LEASE_TTL_S,
-                                                  "checksums": True})),
+                                                  "checksums": True}, secret_file)),
         ("decode", decode_spec))
     try:
-        c = Cluster(transport, log_dir, prefill, decode)
+        c = Cluster(transport, log_dir, prefill, decode, secret_file, key)
 
         async def pair() -> None:
             async with c.clients() as (_, d):
@@ -122,22 +130,23 @@ def test_sixteen_concurrent(cluster, prompts, references):
 
 def test_reject_and_killed_decode_free_prefill_blocks(cluster, prompts):
     """A second decode worker first rejects (draining), then dies before pulling."""
-    (doomed,) = spawn(cluster.log_dir, ("decode", worker_spec("d1", cluster.transport, {})))
+    (doomed,) = spawn(cluster.log_dir, ("decode", worker_spec("d1", cluster.transport, {},
+                                                              cluster.secret_file)))
     try:
         async def scenario() -> None:
             async with cluster.clients() as (p, _):
-                d1 = RemoteDecode("127.0.0.1", doomed.port)
+                d1 = RemoteDecode("127.0.0.1", doomed.port, cluster.key)
                 await d1.pair_prefill("127.0.0.1", cluster.prefill.port)
                 start = await free_blocks(p)
                 await d1.drain()
-                first = await p.prefill("rejected", prompts[5], GREEDY)
+                first = await p.prefill("rejected", prompts[5], GREEDY, reader="d1")
                 assert await free_blocks(p) < start
                 with pytest.raises(DecodeRejectedError, match="shutting down"):
                     await d1.generate("rejected", prompts[5], GREEDY, first)
                 assert await free_blocks(p) == start
                 await d1.close()
 
-                await p.prefill("orphaned", prompts[5], GREEDY)
+                await p.prefill("orphaned", prompts[5], GREEDY, reader="d1")
                 assert await free_blocks(p) < start
                 doomed.kill()
                 async def all_free_again() -> bool:
@@ -162,7 +171,7 @@ def test_a_forged_lease_reads_nothing_and_the_output_stays_exact(cluster, prompt
         async with cluster.clients() as (p, d):
             start = await free_blocks(p)
             before = (await d.status())["metrics"]
-            first = await p.prefill("forged", prompts[6], GREEDY)
+            first = await p.prefill("forged", prompts[6], GREEDY, reader="d0")
             assert first.kv is not None
             forged = dataclasses.replace(first, kv=dataclasses.replace(first.kv,
                                                                        lease_id="f" * 32))
@@ -180,11 +189,75 @@ def test_a_forged_lease_reads_nothing_and_the_output_stays_exact(cluster, prompt
     asyncio.run(scenario())
 
 
+def test_without_the_cluster_secret_nothing_is_pinned_or_read(cluster, prompts, references):
+    """Control calls without the cluster secret (none, or another) are refused at the
+    handshake before any call is read: no prefill, no lease, no pairing (so no NIXL
+    metadata). A KV handle offered to another decode worker is not pulled by D (it recomputes,
+    exactly, and rejects the lease) and P refuses D's release of it; over TCP a reader with
+    the secret under another name, or with the lease's name but no secret, reads nothing."""
+    async def scenario() -> None:
+        async with cluster.clients() as (p, d):
+            start = await free_blocks(p)
+            before = (await p.status())["metrics"]
+            for key in (None, ClusterKey(b"x" * 40)):
+                outsider_p = RemotePrefill("127.0.0.1", cluster.prefill.port, key, "d0")
+                outsider_d = RemoteDecode("127.0.0.1", cluster.decode.port, key)
+                try:
+                    with pytest.raises(AuthError):
+                        await outsider_p.prefill("intruder", prompts[3], GREEDY)
+                    with pytest.raises(AuthError):
+                        await outsider_p.rpc.call("pair", {"info": {}})
+                    with pytest.raises(AuthError):
+                        await outsider_d.pair_prefill("127.0.0.1", cluster.prefill.port)
+                finally:
+                    await outsider_p.close()
+                    await outsider_d.close()
+            status = await p.status()
+            assert status["leases"] == 0 and await free_blocks(p) == start
+            assert status["metrics"]["prefills"] == before["prefills"]
+
+            first = await p.prefill("elsewhere", prompts[7], GREEDY, reader="d9")
+            assert first.kv is not None and first.kv.reader == "d9"
+            as_d0 = RemotePrefill("127.0.0.1", cluster.prefill.port, cluster.key, "d0")
+            try:
+                assert await as_d0.release(first.kv.lease_id, "d0") is False
+            finally:
+                await as_d0.close()
+            assert (await p.status())["leases"] == 1  # still held for d9
+            refused = 1
+            if cluster.transport == "tcp":
+                info = await d.pair_prefill("127.0.0.1", cluster.prefill.port)
+                size = int(info.transport_metadata["bytes_per_block"])
+                for reader in (TcpTransport("d0", key=cluster.key), TcpTransport("d9")):
+                    await reader.start(torch.zeros(1, size, dtype=torch.uint8))
+                    reader.add_peer("p0", info.transport_metadata)
+                    try:
+                        with pytest.raises(KVTransferError, match="lease|handshake"):
+                            await reader.read_blocks("p0", first.kv.block_ids[:1], [0], 10,
+                                                     first.kv.lease_id)
+                        assert not reader._registered().any()  # not one byte arrived
+                    finally:
+                        await reader.close()
+                refused += 2
+            d_before = (await d.status())["metrics"]
+            result = await d.generate("elsewhere", prompts[7], GREEDY, first)
+            assert result.kv_source is KVSource.RECOMPUTE
+            check_all([result.output_token_ids], [references[7]], "a lease for another")
+            d_after = (await d.status())["metrics"]
+            assert d_after["refusals"] == d_before["refusals"] + 1
+            assert d_after["transfers"] == d_before["transfers"]
+            status = await p.status()
+            assert status["leases"] == 0 and await free_blocks(p) == start  # D rejected it
+            assert status["metrics"]["refusals"] >= before["refusals"] + refused
+
+    asyncio.run(scenario())
+
+
 def test_prefill_killed_mid_request_recomputes(cluster, prompts, references):
     """Runs last for its cluster: the prefill worker dies after the first token."""
     async def scenario() -> None:
         async with cluster.clients() as (p, d):
-            first = await p.prefill("orphan", prompts[4], GREEDY)
+            first = await p.prefill("orphan", prompts[4], GREEDY, reader="d0")
             cluster.prefill.kill()
             result = await d.generate("orphan", prompts[4], GREEDY, first)
             assert result.kv_source is KVSource.RECOMPUTE

@@ -9,8 +9,10 @@ import logging
 import pytest
 import torch
 
+from services.control.auth import ClusterKey
 from services.engine.outputs import EngineStats
 from services.kv_transfer.factory import make_transport
+from services.kv_transfer.framing import encode_frame, read_frame
 from services.kv_transfer.tcp_transport import TcpTransport
 from services.kv_transfer.transport import KVTransferError
 from services.prefill.leases import LeaseTable
@@ -42,7 +44,7 @@ def test_staged_tcp_moves_exactly_the_named_blocks(server_staged: bool,
         try:
             reader.add_peer("p0", server.metadata())
             remote, local = [7, 0, 11, 3], [2, 9, 0, 5]
-            lease = leases.grant("r", remote)
+            lease = leases.grant("r", remote, reader="d0")
             moved = await reader.read_blocks("p0", remote, local, timeout_s=10,
                                              lease_id=lease.lease_id)
             assert moved == len(remote) * source[0].numel() * source.element_size()
@@ -89,6 +91,55 @@ def test_a_read_needs_a_live_lease_covering_its_blocks() -> None:
             assert torch.equal(source, _cache(1))
         finally:
             await reader.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+SECRET = b"s" * 40
+
+
+def test_keyed_reads_need_the_cluster_secret_and_a_lease_for_this_reader() -> None:
+    """With the cluster key, a reader without it (or with another secret) is refused at the
+    handshake; one with it reads only under a lease offered to its own name."""
+    async def scenario() -> None:
+        leases = LeaseTable(30)
+        source, dest = _cache(1), _cache(2)
+        untouched = dest.clone()
+        server = TcpTransport("p0", key=ClusterKey(SECRET))
+        server.reads_allowed = leases.covers
+        readers = {"none": TcpTransport("d0"),
+                   "other secret": TcpTransport("d0", key=ClusterKey(b"t" * 40)),
+                   "d0": TcpTransport("d0", key=ClusterKey(SECRET)),
+                   "d1": TcpTransport("d1", key=ClusterKey(SECRET))}
+        await server.start(source)
+        for reader in readers.values():
+            await reader.start(dest)
+            reader.add_peer("p0", server.metadata())
+        try:
+            lease = leases.grant("r", [1, 2], reader="d0")
+            for name, match in (("none", "handshake"), ("other secret", "handshake"),
+                                ("d1", "no live lease")):
+                with pytest.raises(KVTransferError, match=match):
+                    await readers[name].read_blocks("p0", [1], [0], timeout_s=10,
+                                                    lease_id=lease.lease_id)
+            assert torch.equal(dest, untouched)
+            assert server.refusals == 3
+            await readers["d0"].read_blocks("p0", [2], [0], timeout_s=10,
+                                            lease_id=lease.lease_id)
+            assert torch.equal(dest[0], source[2])
+            # A client that skips the handshake and sends a read gets an error, no bytes.
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            assert (await read_frame(reader) or {}).get("hello")
+            writer.write(encode_frame({"op": "read", "lease": lease.lease_id, "reader": "d0",
+                                       "blocks": [1]}))
+            refusal = await read_frame(reader)
+            assert refusal is not None and "unauthenticated" in refusal["error"]
+            assert await reader.read() == b""  # closed: not one byte of KV
+            writer.close()
+        finally:
+            for reader in readers.values():
+                await reader.close()
             await server.close()
 
     asyncio.run(scenario())
