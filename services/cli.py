@@ -92,7 +92,8 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "api_keys_file": "api_keys_file", "cluster_secret_file": "cluster_secret_file",
              "metrics_require_key": "metrics_require_key",
              "tenant_requests_per_minute": "tenant_requests_per_minute",
-             "tenant_tokens_per_minute": "tenant_tokens_per_minute"}
+             "tenant_tokens_per_minute": "tenant_tokens_per_minute",
+             "tls_cert_file": "tls_cert_file", "tls_key_file": "tls_key_file"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -150,6 +151,11 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     help="per tenant; beyond it 429 + Retry-After")
     up.add_argument("--tenant-tokens-per-minute", type=int, metavar="N",
                     help="prompt + max_tokens per tenant; beyond it 429 + Retry-After")
+    up.add_argument("--tls-cert-file", metavar="PEM",
+                    help="serve HTTPS and gRPC over TLS only, with this certificate (then any "
+                         "intermediates); needs --tls-key-file")
+    up.add_argument("--tls-key-file", metavar="PEM", help="the certificate's private key "
+                                                          "(unencrypted)")
     _add_spec_args(up, defaults=False)
     up.set_defaults(func=_up)
 
@@ -165,7 +171,9 @@ def _up(args: argparse.Namespace) -> int:
     source = getattr(args, "config", None)
     settings = {**(read_yaml_settings(source) if source else {}), **flags}
     with up.secret_files(settings, keys) as settings:
-        return up.run(AppConfig.from_dict(settings, source or "command line"))
+        config = AppConfig.from_dict(settings, source or "command line")
+        config.server_tls()  # a bad TLS file fails here, not in the gateway Ray starts
+        return up.run(config)
 
 
 def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -34,6 +34,7 @@ from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from services.gateway.pipeline import Delta
 from services.gateway.request_trace import RequestTrace
+from services.gateway.tls import ServerTLS
 from services.version import version
 
 MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request_id, echoed back
@@ -201,8 +202,10 @@ class GrpcFrontEnd:
             await self._refresh()
 
 
-def create_grpc_server(gateway: Gateway, address: str = "127.0.0.1:50051") -> GrpcFrontEnd:
-    """Build (not start) the gRPC front end; messages over the body limit get RESOURCE_EXHAUSTED."""
+def create_grpc_server(gateway: Gateway, address: str = "127.0.0.1:50051",
+                       tls: ServerTLS | None = None) -> GrpcFrontEnd:
+    """Build (not start) the gRPC front end; messages over the body limit get RESOURCE_EXHAUSTED.
+    With ``tls`` the port serves TLS only."""
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", gateway.config.max_body_bytes)])
     _add_generation_servicer(GenerationServicer(gateway), server)
@@ -210,7 +213,11 @@ def create_grpc_server(gateway: Gateway, address: str = "127.0.0.1:50051") -> Gr
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, grpc.ssl_server_credentials(
+            [(tls.private_key, tls.cert_chain)]))
     return GrpcFrontEnd(server, port, health_servicer, gateway)
 
 

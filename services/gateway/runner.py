@@ -17,6 +17,7 @@ from starlette.types import Scope
 from services.gateway.core import Gateway
 from services.gateway.grpc_service import create_grpc_server
 from services.gateway.http_app import create_http_app
+from services.gateway.tls import ServerTLS
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,11 @@ class ServeAddresses:
     host: str
     http_port: int
     grpc_port: int
+    tls: bool = False  # HTTPS, and gRPC over TLS
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.http_port}"
 
     @property
     def grpc_target(self) -> str:
@@ -39,22 +41,27 @@ class FrontEnds:
 
     ``start()`` returns once both accept connections; port 0 picks a free port. The gateway's
     Serve replica runs these itself (Serve's HTTP proxy is off): uvicorn's flow control then
-    reaches the gateway, which cuts clients that stop reading (event_stream.py).
+    reaches the gateway, which cuts clients that stop reading (event_stream.py). With ``tls``
+    both serve TLS only (HTTPS; gRPC over TLS).
     """
 
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", http_port: int = 8000,
                  grpc_port: int = 50051, log_level: str = "warning",
-                 graceful_shutdown_s: float = 5.0, configure_logging: bool = True) -> None:
+                 graceful_shutdown_s: float = 5.0, configure_logging: bool = True,
+                 tls: ServerTLS | None = None) -> None:
         self.gateway = gateway
         self._host = host
+        self._tls = tls
         self._http_socket = _bind(host, http_port)
         app = create_http_app(gateway, self._abort_connection)
         config = uvicorn.Config(app, log_level=log_level, lifespan="off",
                                 timeout_graceful_shutdown=int(graceful_shutdown_s) or None,
-                                **({} if configure_logging else {"log_config": None}))
+                                **({} if configure_logging else {"log_config": None}),
+                                **({} if tls is None else {"ssl_certfile": tls.cert_file,
+                                                           "ssl_keyfile": tls.key_file}))
         self._http = uvicorn.Server(config)
         self._http_task: asyncio.Task[None] | None = None
-        self._grpc = create_grpc_server(gateway, f"{host}:{grpc_port}")
+        self._grpc = create_grpc_server(gateway, f"{host}:{grpc_port}", tls)
         self._grace_s = graceful_shutdown_s
         self.addresses: ServeAddresses | None = None
 
@@ -63,7 +70,7 @@ class FrontEnds:
         self._http_task = asyncio.create_task(self._http.serve(sockets=[self._http_socket]))
         await self._wait_http_started(self._http_task)
         self.addresses = ServeAddresses(self._host, self._http_socket.getsockname()[1],
-                                        self._grpc.port)
+                                        self._grpc.port, self._tls is not None)
         return self.addresses
 
     async def serve_until_stopped(self) -> None:
@@ -112,9 +119,10 @@ class GatewayServer:
 
     def __init__(self, gateway: Gateway, host: str = "127.0.0.1", http_port: int = 8000,
                  grpc_port: int = 50051, log_level: str = "warning",
-                 graceful_shutdown_s: float = 5.0) -> None:
+                 graceful_shutdown_s: float = 5.0, tls: ServerTLS | None = None) -> None:
         self.gateway = gateway
         self._args = (gateway, host, http_port, grpc_port, log_level, graceful_shutdown_s)
+        self._tls = tls
         self._fronts: FrontEnds | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -145,7 +153,7 @@ class GatewayServer:
             self._ready.set()
 
     async def _serve(self) -> None:
-        self._fronts = FrontEnds(*self._args)
+        self._fronts = FrontEnds(*self._args, tls=self._tls)
         try:
             self.addresses = await self._fronts.start()
             self._ready.set()

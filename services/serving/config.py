@@ -6,7 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -19,6 +19,9 @@ from services.engine.config import (
     SpeculativeConfig,
 )
 from services.kv_transfer.factory import TRANSPORTS
+
+if TYPE_CHECKING:
+    from services.gateway.tls import ServerTLS
 
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -90,6 +93,10 @@ class AppConfig:
     metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
     tenant_requests_per_minute: int | None = None  # per tenant; None: no limit
     tenant_tokens_per_minute: int | None = None  # prompt + max_tokens, per tenant; None: none
+    # TLS for HTTP and gRPC (PEM files, read by the gateway at start; the chart mounts them
+    # from a Secret): both or neither. Set, the ports serve TLS only.
+    tls_cert_file: str | None = None  # the certificate, then any intermediates
+    tls_key_file: str | None = None  # its private key, unencrypted
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -131,6 +138,10 @@ class AppConfig:
                               "prefix-cache salts); `tandem up` makes one")
         if self.metrics_require_key and self.api_keys_file is None:
             raise ConfigError("metrics_require_key needs api_keys_file")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            given, missing = (("tls_cert_file", "tls_key_file") if self.tls_key_file is None
+                              else ("tls_key_file", "tls_cert_file"))
+            raise ConfigError(f"{given} needs {missing} (TLS takes both or neither)")
         _at_least("max_migrations", self.max_migrations, 0)
         for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s",
                      "idle_poll_interval_s", "request_timeout_s", "prefill_timeout_s",
@@ -166,6 +177,19 @@ class AppConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.engine_threads(), attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs)
+
+    def http_url(self) -> str:
+        """Where the gateway's HTTP front end answers (https with TLS)."""
+        return f"{'http' if self.tls_cert_file is None else 'https'}://{self.host}:{self.port}"
+
+    def server_tls(self) -> ServerTLS | None:
+        """The front ends' certificate and key, read and checked now (``TLSConfigError`` names
+        the setting); None without TLS. The gateway calls it at start, where the files are."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        from services.gateway.tls import ServerTLS
+
+        return ServerTLS.read(self.tls_cert_file, self.tls_key_file)
 
     def in_flight_limit(self) -> int:
         """The gateway's admission bound (``max_in_flight`` or its default)."""

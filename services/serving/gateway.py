@@ -26,6 +26,7 @@ from router import (
     connect,
 )
 from services import tracing
+from services.control.auth import read_secret
 from services.engine.block_hash import HashSettings
 from services.engine.tokenizer_loader import load_model_metadata
 from services.gateway import (
@@ -34,7 +35,7 @@ from services.gateway import (
     GatewayConfig,
 )
 from services.gateway.runner import FrontEnds
-from services.gateway.tenants import Tenants, read_api_keys, read_secret
+from services.gateway.tenants import Tenants, read_api_keys
 from services.serving import metrics
 from services.serving.backend import BackendTimeouts, DisaggBackend
 from services.serving.cluster_view import ClusterView, WorkerSnapshot
@@ -74,6 +75,7 @@ class GatewayIngress:
                                        sampling_defaults=meta.sampling_defaults,
                                        metrics_require_key=config.metrics_require_key)
         tenants = tenants_of(config)
+        tls = config.server_tls()
         if meta.sampling_defaults:
             log.info("request defaults from the model's generation_config.json: %s",
                      meta.sampling_defaults)
@@ -99,7 +101,8 @@ class GatewayIngress:
                          self.router, migrations)
         self.fronts = FrontEnds(self.gateway, config.host, config.port, config.grpc_port,
                                 log_level="warning", graceful_shutdown_s=1.0,
-                                configure_logging=False)  # Ray owns the replica's logging
+                                configure_logging=False,  # Ray owns the replica's logging
+                                tls=tls)
         await self.fronts.start()
 
     async def _disaggregated(self, config: AppConfig, model_id: str, prefill: DeploymentHandle,

@@ -6,6 +6,7 @@ import contextlib
 import os
 import secrets
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -31,8 +32,9 @@ def ready_line(config: AppConfig) -> str:
     if config.threads_per_worker is None:
         shape += f", from {len(os.sched_getaffinity(0))} CPUs"
     keys = "API keys on" if config.api_keys_file else "no API keys"
-    return (f"Tandem ready: HTTP http://{config.host}:{config.port}/v1  "
-            f"gRPC {config.host}:{config.grpc_port}  ({shape}; {keys})")
+    tls = "" if config.tls_cert_file is None else " (TLS)"
+    return (f"Tandem ready: HTTP {config.http_url()}/v1  "
+            f"gRPC {config.host}:{config.grpc_port}{tls}  ({shape}; {keys})")
 
 
 @contextlib.contextmanager
@@ -90,7 +92,7 @@ def run(config: AppConfig, out: TextIO = sys.stdout) -> int:
         # No Serve HTTP proxy: the gateway replica serves HTTP and gRPC itself.
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
-        _wait_healthy(f"http://{config.host}:{config.port}/health", stop)
+        _wait_healthy(config, stop)
         if not stop.is_set():
             print(ready_line(config), file=out, flush=True)
         stop.wait()
@@ -107,14 +109,26 @@ def _on_signals(stop: threading.Event) -> None:
         signal.signal(sig, lambda *_: stop.set())
 
 
-def _wait_healthy(url: str, stop: threading.Event) -> None:
+def _wait_healthy(config: AppConfig, stop: threading.Event) -> None:
+    url = f"{config.http_url()}/health"
+    context = None
+    if config.tls_cert_file is not None:
+        # Trust the served certificate itself (a leaf will do: partial chain), not the name it
+        # carries, which is the service's, not the loopback address polled here.
+        context = ssl.create_default_context(cafile=config.tls_cert_file)
+        context.check_hostname = False
+        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not stop.is_set():
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2, context=context) as response:
                 if response.status == 200:
                     return
-        except (urllib.error.URLError, OSError):
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, ssl.SSLCertVerificationError):
+                raise RuntimeError(f"{url}: the gateway's certificate (tls_cert_file) does not "
+                                   f"verify: {exc.reason.verify_message}") from None
+        except OSError:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} did not answer within {READY_TIMEOUT_S} s")
