@@ -1,9 +1,11 @@
 """The chart's security settings (issue 18, chart side), rendered with the real helm.
 
 What the NetworkPolicies admit (no any-source rule on a worker port or the Ray dashboard, any
-source on HTTP/gRPC only with networkPolicy.allowAnySource), the API-key and cluster Secrets and
-their wiring into the pods and the serve config, and the refusals: a LoadBalancer without keys,
-a /metrics behind keys that Prometheus is given no key for.
+source on HTTP/gRPC only with networkPolicy.allowAnySource), the API-key, cluster and Ray-token
+Secrets and their wiring into the pods and the serve config, Ray's token authentication (KubeRay
+authOptions, the token read from a mounted file), TLS on the front ends, and the refusals: a
+LoadBalancer without keys, a /metrics behind keys that Prometheus is given no key for, HTTPS
+that Prometheus is not told how to check.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.conftest import CHART_DIR, NAMESPACE, RELEASE, Helm, HelmError
+from tests.deploy.conftest import CHART_DIR, NAMESPACE, RELEASE, SHARED_SCHEMAS, Helm, HelmError
 from tests.deploy.test_helm_chart import (
     K8S_VERSIONS,
     ROLES,
@@ -28,6 +31,7 @@ from tests.deploy.test_helm_chart import (
     VALUE_SETS,
     Rendered,
     _deep_merge,
+    _strict,
     other_release,
     render_args,
     selects,
@@ -238,16 +242,43 @@ def test_any_source_peers_are_refused(helm: Helm, setting: str, peer: dict[str, 
 # ---------------------------------------------------------------------- the Secrets
 
 
-def secrets_volume(rendered: Rendered, component: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The pod's secrets volume and {file: Secret name} it projects."""
+def secrets_volume(rendered: Rendered,
+                   component: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    """The pod's secrets volume and {file: (Secret name, key)} it projects."""
     spec = rendered.group(component)["template"]["spec"]
     (volume,) = [v for v in spec["volumes"] if v["name"] == "secrets"]
     files = {}
     for source in volume["projected"]["sources"]:
-        (item,) = source["secret"]["items"]
-        assert item["key"] == item["path"]
-        files[item["path"]] = source["secret"]["name"]
+        for item in source["secret"]["items"]:
+            assert item["path"] not in files, item
+            files[item["path"]] = (source["secret"]["name"], item["key"])
     return volume, files
+
+
+def mounted_file(rendered: Rendered, component: str, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in the component's Ray container: through a
+    volume mount and the Secret projected there. Fails if no mounted Secret holds that file."""
+    spec = rendered.group(component)["template"]["spec"]
+    (container,) = spec["containers"]
+    for mount in container["volumeMounts"]:
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if not path.startswith(prefix):
+            continue
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        for source in volume.get("projected", {}).get("sources", []):
+            for item in source.get("secret", {}).get("items", []):
+                if item["path"] == path[len(prefix):]:
+                    return source["secret"]["name"], item["key"]
+    raise AssertionError(f"{component}: no mounted Secret holds {path}")
+
+
+def ray_env(rendered: Rendered, component: str) -> dict[str, dict[str, Any]]:
+    """The Ray container's env by name (each name once)."""
+    (container,) = rendered.group(component)["template"]["spec"]["containers"]
+    env = container.get("env", [])
+    names = [e["name"] for e in env]
+    assert len(names) == len(set(names)), f"{component}: duplicate env {names}"
+    return {e["name"]: e for e in env}
 
 
 SECRET_CASES: dict[str, dict[str, Any]] = {
@@ -259,30 +290,57 @@ SECRET_CASES: dict[str, dict[str, Any]] = {
         "auth": {"apiKeys": {"existingSecret": "my-keys"}, "metricsRequireKey": True},
         "monitoring": {"serviceMonitor": {"bearerTokenSecret": {"name": "prom-key",
                                                                  "key": "token"}}}},
+    "existing ray token": {"auth": {"rayToken": {"existingSecret": "my-ray-token"}}},
+    "no ray token": {"auth": {"rayToken": {"enabled": False}}},
+    "no ray token, keys": {"auth": {"rayToken": {"enabled": False},
+                                    "apiKeys": {"existingSecret": "my-keys"}}},
+    "tls": {"tls": {"existingSecret": "my-tls"},
+            "monitoring": {"serviceMonitor": {"tlsConfig": {"insecureSkipVerify": True}}}},
 }
 
 
+@pytest.fixture(scope="module")
+def crd_schema() -> dict[str, Any]:
+    """KubeRay's RayService schema, unknown fields rejected (as test_helm_chart checks it)."""
+    crd = yaml.safe_load((SHARED_SCHEMAS / "kuberay" / "ray.io_rayservices.yaml").read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return _strict(v1["schema"]["openAPIV3Schema"])
+
+
+def assert_valid(rendered: Rendered, crd_schema: dict[str, Any]) -> None:
+    """Every object valid Kubernetes; the RayService valid against KubeRay's CRD."""
+    for version in K8S_VERSIONS:
+        for obj in rendered.objects:
+            if obj["kind"] in {"RayService", "ServiceMonitor", "PrometheusRule"}:
+                continue
+            kubernetes_validate.validate(obj, version, strict=True)
+    errors = list(jsonschema.Draft7Validator(crd_schema).iter_errors(rendered.ray_service))
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors[:10])
+
+
 @pytest.mark.parametrize("case", list(SECRET_CASES))
-def test_secrets_are_wired_into_the_pods_and_the_serve_config(helm: Helm, case: str) -> None:
+def test_secrets_are_wired_into_the_pods_and_the_serve_config(
+        helm: Helm, crd_schema: dict[str, Any], case: str) -> None:
     overrides = SECRET_CASES[case]
     rendered = render(helm, overrides)
     auth = rendered.values["auth"]
     fullname = rendered.ray_service["metadata"]["name"]
     secrets = {s["metadata"]["name"]: s for s in rendered.of_kind("Secret")}
 
-    # Every rendered object is still valid Kubernetes, the Secrets included.
-    for version in K8S_VERSIONS:
-        for obj in rendered.objects:
-            if obj["kind"] in {"RayService", "ServiceMonitor", "PrometheusRule"}:
-                continue
-            kubernetes_validate.validate(obj, version, strict=True)
+    # Every rendered object is still valid Kubernetes, the Secrets included, and the
+    # RayService (authOptions included) valid KubeRay.
+    assert_valid(rendered, crd_schema)
     for secret in secrets.values():
         assert (secret["apiVersion"], secret["type"]) == ("v1", "Opaque")
 
     keys_secret = auth["apiKeys"]["existingSecret"] or (
         f"{fullname}-api-keys" if auth["apiKeys"]["create"]["tenants"] else None)
     cluster_secret = auth["clusterSecret"]["existingSecret"] or f"{fullname}-cluster-secret"
-    created = {n for n in (keys_secret, cluster_secret) if n and n.startswith(fullname)}
+    ray_secret = (auth["rayToken"]["existingSecret"] or f"{fullname}-ray-token"
+                  if auth["rayToken"]["enabled"] else None)
+    tls_secret = rendered.values["tls"]["existingSecret"] or None
+    created = {n for n in (keys_secret, cluster_secret, ray_secret)
+               if n and n.startswith(fullname)}
     assert set(secrets) == created
 
     if f"{fullname}-api-keys" in secrets:
@@ -292,25 +350,45 @@ def test_secrets_are_wired_into_the_pods_and_the_serve_config(helm: Helm, case: 
     if f"{fullname}-cluster-secret" in secrets:
         value = base64.b64decode(secrets[f"{fullname}-cluster-secret"]["data"]["cluster-secret"])
         assert re.fullmatch(rb"[A-Za-z0-9]{48}", value)
+    if f"{fullname}-ray-token" in secrets:
+        # KubeRay reads the token under this key (and sends it as it is: no newline).
+        (key,) = secrets[f"{fullname}-ray-token"]["data"]
+        assert key == "auth_token"
+        value = base64.b64decode(secrets[f"{fullname}-ray-token"]["data"]["auth_token"])
+        assert re.fullmatch(rb"[A-Za-z0-9]{48}", value)
 
-    # Mounted read-only, readable by the pod's group only: the head gets both files, the
-    # workers the cluster secret.
+    # Mounted read-only, readable by the pod's group only: every pod gets the cluster secret
+    # and Ray's token, the head (the gateway) the API keys and the TLS files as well.
     for component in ("head", *ROLES):
         spec = rendered.group(component)["template"]["spec"]
         volume, files = secrets_volume(rendered, component)
         assert volume["projected"]["defaultMode"] == 0o440
         assert spec["securityContext"]["fsGroup"]
-        expected = {"cluster-secret": cluster_secret}
+        expected = {"cluster-secret": (cluster_secret, "cluster-secret")}
+        if ray_secret:
+            expected["ray-auth-token"] = (ray_secret, "auth_token")
         if component == "head" and keys_secret:
-            expected["api-keys"] = keys_secret
+            expected["api-keys"] = (keys_secret, "api-keys")
+        if component == "head" and tls_secret:
+            expected["tls.crt"] = (tls_secret, "tls.crt")
+            expected["tls.key"] = (tls_secret, "tls.key")
         assert files == expected, component
         (container,) = spec["containers"]
         mounts = [m for m in container["volumeMounts"] if m["name"] == "secrets"]
         assert mounts == [{"name": "secrets", "mountPath": MOUNT, "readOnly": True}]
 
+    # The serve config names the files, and each is the right Secret's key, in every pod that
+    # reads it: the cluster secret everywhere (workers authenticate each other with it, with
+    # or without API keys), the rest on the head.
     args = rendered.application["args"]
     assert args["cluster_secret_file"] == f"{MOUNT}/cluster-secret"
+    for component in ("head", *ROLES):
+        assert mounted_file(rendered, component, args["cluster_secret_file"]) == (
+            cluster_secret, "cluster-secret")
     assert args.get("api_keys_file") == (f"{MOUNT}/api-keys" if keys_secret else None)
+    if keys_secret:
+        assert mounted_file(rendered, "head", args["api_keys_file"]) == (keys_secret,
+                                                                         "api-keys")
     assert args.get("metrics_require_key") == (True if auth["metricsRequireKey"] else None)
 
 
@@ -337,6 +415,236 @@ def test_secret_mount_path_follows_the_value(helm: Helm) -> None:
     args = rendered.application["args"]
     assert (args["api_keys_file"], args["cluster_secret_file"]) == (
         "/run/tandem/api-keys", "/run/tandem/cluster-secret")
+
+
+# ------------------------------------------------------------------ Ray's own token
+
+RAY_AUTH_ENV = {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"}
+
+
+def check_ray_token_auth(rendered: Rendered) -> str:
+    """Token authentication on every Ray container, the token only in a mounted file; returns
+    the Secret holding it. KubeRay's authOptions names the same Secret."""
+    options = rendered.cluster["authOptions"]
+    assert options["mode"] == "token"
+    secret = options["secretName"]
+    for component in ("head", *ROLES):
+        env = ray_env(rendered, component)
+        assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}, component
+        path = env["RAY_AUTH_TOKEN_PATH"]["value"]
+        assert set(env["RAY_AUTH_TOKEN_PATH"]) == {"name", "value"}
+        # The file is the key KubeRay reads, from the Secret authOptions names, in this pod.
+        assert mounted_file(rendered, component, path) == (secret, "auth_token"), component
+        # Present and empty: KubeRay then adds no RAY_AUTH_TOKEN of its own (the token in the
+        # environment), and Ray, skipping an empty one, reads the file.
+        assert env["RAY_AUTH_TOKEN"] == {"name": "RAY_AUTH_TOKEN", "value": ""}, component
+    return secret
+
+
+@pytest.fixture(scope="module", params=list(VALUE_SETS))
+def value_set(request: pytest.FixtureRequest, helm: Helm) -> Rendered:
+    name = request.param
+    return Rendered(name, values_for(name), helm.template(*render_args(name)))
+
+
+def test_ray_token_authentication_is_on_by_default(value_set: Rendered) -> None:
+    assert value_set.values["auth"]["rayToken"]["enabled"]
+    secret = check_ray_token_auth(value_set)
+    assert secret == value_set.values["auth"]["rayToken"]["existingSecret"] or (
+        secret == f"{RELEASE}-ray-token" and value_set.one("Secret", "-ray-token"))
+
+
+def test_ray_token_is_nowhere_but_in_its_secret(helm: Helm) -> None:
+    rendered = render(helm, {"auth": {"apiKeys": {"create": {"tenants": TENANTS}}}})
+    secret = rendered.one("Secret", "-ray-token")
+    encoded = secret["data"]["auth_token"]
+    token = base64.b64decode(encoded).decode()
+    cluster = rendered.one("Secret", "-cluster-secret")["data"]["cluster-secret"]
+    assert token != base64.b64decode(cluster).decode()
+    # Not in any other object (env, the serve config, annotations), plain or encoded.
+    for obj in rendered.objects:
+        if obj is secret:
+            continue
+        text = yaml.safe_dump(obj)
+        assert token not in text and encoded not in text, obj["metadata"]["name"]
+    # No Ray container takes the token from the environment, literally or by reference.
+    for component in ("head", *ROLES):
+        env = ray_env(rendered, component)
+        assert all("valueFrom" not in e for n, e in env.items() if n in RAY_AUTH_ENV)
+        assert token not in {e.get("value") for e in env.values()}
+    check_ray_token_auth(rendered)
+    # The check above fails on a token handed over in the environment.
+    (container,) = rendered.group("decode")["template"]["spec"]["containers"]
+    for entry in container["env"]:
+        if entry["name"] == "RAY_AUTH_TOKEN":
+            entry["value"] = token
+    with pytest.raises(AssertionError):
+        check_ray_token_auth(rendered)
+
+
+def test_ray_token_from_an_existing_secret(helm: Helm, crd_schema: dict[str, Any]) -> None:
+    rendered = render(helm, {"auth": {"rayToken": {"existingSecret": "my-ray-token"}}})
+    assert_valid(rendered, crd_schema)
+    assert check_ray_token_auth(rendered) == "my-ray-token"
+    assert rendered.cluster["authOptions"] == {"mode": "token", "secretName": "my-ray-token"}
+    assert not [s for s in rendered.of_kind("Secret") if s["metadata"]["name"].endswith(
+        "-ray-token")]
+
+
+def test_ray_token_authentication_can_be_turned_off(helm: Helm,
+                                                    crd_schema: dict[str, Any]) -> None:
+    rendered = render(helm, {"auth": {"rayToken": {"enabled": False}},
+                             "extraEnv": [{"name": "OTEL_SERVICE_NAME", "value": "tandem"}]})
+    assert_valid(rendered, crd_schema)
+    assert "authOptions" not in rendered.cluster
+    for component in ("head", *ROLES):
+        assert not RAY_AUTH_ENV & set(ray_env(rendered, component)), component
+        assert "ray-auth-token" not in secrets_volume(rendered, component)[1]
+        assert "OTEL_SERVICE_NAME" in ray_env(rendered, component)
+    with pytest.raises(KeyError):
+        check_ray_token_auth(rendered)
+    # Off, an older Ray is fine (on, it is refused: test_bad_auth_values_fail_clearly).
+    old_ray = render(helm, {"auth": {"rayToken": {"enabled": False}}, "rayVersion": "2.51.1"})
+    assert "authOptions" not in old_ray.cluster
+    # And the user's env still comes after the chart's with it on.
+    on = render(helm, {"head": {"extraEnv": [{"name": "OTEL_SERVICE_NAME", "value": "h"}]}})
+    assert list(ray_env(on, "head")) == ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH",
+                                         "RAY_AUTH_TOKEN", "OTEL_SERVICE_NAME"]
+
+
+def test_ray_token_is_random_where_it_cannot_be_looked_up(helm: Helm) -> None:
+    values = {render(helm, {}).one("Secret", "-ray-token")["data"]["auth_token"]
+              for _ in range(2)}
+    assert len(values) == 2
+
+
+def test_probes_are_left_open_by_rays_token_authentication() -> None:
+    """The worker probe (and KubeRay's default head probes) ask the raylet's and the GCS's
+    health endpoints, which Ray's token authentication leaves open: the probes need no
+    token. (preStop's `ray drain-node` reads RAY_AUTH_TOKEN_PATH like Ray itself.)"""
+    import ray.dashboard.http_server_head
+    from ray.dashboard.http_server_agent import PUBLIC_EXACT_PATHS
+
+    assert "/api/local_raylet_healthz" in PUBLIC_EXACT_PATHS
+    # The head's list is a local of its start-up method: read from the source.
+    head_server = Path(ray.dashboard.http_server_head.__file__).read_text()
+    public = re.search(r"public_exact_paths = \{(.*?)\}", head_server, re.S)
+    assert public, "the dashboard head's public paths moved"
+    for path in ("/api/gcs_healthz", "/api/local_raylet_healthz"):
+        assert f'"{path}"' in public.group(1), path
+
+
+def test_worker_probe_asks_an_open_endpoint(helm: Helm) -> None:
+    from ray.dashboard.http_server_agent import PUBLIC_EXACT_PATHS
+
+    rendered = render(helm, {})
+    for role in ROLES:
+        (container,) = rendered.group(role)["template"]["spec"]["containers"]
+        command = " ".join(container["readinessProbe"]["exec"]["command"])
+        (path,) = re.findall(r"http://localhost:\d+(/\S+)", command)
+        assert path in PUBLIC_EXACT_PATHS, path
+
+
+# --------------------------------------------------------------- TLS on the front ends
+
+TLS = {"tls": {"existingSecret": "tandem-tls"},
+       "monitoring": {"serviceMonitor": {"tlsConfig": {
+           "ca": {"secret": {"name": "tandem-tls", "key": "ca.crt"}},
+           "serverName": "tandem.example.com"}}},
+       "ingress": {"enabled": True}}
+
+
+def gateway_probes(rendered: Rendered) -> list[tuple[str, dict[str, Any]]]:
+    """Every probe of a Ray container that asks the gateway's HTTP or gRPC port."""
+    ports = {rendered.values["ports"]["http"], rendered.values["ports"]["grpc"], "serve",
+             "grpc"}
+    found = []
+    for component in ("head", *ROLES):
+        (container,) = rendered.group(component)["template"]["spec"]["containers"]
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            probe = container.get(kind)
+            if not probe:
+                continue
+            if probe.get("httpGet", {}).get("port") in ports or (
+                    probe.get("grpc", {}).get("port") in ports):
+                found.append((component, probe))
+            command = " ".join(probe.get("exec", {}).get("command", []))
+            if any(f":{p}" in command for p in ports if isinstance(p, int)):
+                found.append((component, probe))
+    return found
+
+
+def probe_uses_tls(probe: dict[str, Any]) -> bool:
+    if "httpGet" in probe:
+        return probe["httpGet"].get("scheme") == "HTTPS"
+    return "https://" in " ".join(probe.get("exec", {}).get("command", []))
+
+
+def test_tls_is_mounted_in_the_gateways_pod_and_named_in_the_config(
+        helm: Helm, crd_schema: dict[str, Any]) -> None:
+    rendered = render(helm, TLS, "default")
+    assert_valid(rendered, crd_schema)
+    args = rendered.application["args"]
+    assert (args["tls_cert_file"], args["tls_key_file"]) == (f"{MOUNT}/tls.crt",
+                                                             f"{MOUNT}/tls.key")
+    # The gateway runs on the head only (the resource only the head offers): the files are
+    # there, and nowhere else.
+    (gateway_resource,) = rendered.deployment_options("gateway")["ray_actor_options"][
+        "resources"]
+    assert [c for c in ("head", *ROLES)
+            if gateway_resource in rendered.group(c).get("resources", {})] == ["head"]
+    assert mounted_file(rendered, "head", args["tls_cert_file"]) == ("tandem-tls", "tls.crt")
+    assert mounted_file(rendered, "head", args["tls_key_file"]) == ("tandem-tls", "tls.key")
+    for role in ROLES:
+        with pytest.raises(AssertionError, match="no mounted Secret"):
+            mounted_file(rendered, role, args["tls_cert_file"])
+    # What talks to the gateway speaks HTTPS.
+    http = rendered.one("Service", "-http")
+    assert [p["appProtocol"] for p in http["spec"]["ports"]] == ["https"]
+    (endpoint,) = rendered.one("ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == TLS["monitoring"]["serviceMonitor"]["tlsConfig"]
+    annotations = rendered.one("Ingress")["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "HTTPS"
+    assert all(probe_uses_tls(probe) for _, probe in gateway_probes(rendered))
+    # The probe check would catch a plain-HTTP probe on the gateway's port.
+    (head,) = rendered.group("head")["template"]["spec"]["containers"]
+    head["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000}}
+    assert not probe_uses_tls(gateway_probes(rendered)[0][1])
+
+
+def test_without_tls_nothing_of_it(helm: Helm) -> None:
+    rendered = render(helm, {"ingress": {"enabled": True}})
+    args = rendered.application["args"]
+    assert not {"tls_cert_file", "tls_key_file"} & set(args)
+    for component in ("head", *ROLES):
+        assert not {"tls.crt", "tls.key"} & set(secrets_volume(rendered, component)[1])
+    http = rendered.one("Service", "-http")
+    assert [p["appProtocol"] for p in http["spec"]["ports"]] == ["http"]
+    (endpoint,) = rendered.one("ServiceMonitor")["spec"]["endpoints"]
+    assert "scheme" not in endpoint and "tlsConfig" not in endpoint
+    assert "annotations" not in rendered.one("Ingress")["metadata"]
+    assert not any(probe_uses_tls(probe) for _, probe in gateway_probes(rendered))
+
+
+def test_tls_keeps_the_users_ingress_annotations(helm: Helm) -> None:
+    rendered = render(helm, _deep_merge(TLS, {"ingress": {"annotations": {
+        "nginx.ingress.kubernetes.io/backend-protocol": "GRPCS", "team": "serving"}}}))
+    assert rendered.one("Ingress")["metadata"]["annotations"] == {
+        "nginx.ingress.kubernetes.io/backend-protocol": "GRPCS", "team": "serving"}
+
+
+def test_tls_needs_prometheus_told_how_to_check_the_certificate(helm: Helm) -> None:
+    _fails(helm, {"tls": {"existingSecret": "tandem-tls"}},
+           "tls.existingSecret: Prometheus scrapes /metrics over HTTPS and must be told how "
+           "to check the certificate: set monitoring.serviceMonitor.tlsConfig")
+    # No ServiceMonitor, or no Prometheus operator: nothing to tell.
+    rendered = render(helm, {"tls": {"existingSecret": "tandem-tls"},
+                             "monitoring": {"serviceMonitor": {"enabled": False}}})
+    assert not rendered.of_kind("ServiceMonitor")
+    assert rendered.application["args"]["tls_cert_file"] == f"{MOUNT}/tls.crt"
+    objects = helm.template(*SKIP_KUBERAY_CHECK, "--set", "tls.existingSecret=tandem-tls")
+    assert "ServiceMonitor" not in {o["kind"] for o in objects}
 
 
 # ------------------------------------------------------------------------ refusals
@@ -395,6 +703,17 @@ def test_metrics_behind_keys_need_a_bearer_token(helm: Helm) -> None:
     ({"networkPolicy": {"operatorFrom": [{"namespaceSelector": {}}]}},
      "at '/networkPolicy': additional properties 'operatorFrom' not allowed"),
     ({"podSecurityContext": {"fsGroup": None}}, "podSecurityContext.fsGroup must be set"),
+    ({"rayVersion": "2.51.1"}, "auth.rayToken needs Ray 2.52 or later (rayVersion is 2.51.1)"),
+    ({"head": {"extraEnv": [{"name": "RAY_AUTH_TOKEN", "value": "x" * 32}]}},
+     "head.extraEnv: RAY_AUTH_TOKEN is set by the chart (auth.rayToken)"),
+    ({"extraEnv": [{"name": "RAY_AUTH_MODE", "value": "disabled"}]},
+     "extraEnv: RAY_AUTH_MODE is set by the chart (auth.rayToken)"),
+    ({"auth": {"rayToken": {"secretName": "x"}}},
+     "at '/auth/rayToken': additional properties 'secretName' not allowed"),
+    ({"tls": {"existingSecret": "Not_A_Name"}}, "at '/tls/existingSecret'"),
+    ({"tls": {"existingSecret": "t"}, "monitoring": {"serviceMonitor": {"tlsConfig": {
+        "insecureSkipVerifY": True}}}},
+     "additional properties 'insecureSkipVerifY' not allowed"),
 ])
 def test_bad_auth_values_fail_clearly(helm: Helm, overrides: dict[str, Any],
                                       message: str) -> None:
@@ -416,3 +735,18 @@ def test_notes_say_whether_keys_are_on(helm: Helm, tmp_path: Path) -> None:
     dev = notes({"auth": {"apiKeys": {"create": {"tenants": TENANTS}}}})
     assert "for tests and development only" in dev
     assert TENANTS["team-a"][0] not in dev.split("NOTES:")[-1]  # no key printed in the notes
+
+    # Ray's token and TLS.
+    assert (f"Ray token authentication: ON, the token in the Secret {RELEASE}-ray-token "
+            "(key auth_token)") in off
+    assert f"get secret {RELEASE}-ray-token -o jsonpath='{{.data.auth_token}}'" in off
+    manifest = off.split("MANIFEST:")[1].split("NOTES:")[0]
+    (token,) = [o for o in yaml.safe_load_all(manifest)
+                if o and o["metadata"]["name"] == f"{RELEASE}-ray-token"]
+    assert base64.b64decode(token["data"]["auth_token"]).decode() not in off.split("NOTES:")[-1]
+    assert "Ray token authentication: OFF" in notes({"auth": {"rayToken": {"enabled": False}}})
+    assert "TLS on HTTP and gRPC: OFF" in off and "grpcurl -plaintext" in off
+    tls = notes({"tls": {"existingSecret": "tandem-tls"}}).split("NOTES:")[-1]
+    assert "TLS on HTTP and gRPC: ON, the certificate in the Secret tandem-tls" in tls
+    assert "http://" not in tls and "-plaintext" not in tls
+    assert f"https://{RELEASE}-http.{NAMESPACE}.svc:8000/v1" in tls

@@ -46,9 +46,11 @@ ROLES = ("prefill", "decode")
 # AppConfig settings the chart sets itself, from its own keys (the rest come from `app:`).
 CHART_OWNED = {"model", "host", "port", "grpc_port", "worker_host", "redis_url",
                "prefill_replicas", "decode_replicas", "colocated"}
-# Set by the chart from `auth:` (the Secrets it mounts), and only when configured: the cluster
-# secret always, the API keys and metrics_require_key when given (test_chart_security.py).
-AUTH_OWNED = frozenset({"api_keys_file", "cluster_secret_file", "metrics_require_key"})
+# Set by the chart from `auth:` and `tls:` (the Secrets it mounts), and only when configured:
+# the cluster secret always, the API keys, metrics_require_key and the TLS files when given
+# (test_chart_security.py).
+AUTH_OWNED = frozenset({"api_keys_file", "cluster_secret_file", "metrics_require_key",
+                        "tls_cert_file", "tls_key_file"})
 WILDCARDS = ("0.0.0.0", "::", "")
 MIN_HEAD_MEMORY = 4 * 1024**3  # the gateway (tokenizer, prefix index, open streams) + Ray
 

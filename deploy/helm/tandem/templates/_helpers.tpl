@@ -93,6 +93,10 @@ settings `tandem up --config` reads from its YAML file.
 {{- if .Values.auth.metricsRequireKey }}
 {{- $_ = set $args "metrics_require_key" true }}
 {{- end }}
+{{- if .Values.tls.existingSecret }}
+{{- $_ = set $args "tls_cert_file" (include "tandem.secretFile" (dict "ctx" . "key" "tls.crt")) }}
+{{- $_ = set $args "tls_key_file" (include "tandem.secretFile" (dict "ctx" . "key" "tls.key")) }}
+{{- end }}
 {{- toYaml $args }}
 {{- end }}
 
@@ -148,6 +152,42 @@ Security: the Secret holding the API keys (key api-keys), or nothing when keys a
 {{- .Values.auth.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "tandem.fullname" .)) }}
 {{- end }}
 
+{{/*
+The Secret holding Ray's token (key auth_token, the key KubeRay reads): the user's, or the
+chart's; nothing with auth.rayToken.enabled false.
+*/}}
+{{- define "tandem.rayTokenSecret" -}}
+{{- if .Values.auth.rayToken.enabled }}
+{{- .Values.auth.rayToken.existingSecret | default (printf "%s-ray-token" (include "tandem.fullname" .)) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Ray's token authentication in a Ray container: the mode, and the token from the mounted file.
+RAY_AUTH_TOKEN is set, empty, on purpose: KubeRay (authOptions) adds RAY_AUTH_TOKEN with the
+token itself (from the Secret) to a container that has none, which would put it in every Ray
+process's environment; Ray skips an empty RAY_AUTH_TOKEN and reads RAY_AUTH_TOKEN_PATH.
+KubeRay's wait-gcs-ready init container copies this env and the mounts.
+*/}}
+{{- define "tandem.rayAuthEnv" -}}
+{{- if include "tandem.rayTokenSecret" . }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN_PATH
+  value: {{ include "tandem.secretFile" (dict "ctx" . "key" "ray-auth-token") }}
+- name: RAY_AUTH_TOKEN
+  value: ""
+{{- end }}
+{{- end }}
+
+{{/* A Ray container's env: the chart's (Ray's token) and the user's: (dict "ctx" $ "extra" list) */}}
+{{- define "tandem.rayEnv" -}}
+{{- $env := concat (include "tandem.rayAuthEnv" .ctx | fromYamlArray) .extra }}
+{{- if $env }}
+{{- toYaml $env }}
+{{- end }}
+{{- end }}
+
 {{/* A secret file's path in the pods: (dict "ctx" $ "key" "api-keys") */}}
 {{- define "tandem.secretFile" -}}
 {{- printf "%s/%s" (trimSuffix "/" .ctx.Values.auth.secretsMountPath) .key }}
@@ -174,12 +214,28 @@ key Prometheus is not given.
 {{- if not .Values.podSecurityContext.fsGroup }}
 {{- fail "podSecurityContext.fsGroup must be set: the secret files are mounted mode 0440, readable by that group" }}
 {{- end }}
+{{- if .Values.auth.rayToken.enabled }}
+{{- if semverCompare "<2.52.0-0" (toString .Values.rayVersion) }}
+{{- fail (printf "auth.rayToken needs Ray 2.52 or later (rayVersion is %s): use an image with a newer Ray, or set auth.rayToken.enabled=false" (toString .Values.rayVersion)) }}
+{{- end }}
+{{- $lists := dict "extraEnv" .Values.extraEnv "head.extraEnv" .Values.head.extraEnv "prefill.extraEnv" .Values.prefill.extraEnv "decode.extraEnv" .Values.decode.extraEnv }}
+{{- range $where, $list := $lists }}
+{{- range $list }}
+{{- if has .name (list "RAY_AUTH_MODE" "RAY_AUTH_TOKEN" "RAY_AUTH_TOKEN_PATH") }}
+{{- fail (printf "%s: %s is set by the chart (auth.rayToken): remove it, or set auth.rayToken.enabled=false" $where .name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and .Values.tls.existingSecret .Values.monitoring.serviceMonitor.enabled (include "tandem.prometheusOperator" .) (not .Values.monitoring.serviceMonitor.tlsConfig) }}
+{{- fail "tls.existingSecret: Prometheus scrapes /metrics over HTTPS and must be told how to check the certificate: set monitoring.serviceMonitor.tlsConfig (e.g. {ca: {secret: {name: <Secret>, key: ca.crt}}, serverName: <a name in the certificate>}, or {insecureSkipVerify: true}), or monitoring.serviceMonitor.enabled=false" }}
+{{- end }}
 {{- end }}
 
 {{/*
-The secret files of a pod: (dict "ctx" $ "apiKeys" true) for the head (the gateway reads the
-keys), false for workers (the cluster secret only). One projected volume, mode 0440: the pod's
-fsGroup reads, nobody writes.
+The secret files of a pod: (dict "ctx" $ "gateway" true) for the head (the gateway reads the
+API keys and the TLS certificate and key), false for workers. Every pod: the cluster secret and
+Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody writes.
 */}}
 {{- define "tandem.secretsVolume" -}}
 {{- $ctx := .ctx }}
@@ -187,7 +243,7 @@ fsGroup reads, nobody writes.
   projected:
     defaultMode: 288  # 0440
     sources:
-      {{- if and .apiKeys (include "tandem.apiKeysSecret" $ctx) }}
+      {{- if and .gateway (include "tandem.apiKeysSecret" $ctx) }}
       - secret:
           name: {{ include "tandem.apiKeysSecret" $ctx }}
           items:
@@ -199,6 +255,22 @@ fsGroup reads, nobody writes.
           items:
             - key: cluster-secret
               path: cluster-secret
+      {{- with include "tandem.rayTokenSecret" $ctx }}
+      - secret:
+          name: {{ . }}
+          items:
+            - key: auth_token
+              path: ray-auth-token
+      {{- end }}
+      {{- if and .gateway $ctx.Values.tls.existingSecret }}
+      - secret:
+          name: {{ $ctx.Values.tls.existingSecret }}
+          items:
+            - key: tls.crt
+              path: tls.crt
+            - key: tls.key
+              path: tls.key
+      {{- end }}
 {{- end }}
 
 {{/* Volumes every Ray pod has: scratch space (read-only root) and the model. */}}
