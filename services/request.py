@@ -16,6 +16,7 @@ from services.engine.sampling_params import SamplingParams
 from services.prefill.result import PrefillResult
 
 DEFAULT_TENANT = "default"  # requests without API keys, and a bare key's (gateway/tenants.py)
+UNKNOWN_TENANT = "unknown"  # a refused request's metrics label when its key was missing or wrong
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,12 @@ _DRAIN_LIMIT = 64 * 1024 * 1024
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int,
+                 on_refusal: Callable[[Scope, GatewayError], None] | None = None) -> None:
+        """``on_refusal``: told of each request refused here (to count and log it)."""
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refusal = on_refusal
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,11 +39,11 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope)
         if isinstance(declared, GatewayError):
-            await _reject(send, declared)
+            await self._reject(scope, send, declared)
             return
         if declared is not None and declared > self.max_bytes:
             await _drain(receive, declared)
-            await _reject(send, body_too_large(self.max_bytes))
+            await self._reject(scope, send, body_too_large(self.max_bytes))
             return
         chunks: list[bytes] = []
         size = 0
@@ -53,12 +56,17 @@ class BodyLimitMiddleware:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     await _drain(receive, _DRAIN_LIMIT)
-                await _reject(send, body_too_large(self.max_bytes))
+                await self._reject(scope, send, body_too_large(self.max_bytes))
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _reject(self, scope: Scope, send: Send, error: GatewayError) -> None:
+        if self.on_refusal is not None:
+            self.on_refusal(scope, error)
+        await _respond(send, error)
 
 
 def _content_length(scope: Scope) -> int | GatewayError | None:
@@ -87,7 +95,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-async def _reject(send: Send, error: GatewayError) -> None:
+async def _respond(send: Send, error: GatewayError) -> None:
     body = json.dumps(error.to_json()).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json"),

@@ -7,7 +7,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Mapping,
+)
 from dataclasses import dataclass
 
 from services.engine.grammar import Grammars
@@ -18,13 +25,22 @@ from services.gateway.backend import GenerationBackend, HealthReporting, MultiWo
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, bad_request, model_not_found, overloaded
 from services.gateway.inputs import SamplingOptions, build_request
-from services.gateway.metrics import REJECTED, SLOW_CLIENT, GatewayMetrics, RequestTimer
+from services.gateway.metrics import (
+    ERROR,
+    REJECTED,
+    SLOW_CLIENT,
+    GatewayMetrics,
+    RequestTimer,
+    failure_reason,
+)
 from services.gateway.pipeline import Delta, generate_deltas
 from services.gateway.request_trace import RequestTrace
 from services.gateway.tenants import Tenants
-from services.request import DEFAULT_TENANT, GenerationRequest
+from services.request import DEFAULT_TENANT, UNKNOWN_TENANT, GenerationRequest
 
 log = logging.getLogger(__name__)
+
+MAX_LOGGED_MESSAGE = 300  # characters of a refusal's message in its log line
 
 
 class Gateway:
@@ -43,7 +59,8 @@ class Gateway:
         self.model_name = self.config.served_model_name or backend.model_id
         self.created = int(time.time())
         self.metrics = GatewayMetrics(self.model_name, self._worker_stats,
-                                      tenants=self.tenants.tenant_names)
+                                      tenants=self.tenants.tenant_names,
+                                      authenticates=bool(self.tenants.keys))
         self.in_flight = 0  # admitted requests that have not ended
         # Awaited before /metrics renders: brings workers' stats up to date when they are
         # polled lazily (an idle cluster); None where stats are always current.
@@ -69,6 +86,39 @@ class Gateway:
         """The caller's tenant; 401 unless ``authorization`` (the header's value, ``Bearer
         <key>``) holds a known key (without keys configured: the default tenant)."""
         return self.tenants.authenticate(authorization)
+
+    @contextlib.contextmanager
+    def refusals(self, operation: str, authorization: str | None,
+                 gone: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+        """Around a front end's work on a request before ``start`` (which counts every request
+        it is given): a request refused here is counted once in ``tandem_request_failures``
+        and, if the refusal is a ``GatewayError``, logged once (the front end logs others).
+        ``operation``: the endpoint, for the log; ``authorization``: the request's header;
+        ``gone``: the front end's "the client left" exceptions (not failures: not counted)."""
+        try:
+            yield
+        except GatewayError as exc:
+            self.refused(operation, exc, authorization)
+            raise
+        except gone:
+            raise
+        except Exception:
+            self.metrics.fail(self._tenant_label(authorization), ERROR)
+            raise
+
+    def refused(self, operation: str, error: GatewayError, authorization: str | None) -> None:
+        """Count and log a request refused before ``start``, under its tenant
+        (``UNKNOWN_TENANT`` when its API key is missing or wrong)."""
+        tenant = self._tenant_label(authorization)
+        self.metrics.fail(tenant, failure_reason(error))
+        log.info("%s refused for tenant %s: %d %.*r", operation, tenant, error.status,
+                 MAX_LOGGED_MESSAGE, error.message)
+
+    def _tenant_label(self, authorization: str | None) -> str:
+        try:
+            return self.authenticate(authorization)
+        except GatewayError:
+            return UNKNOWN_TENANT
 
     async def check_structured_output(self, stated: tuple[str, StructuredOutput] | None
                                       ) -> None:

@@ -41,6 +41,7 @@ MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request_id, echoed back
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # tandem.v1.Generation
+_OPERATION = "Generate"  # in logs
 
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -75,31 +76,32 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
     trace = RequestTrace("grpc", "Generate", metadata)
     trace.client_request_id(request.request_id)
     with trace.guard():
-        with trace.phase("gateway.parse"):
-            tenant = gateway.authenticate(authorization)
-            gateway.check_model(request.model)
-            options = dataclasses.replace(_sampling_options(request),
-                                          timeout_s=None if timeout_s is None
-                                          else max(timeout_s, 1e-3))
-            if options.structured_output is not None:
-                await gateway.check_structured_output(
-                    (request.sampling.WhichOneof("structured_output") or "structured_output",
-                     options.structured_output))
-        with trace.phase("gateway.tokenize") as span:
-            prompt = _prompt_token_ids(gateway, request)
-            span.set_attribute("tandem.prompt_tokens", len(prompt))
-        if len(request.request_id) > MAX_CLIENT_REQUEST_ID:
-            raise bad_request(f"request_id is longer than {MAX_CLIENT_REQUEST_ID} characters",
-                              param="request_id")
-        # The server's own id keys the request everywhere; the client's is only echoed back, so
-        # two calls with one id cannot meet in an engine, a lease or the router.
-        greq = gateway.build_request(new_request_id("gen"), prompt, options,
-                                     request.cache_salt or None, arrival,
-                                     prompt_param=request.WhichOneof("input") or "prompt",
-                                     tenant=tenant)
-        n = request.n or 1
-        if n > MAX_CHOICES:
-            raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+        with gateway.refusals(_OPERATION, authorization):
+            with trace.phase("gateway.parse"):
+                tenant = gateway.authenticate(authorization)
+                gateway.check_model(request.model)
+                options = dataclasses.replace(_sampling_options(request),
+                                              timeout_s=None if timeout_s is None
+                                              else max(timeout_s, 1e-3))
+                if options.structured_output is not None:
+                    await gateway.check_structured_output(
+                        (request.sampling.WhichOneof("structured_output") or "structured_output",
+                         options.structured_output))
+            with trace.phase("gateway.tokenize") as span:
+                prompt = _prompt_token_ids(gateway, request)
+                span.set_attribute("tandem.prompt_tokens", len(prompt))
+            if len(request.request_id) > MAX_CLIENT_REQUEST_ID:
+                raise bad_request(f"request_id is longer than {MAX_CLIENT_REQUEST_ID} "
+                                  "characters", param="request_id")
+            # The server's own id keys the request everywhere; the client's is only echoed
+            # back, so two calls with one id cannot meet in an engine, a lease or the router.
+            greq = gateway.build_request(new_request_id("gen"), prompt, options,
+                                         request.cache_salt or None, arrival,
+                                         prompt_param=request.WhichOneof("input") or "prompt",
+                                         tenant=tenant)
+            n = request.n or 1
+            if n > MAX_CHOICES:
+                raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
         choices = await start_choices(gateway, greq, n, trace)
     return choices, request.request_id or greq.request_id
 
@@ -115,12 +117,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest | MalformedRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> None:
-        if isinstance(request, MalformedRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid GenerateRequest: {request.reason}")
-            return
         metadata = {key: _as_str(value) or "" for key, value in
                     context.invocation_metadata() or () if not key.endswith("-bin")}
+        if isinstance(request, MalformedRequest):
+            error = bad_request(f"the request is not a valid GenerateRequest: {request.reason}")
+            self.gateway.refused(_OPERATION, error, metadata.get("authorization"))
+            await context.abort(status_code(error), error.message)
+            return
         read_timeout_s = self.gateway.config.client_read_timeout_s
         try:
             choices, echoed = await start_generation(

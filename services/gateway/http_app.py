@@ -14,9 +14,10 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.body_limit import BodyLimitMiddleware
+from services.gateway.body_limit import BodyLimitMiddleware, Scope
 from services.gateway.choices import Choices, cumulative_logprob, start_choices, total_usage
 from services.gateway.core import Gateway
 from services.gateway.errors import GatewayError, bad_request
@@ -47,9 +48,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+G = TypeVar("G", ChatCompletionRequest, CompletionRequest)
 
 # nginx's code for "the client closed the connection"; nobody reads it, logs do.
 _CLIENT_CLOSED = 499
+
+# The generation routes (their requests count in the request metrics), with their names in logs.
+_CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_GENERATION_PATHS = {_CHAT: "chat.completions", _COMPLETIONS: "completions"}
 
 
 class ClientDisconnected(Exception):
@@ -66,7 +72,15 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     _add_schemas(app, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
                  DetokenizeRequest)
     app.state.gateway = gateway
-    app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes)
+
+    def body_refused(scope: Scope, error: GatewayError) -> None:
+        # Refused before the app: a generation request counts like those the app refuses.
+        operation = _GENERATION_PATHS.get(scope["path"])
+        if operation is not None and scope["method"] == "POST":
+            gateway.refused(operation, error, Headers(scope=scope).get("authorization"))
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes,
+                       on_refusal=body_refused)
     token_text = TokenText(gateway.tokenizer)
 
     def event_stream(choices: Choices, events: AsyncGenerator[bytes, None]) -> EventStream:
@@ -155,30 +169,26 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     async def server_version() -> dict[str, str]:
         return {"version": version()}
 
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
+    @app.post(_CHAT, openapi_extra=_json_body(ChatCompletionRequest),
               responses=_generation_responses())
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         trace = RequestTrace("http", "chat.completions", request.headers)
         with trace.guard(aborts=(ClientDisconnected,)):
-            with trace.phase("gateway.parse"):
-                tenant = gateway.authenticate(request.headers.get("authorization"))
-                body = await _parse(request, ChatCompletionRequest)
-                gateway.check_model(body.model)
-                if error := body.unsupported_fields():
-                    raise error
-                await gateway.check_structured_output(body.structured_output_field())
-            with trace.phase("gateway.tokenize") as span:
-                functions = body.functions()
-                own = gateway.tokenizer.template_renders_tools
-                prompt = tokenize_chat(gateway.tokenizer,
-                                       with_tools(body.chat_messages(), functions, own),
-                                       [f.spec() for f in functions] if own else None,
-                                       body.chat_template_kwargs)
-                span.set_attribute("tandem.prompt_tokens", len(prompt))
-            greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
-                                         body.sampling_options(), body.salt(), arrival,
-                                         prompt_param="messages", tenant=tenant)
+            with gateway.refusals(_GENERATION_PATHS[_CHAT], request.headers.get("authorization"),
+                                  gone=(ClientDisconnected,)):
+                tenant, body = await _checked(gateway, request, ChatCompletionRequest, trace)
+                with trace.phase("gateway.tokenize") as span:
+                    functions = body.functions()
+                    own = gateway.tokenizer.template_renders_tools
+                    prompt = tokenize_chat(gateway.tokenizer,
+                                           with_tools(body.chat_messages(), functions, own),
+                                           [f.spec() for f in functions] if own else None,
+                                           body.chat_template_kwargs)
+                    span.set_attribute("tandem.prompt_tokens", len(prompt))
+                greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
+                                             body.sampling_options(), body.salt(), arrival,
+                                             prompt_param="messages", tenant=tenant)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
             if body.stream:
@@ -191,27 +201,25 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                  for i, delta in enumerate(merged)],
                 total_usage([delta.usage for delta in merged]), prompt))
 
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
+    @app.post(_COMPLETIONS, openapi_extra=_json_body(CompletionRequest),
               responses=_generation_responses())
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
         trace = RequestTrace("http", "completions", request.headers)
         with trace.guard(aborts=(ClientDisconnected,)):
-            with trace.phase("gateway.parse"):
-                tenant = gateway.authenticate(request.headers.get("authorization"))
-                body = await _parse(request, CompletionRequest)
-                gateway.check_model(body.model)
-                if error := body.unsupported_fields():
-                    raise error
-                await gateway.check_structured_output(body.structured_output_field())
-                prompt_in = body.single_prompt()
-            with trace.phase("gateway.tokenize") as span:
-                prompt = (tokenize_prompt(gateway.tokenizer, prompt_in)
-                          if isinstance(prompt_in, str)
-                          else check_token_ids(prompt_in, gateway.tokenizer.vocab_size))
-                span.set_attribute("tandem.prompt_tokens", len(prompt))
-            greq = gateway.build_request(new_request_id("cmpl"), prompt, body.sampling_options(),
-                                         body.salt(), arrival, tenant=tenant)
+            with gateway.refusals(_GENERATION_PATHS[_COMPLETIONS],
+                                  request.headers.get("authorization"),
+                                  gone=(ClientDisconnected,)):
+                tenant, body = await _checked(gateway, request, CompletionRequest, trace)
+                with trace.phase("gateway.tokenize") as span:
+                    prompt_in = body.single_prompt()
+                    prompt = (tokenize_prompt(gateway.tokenizer, prompt_in)
+                              if isinstance(prompt_in, str)
+                              else check_token_ids(prompt_in, gateway.tokenizer.vocab_size))
+                    span.set_attribute("tandem.prompt_tokens", len(prompt))
+                greq = gateway.build_request(new_request_id("cmpl"), prompt,
+                                             body.sampling_options(), body.salt(), arrival,
+                                             tenant=tenant)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
             want_logprobs = body.logprobs is not None
@@ -311,6 +319,19 @@ def _add_schemas(app: FastAPI, *models: type[BaseModel]) -> None:
 def _model_card(gateway: Gateway) -> dict[str, object]:
     return {"id": gateway.model_name, "object": "model", "created": gateway.created,
             "owned_by": "tandem", "max_model_len": gateway.max_model_len}
+
+
+async def _checked(gateway: Gateway, request: Request, model: type[G], trace: RequestTrace
+                   ) -> tuple[str, G]:
+    """A generation request's tenant and body, checked (its parse phase)."""
+    with trace.phase("gateway.parse"):
+        tenant = gateway.authenticate(request.headers.get("authorization"))
+        body = await _parse(request, model)
+        gateway.check_model(body.model)
+        if error := body.unsupported_fields():
+            raise error
+        await gateway.check_structured_output(body.structured_output_field())
+    return tenant, body
 
 
 async def _parse(request: Request, model: type[M]) -> M:

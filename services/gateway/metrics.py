@@ -19,7 +19,7 @@ from prometheus_client.utils import floatToGoString
 from services.engine.outputs import EngineStats
 from services.engine.sequence import FinishReason
 from services.gateway.errors import GatewayError
-from services.request import DEFAULT_TENANT
+from services.request import DEFAULT_TENANT, UNKNOWN_TENANT
 
 # vLLM's buckets, so dashboards and SLO queries carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -39,15 +39,19 @@ GOODPUT_TPOT_LIMITS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5)
 
 # Reasons of tandem_request_failures_total.
 REJECTED = "rejected"  # overloaded (the gateway's or a worker's bound): 429 with Retry-After
-INVALID = "invalid"  # the backend refused the request as invalid: 400
+# Refused as invalid: bad JSON or a bad field (400), an unknown model (404), a body over the
+# limit (413), by the gateway's checks or by the backend.
+INVALID = "invalid"
+UNAUTHENTICATED = "unauthenticated"  # API keys are on and its key is missing or wrong: 401
 TIMEOUT = "timeout"  # its deadline (or a hop's timeout) passed: 504
 ENGINE_ERROR = "engine_error"  # a worker's engine failed while running it: 500
 UNAVAILABLE = "unavailable"  # no healthy worker could take it: 503 with Retry-After
 SLOW_CLIENT = "slow_client"  # the client read nothing for client_read_timeout_s: cut
 ERROR = "error"  # anything else: the request failed inside Tandem
-FAILURE_REASONS = (REJECTED, INVALID, TIMEOUT, ENGINE_ERROR, UNAVAILABLE, SLOW_CLIENT, ERROR)
-_REASON_BY_STATUS = {429: REJECTED, 400: INVALID, 504: TIMEOUT, 500: ENGINE_ERROR,
-                     503: UNAVAILABLE}
+FAILURE_REASONS = (REJECTED, INVALID, UNAUTHENTICATED, TIMEOUT, ENGINE_ERROR, UNAVAILABLE,
+                   SLOW_CLIENT, ERROR)
+_REASON_BY_STATUS = {429: REJECTED, 401: UNAUTHENTICATED, 504: TIMEOUT, 500: ENGINE_ERROR,
+                     503: UNAVAILABLE}  # any other 4xx: INVALID
 
 StatsSource = Callable[[], Mapping[str, EngineStats]]
 
@@ -55,8 +59,10 @@ StatsSource = Callable[[], Mapping[str, EngineStats]]
 class GatewayMetrics:
     def __init__(self, model_name: str, stats_source: StatsSource,
                  registry: CollectorRegistry | None = None,
-                 tenants: Sequence[str] = (DEFAULT_TENANT,)) -> None:
-        """``tenants``: the request metrics' ``tenant`` label values known at start."""
+                 tenants: Sequence[str] = (DEFAULT_TENANT,), authenticates: bool = False
+                 ) -> None:
+        """``tenants``: the request metrics' ``tenant`` label values known at start;
+        ``authenticates``: API keys are checked, so refusals may count for ``UNKNOWN_TENANT``."""
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
         gauges = ["model_name"]
@@ -86,7 +92,9 @@ class GatewayMetrics:
                                   [*labels, "ttft_le", "tpot_le"], registry=self.registry)
         self.failures = Counter("tandem_request_failures",
                                 "Requests that failed: rejected (overloaded, 429), invalid "
-                                "(refused by the backend, 400), timeout (deadline, 504), "
+                                "(bad JSON or field, unknown model, body too large: 400, 404, "
+                                "413), unauthenticated (missing or wrong API key, 401; tenant "
+                                "unknown), timeout (deadline, 504), "
                                 "engine_error (a worker's engine failed, 500), unavailable "
                                 "(no healthy worker, 503), slow_client (read nothing for "
                                 "client_read_timeout_s: cut), error (internal).",
@@ -107,12 +115,19 @@ class GatewayMetrics:
                 self.failures.labels(model_name, tenant, reason)
             for finish in FinishReason:
                 self.success.labels(model_name, tenant, str(finish))
+        if authenticates:
+            for reason in (INVALID, UNAUTHENTICATED):
+                self.failures.labels(model_name, UNKNOWN_TENANT, reason)
         self.registry.register(_EngineStatsCollector(model_name, stats_source))
 
     def start_request(self, arrival_time: float | None = None, tenant: str = DEFAULT_TENANT
                       ) -> RequestTimer:
         return RequestTimer(self, time.monotonic() if arrival_time is None else arrival_time,
                             tenant)
+
+    def fail(self, tenant: str, reason: str) -> None:
+        """Count one failed request (``reason``: one of ``FAILURE_REASONS``)."""
+        self.failures.labels(self.model_name, tenant, reason).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
@@ -123,7 +138,7 @@ def failure_reason(error: GatewayError) -> str:
     """The ``reason`` label for a request that failed with ``error``."""
     if error.status == 500 and error.code != "engine_error":
         return ERROR
-    return _REASON_BY_STATUS.get(error.status, ERROR)
+    return _REASON_BY_STATUS.get(error.status, INVALID if 400 <= error.status < 500 else ERROR)
 
 
 def goodput_cells(ttft: float = 0.0, tpot: float = 0.0) -> list[tuple[str, str]]:
@@ -184,7 +199,7 @@ class RequestTimer:
         if self.ended:
             return
         self.ended = True
-        self.metrics.failures.labels(self.metrics.model_name, self.tenant, reason).inc()
+        self.metrics.fail(self.tenant, reason)
 
 
 class _EngineStatsCollector(Collector):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.gateway.errors import GatewayError, unauthorized
-from services.request import DEFAULT_TENANT
+from services.request import DEFAULT_TENANT, UNKNOWN_TENANT
 
 
 class TenantConfigError(ValueError):
@@ -45,6 +45,9 @@ def parse_api_keys(text: str, source: str = "api keys") -> dict[str, str]:
         key = key.strip()
         if not key or not tenant:
             raise TenantConfigError(f"{source} line {number}: expected tenant:key")
+        if tenant == UNKNOWN_TENANT:
+            raise TenantConfigError(f"{source} line {number}: the tenant name {UNKNOWN_TENANT!r} "
+                                    f"is reserved (refused requests' metrics label)")
         if key in keys:
             raise TenantConfigError(f"{source} line {number}: a key is listed twice")
         keys[key] = tenant

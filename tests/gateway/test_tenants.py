@@ -29,7 +29,7 @@ KEYS = {"key-a1": "acme", "key-a2": "acme", "key-b": "bolt"}
 def test_keys_file_lines() -> None:
     text = "# comment\nacme:key-a1\n\n acme : key-a2 \nbare-key\n"
     assert parse_api_keys(text) == {"key-a1": "acme", "key-a2": "acme", "bare-key": "default"}
-    for bad in ("acme:", "acme:k\nbolt:k"):
+    for bad in ("acme:", "acme:k\nbolt:k", "unknown:k"):
         with pytest.raises(TenantConfigError, match="line"):
             parse_api_keys(bad)
     with pytest.raises(TenantConfigError, match="cluster secret"):
