@@ -13,6 +13,9 @@ import time
 
 from router.config import POLICIES as ROUTING_POLICIES
 from services.engine.config import ATTENTION_BACKENDS, SPEC_METHODS
+from services.version import version
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -156,8 +159,19 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                          "intermediates); needs --tls-key-file")
     up.add_argument("--tls-key-file", metavar="PEM", help="the certificate's private key "
                                                           "(unencrypted)")
+    up.add_argument("--log-level", choices=LOG_LEVELS,
+                    help="Tandem's logs on stderr (info); Ray's and Serve's stay at warning "
+                         "unless debug")
+    up.add_argument("--stats-interval", type=float, metavar="S",
+                    help="a stats line on stderr every S seconds in which something changed "
+                         "(10; 0: none)")
+    _add_version(up)
     _add_spec_args(up, defaults=False)
     up.set_defaults(func=_up)
+
+
+def _add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"tandem {version()}")
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -173,7 +187,12 @@ def _up(args: argparse.Namespace) -> int:
     with up.secret_files(settings, keys) as settings:
         config = AppConfig.from_dict(settings, source or "command line")
         config.server_tls()  # a bad TLS file fails here, not in the gateway Ray starts
-        return up.run(config)
+        try:
+            return up.run(config, log_level=getattr(args, "log_level", "info"),
+                          stats_interval_s=getattr(args, "stats_interval", 10.0))
+        except up.StartupError as exc:
+            print(f"tandem: error: {exc}", file=sys.stderr, flush=True)
+            return 1
 
 
 def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -211,6 +230,7 @@ def _add_bench_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving")
+    _add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate from one prompt with an in-process engine")
     gen.add_argument("prompt")

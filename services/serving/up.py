@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -19,9 +20,37 @@ from typing import Any, TextIO
 
 from services.gateway.tenants import parse_api_keys
 from services.serving.config import AppConfig, ConfigError
+from services.serving.up_stats import StatsReporter, client_context
+from services.serving.up_status import APP_NAME, StartupError, StatusMonitor, model_name
 
-APP_NAME = "tandem"
 READY_TIMEOUT_S = 600.0
+STATUS_POLL_S = 0.5  # Serve's status, while starting (its control loop runs every 0.5 s)
+SERVING_STATUS_POLL_S = 5.0  # and while serving: replicas lost or unhealthy
+LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+LOG_DATE_FORMAT = "%H:%M:%S"
+# Tandem's own loggers (the driver's and the replicas'); everything else stays at WARNING.
+OWN_LOGGERS = ("services", "router", "tandem")
+
+log = logging.getLogger("tandem.up")
+
+
+def configure_logging(level: str, stream: TextIO | None = None) -> None:
+    """Tandem's loggers at ``level`` to stderr (short format); others' at WARNING (all at DEBUG
+    with ``debug``). Called by ``tandem up`` and, through TANDEM_LOG_LEVEL, in each replica."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+    for name in OWN_LOGGERS:
+        own = logging.getLogger(name)
+        own.setLevel(level.upper())
+        own.handlers[:] = [handler]
+        own.propagate = False
+    logging.getLogger().setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+
+
+def setup_replica_logging() -> None:
+    """Ray's ``worker_process_setup_hook``: each worker process (the replicas) logs as
+    ``tandem up`` does; Ray forwards its stderr to ``tandem up``'s (deduplicated)."""
+    configure_logging(os.environ.get("TANDEM_LOG_LEVEL", "info"))
 
 
 def ready_line(config: AppConfig) -> str:
@@ -64,10 +93,19 @@ def _private_file(directory: str, name: str, text: str) -> str:
     return str(path)
 
 
-def run(config: AppConfig, out: TextIO = sys.stdout) -> int:
-    """Serve until SIGINT/SIGTERM; every Ray process started here is stopped on the way out."""
+def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
+        stats_interval_s: float = 10.0) -> int:
+    """Serve until SIGINT/SIGTERM; every Ray process started here is stopped on the way out.
+    The ready line goes to ``out``; progress, the replicas' logs and stats go to stderr."""
     stop = threading.Event()
     _on_signals(stop)
+    configure_logging(log_level)
+    os.environ["TANDEM_LOG_LEVEL"] = log_level  # the replicas inherit it
+    ray_level = "DEBUG" if log_level == "debug" else "WARNING"
+    if log_level != "debug":
+        # Serve's own logs (its controller's tracebacks of each failed replica start, ...) to
+        # its files under the session's logs/serve only: what failed is said here, in one line.
+        os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     # Loopback-only, no auth token, no usage reporting: a private cluster for this command.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -84,23 +122,43 @@ def run(config: AppConfig, out: TextIO = sys.stdout) -> int:
 
     from services.app import build_app
 
+    logging.getLogger("ray.serve").setLevel(ray_level)  # this process's Serve client
+    started = time.monotonic()
+    # The replicas' stderr comes here (Ray deduplicates repeated lines across them), where
+    # setup_replica_logging sends Tandem's logs; Ray's and Serve's own stay at WARNING, and
+    # Serve's per-call access log off, unless debug.
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, logging_level="WARNING",
+             log_to_driver=True, logging_level=ray_level,
+             runtime_env={"worker_process_setup_hook":
+                          "services.serving.up.setup_replica_logging"},
              object_store_memory=128 * 1024 * 1024)
     _on_signals(stop)  # again: ray.init installs its own SIGTERM handler (it aborts)
+    serve_logging = {"log_level": ray_level, "enable_access_log": log_level == "debug"}
     try:
+        log.info("Ray is up in %.1f s (a private local cluster, %d CPUs)",
+                 time.monotonic() - started, int(ray.cluster_resources().get("CPU", 0)))
         # No Serve HTTP proxy: the gateway replica serves HTTP and gRPC itself.
-        serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
-        serve.run(build_app(config), name=APP_NAME, route_prefix=None, blocking=False)
-        _wait_healthy(config, stop)
+        serve.start(proxy_location="Disabled", logging_config=serve_logging)
+        monitor = StatusMonitor(config)
+        log.info("deploying %s: %s", model_name(config), monitor.shape())
+        # Not waiting for the app here: _wait_healthy watches it and reports its progress.
+        serve.run_many([serve.RunTarget(build_app(config), name=APP_NAME, route_prefix=None,
+                                        logging_config=serve_logging)],
+                       wait_for_ingress_deployment_creation=False,
+                       wait_for_applications_running=False)
+        _wait_healthy(config, stop, monitor)
         if not stop.is_set():
             print(ready_line(config), file=out, flush=True)
-        stop.wait()
+        _serve(config, stop, monitor, stats_interval_s)
+    except StartupError:
+        ray.shutdown()  # nothing to drain: stop every process now
+        raise
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+        if ray.is_initialized():
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
     return 0
 
 
@@ -109,27 +167,64 @@ def _on_signals(stop: threading.Event) -> None:
         signal.signal(sig, lambda *_: stop.set())
 
 
-def _wait_healthy(config: AppConfig, stop: threading.Event) -> None:
+def _wait_healthy(config: AppConfig, stop: threading.Event,
+                  monitor: StatusMonitor | None = None) -> None:
+    """Until /health answers 200 and (with a ``monitor``) Serve reports every replica running;
+    a replica that fails to start raises ``StartupError`` (Serve's status, polled on the way)
+    at once, instead of the wait running out."""
     url = f"{config.http_url()}/health"
-    context = None
-    if config.tls_cert_file is not None:
-        # Trust the served certificate itself (a leaf will do: partial chain), not the name it
-        # carries, which is the service's, not the loopback address polled here.
-        context = ssl.create_default_context(cafile=config.tls_cert_file)
-        context.check_hostname = False
-        context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    context = client_context(config)
     deadline = time.monotonic() + READY_TIMEOUT_S
+    next_status = 0.0
+    healthy = False
     while not stop.is_set():
-        try:
-            with urllib.request.urlopen(url, timeout=2, context=context) as response:
-                if response.status == 200:
-                    return
-        except urllib.error.URLError as exc:
-            if isinstance(exc.reason, ssl.SSLCertVerificationError):
-                raise RuntimeError(f"{url}: the gateway's certificate (tls_cert_file) does not "
-                                   f"verify: {exc.reason.verify_message}") from None
-        except OSError:
-            pass
+        if monitor is None and healthy:
+            return
+        if monitor is not None and time.monotonic() >= next_status:
+            monitor.check(starting=True)
+            next_status = time.monotonic() + STATUS_POLL_S
+            if healthy and monitor.all_running():  # and each replica's line printed
+                return
+        if not healthy:
+            healthy = _answers(url, context)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer within {READY_TIMEOUT_S} s")
+            raise TimeoutError(f"{url} did not answer, or not every replica started, within "
+                               f"{READY_TIMEOUT_S} s")
         stop.wait(0.1)
+
+
+def _answers(url: str, context: ssl.SSLContext | None) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as response:
+            return bool(response.status == 200)
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ssl.SSLCertVerificationError):
+            raise RuntimeError(f"{url}: the gateway's certificate (tls_cert_file) does not "
+                               f"verify: {exc.reason.verify_message}") from None
+    except OSError:
+        pass
+    return False
+
+
+def _serve(config: AppConfig, stop: threading.Event, monitor: StatusMonitor,
+           stats_interval_s: float) -> None:
+    """Until stopped: Serve's status every SERVING_STATUS_POLL_S (replicas lost and back) and a
+    stats line every ``stats_interval_s`` that something changed in (0: none)."""
+    stats = StatsReporter(config) if stats_interval_s > 0 else None
+    next_status = time.monotonic() + SERVING_STATUS_POLL_S
+    next_stats = time.monotonic() + stats_interval_s
+    while not stop.is_set():
+        now = time.monotonic()
+        if now >= next_status:
+            try:
+                monitor.check(starting=False)
+            except Exception as exc:  # Serve's controller busy or gone: say so, go on
+                log.debug("serve status: %r", exc)
+            next_status = now + SERVING_STATUS_POLL_S
+        if stats is not None and now >= next_stats:
+            line = stats.poll()
+            if line is not None:
+                log.info("%s", line)
+            next_stats = max(next_stats + stats_interval_s, now)
+        wake = next_status if stats is None else min(next_status, next_stats)
+        stop.wait(max(wake - time.monotonic(), 0.0))
