@@ -1,10 +1,14 @@
-# Two entry points on a fresh machine: `make up` and `make test` (both set up .venv first).
+# Two entry points on a fresh machine: `make up` and `make test` (both set up .venv first;
+# only the tests' set-up needs root, for the servers they start).
 PY := .venv/bin/python
 
-.PHONY: setup up run test lint bench helm-check
+.PHONY: setup test-setup up run test lint bench helm-check
 
 setup:
 	bash .ci/setup
+
+test-setup: setup
+	bash .ci/setup-test
 
 up: setup
 	.venv/bin/tandem up
@@ -12,15 +16,15 @@ up: setup
 run: setup
 	.venv/bin/tandem generate --chat "What is paged attention in one paragraph?"
 
-lint:
+lint: test-setup
 	.venv/bin/ruff check .
 
-test: setup lint
+test: test-setup lint
 	.venv/bin/pytest -q --durations=25
 
 bench: setup
 	$(PY) -m loadtest.engine_bench
 
 # The Helm chart and Dockerfile checks alone (real helm, Kubernetes and KubeRay schemas, hadolint).
-helm-check: setup
+helm-check: test-setup
 	.venv/bin/pytest -q tests/deploy

@@ -151,13 +151,17 @@ class GatewayIngress:
             backend.engine.check_health()
 
     async def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.fronts.stop()
+        # Also after a failed start: what was not built yet is not there to stop.
+        fronts: FrontEnds | None = getattr(self, "fronts", None)
+        if fronts is not None:
+            with contextlib.suppress(Exception):
+                await fronts.stop()
         if self.view is not None:
             await self.view.close()
         if self.router is not None:
             self.router.close()
-        backend = self.gateway.backend
+        gateway: Gateway | None = getattr(self, "gateway", None)
+        backend = None if gateway is None else gateway.backend
         if isinstance(backend, EngineBackend):
             await asyncio.to_thread(backend.engine.shutdown)
         tracing.flush()

@@ -101,7 +101,7 @@ def helm(helm_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Helm:
 @pytest.fixture(scope="session")
 def promtool() -> str:
     path = shutil.which("promtool")
-    assert path, "promtool is missing: .ci/setup installs it (Debian package prometheus)"
+    assert path, "promtool is missing: .ci/setup-test installs it (Debian package prometheus)"
     return path
 
 

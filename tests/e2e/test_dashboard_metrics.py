@@ -70,7 +70,7 @@ class Prometheus:
 def prometheus(cluster: UpProcess, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[Prometheus]:
     binary = shutil.which("prometheus")
-    assert binary, "prometheus is missing: .ci/setup installs it (Debian package prometheus)"
+    assert binary, "prometheus is missing: .ci/setup-test installs it (Debian package prometheus)"
     home = tmp_path_factory.mktemp("prometheus")
     target = cluster.http_url.removeprefix("http://")
     (home / "rules.yaml").write_text(rules.encode(rules.rules()))
