@@ -217,6 +217,28 @@ def _chat(args: argparse.Namespace) -> int:
         return 1
 
 
+def _add_status_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    status = sub.add_parser("status", help="a running cluster at a glance: the gateway's health "
+                                           "and load, one row per worker (from its /health, "
+                                           "/v1/models and /metrics)")
+    status.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP URL")
+    status.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), metavar="KEY",
+                        help="sent as Bearer (for --metrics-require-key; default: "
+                             "$TANDEM_API_KEY)")
+    status.add_argument("--cacert", metavar="PEM",
+                        help="trust this CA (or the served certificate) for an https URL")
+    status.add_argument("--json", action="store_true", help="the same data as JSON")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                        help="per request, in seconds (5)")
+    status.set_defaults(func=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from services.serving import status
+
+    return status.run(args.url, args.api_key or None, args.cacert, args.timeout, args.json)
+
+
 def _add_bench_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
                       argv: list[str]) -> None:
     if argv[:1] == ["bench"]:
@@ -243,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     _add_up_parser(sub)
     _add_chat_parser(sub)
+    _add_status_parser(sub)
     _add_bench_parser(sub, argv)
     args = parser.parse_args(argv)
     try:

@@ -7,23 +7,54 @@ import logging
 import ssl
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.gateway.tenants import read_api_keys
 from services.serving.config import AppConfig
+
+if TYPE_CHECKING:
+    from prometheus_client.samples import Sample
 
 log = logging.getLogger("tandem.up")
 
 
 def client_context(config: AppConfig) -> ssl.SSLContext | None:
-    if config.tls_cert_file is None:
+    # Trust the served certificate itself, not the name it carries, which is the service's,
+    # not the loopback address polled here.
+    return ca_context(config.tls_cert_file, check_hostname=False)
+
+
+def ca_context(cafile: str | None, check_hostname: bool = True) -> ssl.SSLContext | None:
+    """A client context trusting ``cafile`` (a CA, or the served certificate itself: a leaf
+    will do, partial chain); None (the system's CAs) without one."""
+    if cafile is None:
         return None
-    # Trust the served certificate itself (a leaf will do: partial chain), not the name it
-    # carries, which is the service's, not the loopback address polled here.
-    context = ssl.create_default_context(cafile=config.tls_cert_file)
-    context.check_hostname = False
+    context = ssl.create_default_context(cafile=cafile)
+    context.check_hostname = check_hostname
     context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return context
+
+
+def bearer(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def read_text(url: str, headers: dict[str, str], context: ssl.SSLContext | None,
+              timeout_s: float = 5.0) -> str:
+    """The body of a GET; raises ``OSError`` (``urllib.error.HTTPError`` for a status >= 400)."""
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout_s, context=context) as response:
+        return str(response.read().decode())
+
+
+def metric_samples(metrics_text: str) -> Iterator[Sample]:
+    """Every sample of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(metrics_text):
+        yield from family.samples
 
 
 @dataclass(frozen=True)
@@ -42,14 +73,11 @@ class StatsSample:
 
 
 def stats_sample(metrics_text: str) -> StatsSample:
-    from prometheus_client.parser import text_string_to_metric_families
-
     total: dict[str, float] = {}
     count: dict[str, int] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            total[sample.name] = total.get(sample.name, 0.0) + sample.value
-            count[sample.name] = count.get(sample.name, 0) + 1
+    for sample in metric_samples(metrics_text):
+        total[sample.name] = total.get(sample.name, 0.0) + sample.value
+        count[sample.name] = count.get(sample.name, 0) + 1
     kv = "tandem_kv_cache_usage_perc"
     return StatsSample(running=int(total.get("tandem_num_requests_running", 0)),
                        waiting=int(total.get("tandem_num_requests_waiting", 0)),
@@ -84,16 +112,13 @@ class StatsReporter:
         self.context = client_context(config)
         self.headers: dict[str, str] = {}
         if config.metrics_require_key and config.api_keys_file:
-            first_key = next(iter(read_api_keys(config.api_keys_file)))
-            self.headers["Authorization"] = f"Bearer {first_key}"
+            self.headers = bearer(next(iter(read_api_keys(config.api_keys_file))))
         self.last = StatsSample()  # every counter starts at zero with the gateway
         self.last_time = time.monotonic()
 
     def poll(self) -> str | None:
-        request = urllib.request.Request(self.url, headers=self.headers)
         try:
-            with urllib.request.urlopen(request, timeout=5, context=self.context) as response:
-                text = response.read().decode()
+            text = read_text(self.url, self.headers, self.context)
         except OSError as exc:  # the gateway busy or restarting: the next interval will tell
             log.debug("stats: %s: %s", self.url, exc)
             return None

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import socket
+import subprocess
 
 import grpc
 import httpx
@@ -21,8 +23,10 @@ from services.engine.sampling_params import SamplingParams
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tests.e2e.cluster import (
+    TANDEM,
     UpProcess,
     all_blocks_free,
+    free_port,
     metric_values,
     per_worker,
     resume_stopped_worker,
@@ -472,6 +476,51 @@ def test_bad_requests_get_4xx(cluster: UpProcess, body: object, status: int,
     ok = httpx.post(f"{cluster.http_url}/v1/completions", timeout=60,
                     json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def _status(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}
+    return subprocess.run([str(TANDEM), "status", *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def test_status_shows_both_workers(cluster: UpProcess) -> None:
+    """`tandem status` (before the hung-prefill test below, which marks a worker down for a
+    while): one prefill and one decode row matching /metrics, exit 0; a dead URL exits 2."""
+    wait_for(lambda: all_blocks_free(cluster), 30, "an idle cluster")
+    done = _status("--url", cluster.http_url, "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = json.loads(done.stdout)
+    assert (status["model"], status["healthy"], status["exit_code"]) == (MODEL, True, 0)
+    assert status["in_flight_limit"] == 64
+    totals = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_blocks"))
+    roles = {dict(labels)["worker"]: dict(labels)["role"]
+             for labels in metric_values(cluster.http_url, "tandem_worker_info")}
+    assert sorted(roles.values()) == ["decode", "prefill"]
+    assert [w["role"] for w in status["workers"]] == ["prefill", "decode"]
+    assert {w["worker"]: w["role"] for w in status["workers"]} == roles
+    assert {w["worker"]: w["kv_blocks_total"] for w in status["workers"]} == totals
+    assert all(w["healthy"] is True and w["kv_blocks_used"] == 0 and w["refusals"] == 0
+               for w in status["workers"])
+    prefill, decode = status["workers"]
+    assert prefill["leases"] == 0 and prefill["kv_transfers"] is None
+    assert decode["leases"] is None
+    for key, name in [("kv_transfers", "tandem_kv_transfers_total"),
+                      ("recomputes", "tandem_decode_recomputes_total")]:
+        assert {decode["worker"]: decode[key]} == per_worker(metric_values(cluster.http_url,
+                                                                           name))
+
+    table = _status("--url", cluster.http_url)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0] == f"model {MODEL} at {cluster.http_url}: gateway healthy"
+    assert [line.split()[1] for line in lines[4:]] == ["prefill", "decode"]
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    down = _status("--url", dead)
+    assert down.returncode == 2
+    assert down.stderr == f"tandem: error: cannot reach {dead}: connection refused\n"
+    assert down.stdout == ""
 
 
 def test_prefill_worker_hung_during_the_nixl_kv_pull(cluster: UpProcess,

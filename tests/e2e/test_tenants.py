@@ -5,6 +5,9 @@ while the other is served, and the request metrics carry the tenant."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from tests.e2e.cluster import UpProcess, metric_values
+from tests.e2e.cluster import TANDEM, UpProcess, metric_values
 from tests.gateway.helpers import cached_tokens
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,3 +87,26 @@ def test_keys_tenants_and_limits(cluster: UpProcess) -> None:
     for labels, value in scrape(cluster, "tandem_request_success_total").items():
         ended[dict(labels)["tenant"]] = ended.get(dict(labels)["tenant"], 0) + value
     assert ended == {"acme": 2, "bolt": 4}
+
+
+def test_status_with_metrics_behind_a_key(cluster: UpProcess) -> None:
+    """`tandem status` against this gateway, whose /metrics needs a key: none or a wrong one
+    exits 2 saying so; a tenant's key shows the one colocated engine."""
+    def status(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}
+        return subprocess.run([str(TANDEM), "status", "--url", cluster.http_url, *args],
+                              capture_output=True, text=True, timeout=60, env=env)
+
+    missing, wrong = status(), status("--api-key", "key-nobody")
+    assert (missing.returncode, missing.stderr) == (
+        2, "tandem: error: /metrics needs an API key (--api-key)\n")
+    assert (wrong.returncode, wrong.stderr) == (
+        2, "tandem: error: /metrics refused the API key (401)\n")
+    done = status("--api-key", "key-bolt", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert (data["healthy"], data["exit_code"]) == (True, 0)
+    [engine] = data["workers"]
+    blocks = scrape(cluster, "tandem_kv_cache_blocks")
+    assert (engine["worker"], engine["role"]) == ("colocated", "colocated")
+    assert engine["kv_blocks_total"] == sum(blocks.values())
