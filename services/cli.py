@@ -202,7 +202,16 @@ def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--system", default=None, help="a system message")
+    _add_client_args(chat, "when the server has API keys")
     chat.set_defaults(func=_chat)
+
+
+def _add_client_args(parser: argparse.ArgumentParser, key_needed: str) -> None:
+    """What a client of a running server needs: an API key and, for https, whom to trust."""
+    parser.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), metavar="KEY",
+                        help=f"sent as Bearer ({key_needed}; default: $TANDEM_API_KEY)")
+    parser.add_argument("--cacert", metavar="PEM",
+                        help="trust this CA (or the served certificate) for an https URL")
 
 
 def _chat(args: argparse.Namespace) -> int:
@@ -211,7 +220,8 @@ def _chat(args: argparse.Namespace) -> int:
     from services.serving import chat
 
     try:
-        return chat.run(args.url, args.max_tokens, args.temperature, args.system, args.prompt)
+        return chat.run(args.url, args.max_tokens, args.temperature, args.system, args.prompt,
+                        api_key=args.api_key or None, cacert=args.cacert)
     except (httpx.HTTPError, RuntimeError) as exc:
         print(f"tandem chat: {exc}", file=sys.stderr)
         return 1
@@ -222,11 +232,7 @@ def _add_status_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
                                            "and load, one row per worker (from its /health, "
                                            "/v1/models and /metrics)")
     status.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP URL")
-    status.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"), metavar="KEY",
-                        help="sent as Bearer (for --metrics-require-key; default: "
-                             "$TANDEM_API_KEY)")
-    status.add_argument("--cacert", metavar="PEM",
-                        help="trust this CA (or the served certificate) for an https URL")
+    _add_client_args(status, "for --metrics-require-key")
     status.add_argument("--json", action="store_true", help="the same data as JSON")
     status.add_argument("--timeout", type=float, default=5.0, metavar="S",
                         help="per request, in seconds (5)")

@@ -8,6 +8,8 @@ from typing import TextIO
 
 import httpx
 
+from services.serving.up_stats import bearer, ca_context
+
 
 def stream_reply(client: httpx.Client, url: str, messages: list[dict[str, str]],
                  max_tokens: int, temperature: float, out: TextIO) -> str:
@@ -35,11 +37,14 @@ def stream_reply(client: httpx.Client, url: str, messages: list[dict[str, str]],
 
 
 def run(url: str, max_tokens: int, temperature: float, system: str | None,
-        prompt: str | None = None, inp: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
-    """One question (``prompt``) or an interactive loop; history is kept for the session."""
+        prompt: str | None = None, inp: TextIO = sys.stdin, out: TextIO = sys.stdout,
+        api_key: str | None = None, cacert: str | None = None) -> int:
+    """One question (``prompt``) or an interactive loop; history is kept for the session.
+    ``api_key``: sent as Bearer; ``cacert``: whom to trust for an https URL."""
     messages = [{"role": "system", "content": system}] if system else []
     url = url.rstrip("/").removesuffix("/v1")
-    with httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0)) as client:
+    with httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0), headers=bearer(api_key),
+                      verify=ca_context(cacert) or True) as client:
         while True:
             if prompt is None:
                 out.write("> ")

@@ -110,3 +110,24 @@ def test_status_with_metrics_behind_a_key(cluster: UpProcess) -> None:
     blocks = scrape(cluster, "tandem_kv_cache_blocks")
     assert (engine["worker"], engine["role"]) == ("colocated", "colocated")
     assert engine["kv_blocks_total"] == sum(blocks.values())
+
+
+def test_chat_sends_the_key(cluster: UpProcess) -> None:
+    """`tandem chat` with a tenant's key streams the same greedy reply as the API; without a
+    key it exits 1 with the gateway's 401 message."""
+    question = "Name a colour."
+    expected = client(cluster, "key-bolt").chat.completions.create(
+        model="", messages=[{"role": "user", "content": question}], max_tokens=8,
+        temperature=0).choices[0].message.content
+
+    def chat(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}
+        return subprocess.run([str(TANDEM), "chat", question, "--url", cluster.http_url,
+                               "--max-tokens", "8", *args],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    keyed, refused = chat("--api-key", "key-bolt"), chat()
+    assert keyed.returncode == 0, keyed.stderr
+    assert keyed.stdout == f"{expected}\n"
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.startswith("tandem chat: HTTP 401: "), refused.stderr
