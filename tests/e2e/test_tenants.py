@@ -1,13 +1,17 @@
 """`tandem up --colocated` with API keys from TANDEM_API_KEYS (its private key and secret files):
 both front ends refuse a missing or wrong key before any work, two tenants never share cached
 prompts whatever `cache_salt` they send, a tenant over its rate limit gets 429 + Retry-After
-while the other is served, and the request metrics carry the tenant."""
+while the other is served, and the request metrics carry the tenant. `tandem status` and
+`tandem chat` with and without a key; and what `tandem up` prints on stderr here (start-up
+progress; its stats line, read from /metrics with a key, equal to /metrics)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,12 +22,16 @@ import pytest
 
 from services.gateway.pb import generation_pb2 as pb
 from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from tests.e2e.cluster import TANDEM, UpProcess, metric_values
+from tests.e2e.cluster import TANDEM, UpProcess, metric_values, wait_for
 from tests.gateway.helpers import cached_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
 KEYS = "acme:key-acme-1,acme:key-acme-2,bolt:key-bolt"
+STATS = re.compile(r"INFO stats: (\d+) running, (\d+) waiting \| prompt ([\d.]+) tok/s, "
+                   r"generation ([\d.]+) tok/s \| KV cache ([\d.]+)% \| prefix cache hit rate "
+                   r"(-|[\d.]+%) \| (\d+) requests ended: (\d+) prompt, (\d+) generated tokens$")
+STATS_INTERVAL_S = 1
 PROMPT = list(range(2000, 2512))  # 512 tokens
 
 
@@ -32,7 +40,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     up = UpProcess.from_settings(Path(tmp_path_factory.mktemp("tenants")),
                                  {"colocated": True, "tenant_tokens_per_minute": 1200},
                                  {"TANDEM_API_KEYS": KEYS})
-    up.args += ["--metrics-require-key"]
+    up.args += ["--metrics-require-key", "--stats-interval", str(STATS_INTERVAL_S)]
     up.start()
     try:
         yield up
@@ -131,3 +139,56 @@ def test_chat_sends_the_key(cluster: UpProcess) -> None:
     assert keyed.stdout == f"{expected}\n"
     assert refused.returncode == 1 and refused.stdout == ""
     assert refused.stderr.startswith("tandem chat: HTTP 401: "), refused.stderr
+
+
+def test_startup_progress_goes_to_stderr(cluster: UpProcess) -> None:
+    err = cluster.log_path.read_text()
+    assert re.search(r"^\d\d:\d\d:\d\d INFO Ray is up in [\d.]+ s", err, re.M), err
+    assert re.search(r"INFO gateway: replica 1/1 up: engine loaded SmolLM2-135M-Instruct "
+                     r"\(built-in\) in [\d.]+ s$", err, re.M), err
+    assert "Tandem ready" not in err  # the ready line is stdout's alone
+
+
+def _stats_lines(cluster: UpProcess) -> list[re.Match[str]]:
+    return [m for m in map(STATS.search, cluster.log_path.read_text().splitlines()) if m]
+
+
+def _total(cluster: UpProcess, name: str) -> float:
+    return sum(scrape(cluster, name).values())
+
+
+def test_stats_line_matches_metrics(cluster: UpProcess) -> None:
+    before = len(_stats_lines(cluster))
+    prompt = "Tandem prints a line of stats every interval in which something changed."
+    with httpx.Client(base_url=cluster.http_url, timeout=60,
+                      headers={"authorization": "Bearer key-bolt"}) as http:
+        for _ in range(3):  # the same prompt: the 2nd and 3rd hit the prefix cache
+            response = http.post("/v1/completions", json={
+                "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8,
+                "temperature": 0})
+            assert response.status_code == 200, response.text
+    # Idle now: /metrics holds still, and the next stats line (within an interval) shows it.
+    ended = _total(cluster, "tandem_request_success_total")
+    assert ended >= 3
+
+    def settled() -> bool:
+        lines = _stats_lines(cluster)
+        return len(lines) > before and int(lines[-1].group(7)) == ended
+
+    wait_for(settled, 10 * STATS_INTERVAL_S, "a stats line with every request ended")
+    last = _stats_lines(cluster)[-1]
+    kv = list(scrape(cluster, "tandem_kv_cache_usage_perc").values())
+    assert len(kv) == 1
+    assert last.group(1, 2) == ("0", "0")
+    assert _total(cluster, "tandem_num_requests_running") == 0
+    assert _total(cluster, "tandem_num_requests_waiting") == 0
+    assert last.group(5) == f"{100 * kv[0]:.1f}"
+    assert int(last.group(8)) == _total(cluster, "tandem_prompt_tokens_total")
+    assert int(last.group(9)) == _total(cluster, "tandem_generation_tokens_total")
+    # The lines since the requests began: their rates cover the tokens that ended meanwhile.
+    new = _stats_lines(cluster)[before:]
+    assert any(float(m.group(3)) > 0 for m in new) and any(float(m.group(4)) > 0 for m in new)
+    assert any(m.group(6) != "-" for m in new)  # prompt tokens were looked up in the cache
+    # Nothing changes while idle, so nothing more is printed (a negative: waited out, not synced).
+    time.sleep(3 * STATS_INTERVAL_S)
+    assert len(_stats_lines(cluster)) == before + len(new)

@@ -1,39 +1,20 @@
-"""What `tandem up` prints: --version, start-up progress and stats on stderr (the ready line alone
-on stdout), and a replica that fails to start stopping it at once, with nothing left behind."""
+"""What `tandem up` prints: --version, and a replica that fails to start stopping it at once, with
+nothing left behind. Its start-up progress and stats lines are checked on the keyed colocated
+cluster of tests/e2e/test_tenants.py (one cluster start fewer; its stats poll needs a key)."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
 from services.version import version
-from tests.e2e.cluster import TANDEM, UpProcess, free_port, metric_values, wait_for
+from tests.e2e.cluster import TANDEM, free_port
 
 pytestmark = pytest.mark.timeout(300)
-
-STATS = re.compile(r"INFO stats: (\d+) running, (\d+) waiting \| prompt ([\d.]+) tok/s, "
-                   r"generation ([\d.]+) tok/s \| KV cache ([\d.]+)% \| prefix cache hit rate "
-                   r"(-|[\d.]+%) \| (\d+) requests ended: (\d+) prompt, (\d+) generated tokens$")
-STATS_INTERVAL_S = 1
-
-
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
-    """`tandem up --colocated` printing a stats line every second something changed."""
-    log = Path(tmp_path_factory.mktemp("up-output")) / "tandem-up.log"
-    up = UpProcess(["--colocated", "--stats-interval", str(STATS_INTERVAL_S)], log).start()
-    try:
-        yield up
-    finally:
-        up.stop()
-
 
 @pytest.mark.parametrize("argv", [["--version"], ["up", "--version"]])
 def test_version(argv: list[str]) -> None:
@@ -105,55 +86,3 @@ def test_a_replica_that_fails_to_start_stops_up_at_once(tmp_path: Path) -> None:
     assert "Traceback" not in err, err[-4000:]
     assert started, "no process was started: the check ran before Ray, not in the replica"
     assert _alive(started) == []
-
-
-def test_startup_progress_goes_to_stderr(colocated: UpProcess) -> None:
-    err = colocated.log_path.read_text()
-    assert re.search(r"^\d\d:\d\d:\d\d INFO Ray is up in [\d.]+ s", err, re.M), err
-    assert re.search(r"INFO gateway: replica 1/1 up: engine loaded SmolLM2-135M-Instruct "
-                     r"\(built-in\) in [\d.]+ s$", err, re.M), err
-    assert "Tandem ready" not in err  # the ready line is stdout's alone
-
-
-def _stats_lines(cluster: UpProcess) -> list[re.Match[str]]:
-    return [m for m in map(STATS.search, cluster.log_path.read_text().splitlines()) if m]
-
-
-def _total(cluster: UpProcess, name: str) -> float:
-    return sum(metric_values(cluster.http_url, name).values())
-
-
-def test_stats_line_matches_metrics(colocated: UpProcess) -> None:
-    before = len(_stats_lines(colocated))
-    prompt = "Tandem prints a line of stats every interval in which something changed."
-    with httpx.Client(base_url=colocated.http_url, timeout=60) as client:
-        for _ in range(3):  # the same prompt: the 2nd and 3rd hit the prefix cache
-            response = client.post("/v1/completions", json={
-                "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8,
-                "temperature": 0})
-            assert response.status_code == 200, response.text
-    # Idle now: /metrics holds still, and the next stats line (within an interval) shows it.
-    ended = _total(colocated, "tandem_request_success_total")
-    assert ended >= 3
-
-    def settled() -> bool:
-        lines = _stats_lines(colocated)
-        return len(lines) > before and int(lines[-1].group(7)) == ended
-
-    wait_for(settled, 10 * STATS_INTERVAL_S, "a stats line with every request ended")
-    last = _stats_lines(colocated)[-1]
-    kv = list(metric_values(colocated.http_url, "tandem_kv_cache_usage_perc").values())
-    assert len(kv) == 1
-    assert last.group(1, 2) == ("0", "0")
-    assert _total(colocated, "tandem_num_requests_running") == 0
-    assert _total(colocated, "tandem_num_requests_waiting") == 0
-    assert last.group(5) == f"{100 * kv[0]:.1f}"
-    assert int(last.group(8)) == _total(colocated, "tandem_prompt_tokens_total")
-    assert int(last.group(9)) == _total(colocated, "tandem_generation_tokens_total")
-    # The lines since the requests began: their rates cover the tokens that ended meanwhile.
-    new = _stats_lines(colocated)[before:]
-    assert any(float(m.group(3)) > 0 for m in new) and any(float(m.group(4)) > 0 for m in new)
-    assert any(m.group(6) != "-" for m in new)  # prompt tokens were looked up in the cache
-    # Nothing changes while idle, so nothing more is printed.
-    time.sleep(3 * STATS_INTERVAL_S)
-    assert len(_stats_lines(colocated)) == before + len(new)
