@@ -232,7 +232,10 @@ def read_status(url: str, api_key: str | None = None, cacert: str | None = None,
             raise StatusError(f"{url}/v1/models answered HTTP {exc.code}") from exc
     except (ValueError, KeyError, TypeError):
         pass  # not Tandem's shape: the metrics name it
-    return cluster_status(metrics_text, url, healthy, reason, model)
+    try:
+        return cluster_status(metrics_text, url, healthy, reason, model)
+    except ValueError as exc:  # the parser's: not what a Tandem gateway writes
+        raise StatusError(f"{url}/metrics is not Prometheus text ({exc})") from exc
 
 
 def _health_reason(exc: urllib.error.HTTPError) -> str | None:

@@ -4,6 +4,13 @@ tests/e2e/test_tenants.py (/metrics behind an API key)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -14,7 +21,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.serving import metrics as worker_metrics
 from services.serving.cluster_view import WorkerSnapshot
 from services.serving.status import cluster_status, render, short_id
-from tests.e2e.cluster import free_port
+from tests.e2e.cluster import free_port, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 PREFILL, DECODE = "p8x2k4q1", "d3m9z7c5-a-rather-long-replica-id"
@@ -114,3 +121,45 @@ def test_unreachable_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["status", "--url", url]) == 2
     assert capsys.readouterr().err == f"tandem: error: cannot reach {url}: connection refused\n"
+
+
+def test_a_garbage_answer_or_a_hung_gateway_exits_2(tmp_path: Path) -> None:
+    """A real server process that answers garbage on /metrics, then the same process stopped
+    (SIGSTOP): one line each, exit 2, within the timeout."""
+    (tmp_path / "health").write_text("{}")
+    (tmp_path / "metrics").write_text("this is { not prometheus\n")
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text("{}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                               "127.0.0.1", "--directory", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(answers, 30, "the stand-in server to answer")
+        garbage = _status("--url", url)
+        assert garbage.returncode == 2
+        assert garbage.stderr.startswith(f"tandem: error: {url}/metrics is not Prometheus "
+                                         f"text ("), garbage.stderr
+        server.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        hung = _status("--url", url, "--timeout", "1")
+        assert time.monotonic() - started < 30
+        assert (hung.returncode, hung.stderr) == (
+            2, f"tandem: error: cannot reach {url}: timed out\n")
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait(timeout=30)
+
+
+def _status(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.cli", "status", *args],
+                          capture_output=True, text=True, timeout=60)
