@@ -68,6 +68,7 @@ class ClusterKey:
             raise ClusterSecretError(f"the cluster secret must have at least {MIN_SECRET_CHARS} "
                                      f"characters")
         self._secret = secret
+        self._keys: dict[str, bytes] = {}  # purpose -> its derived key
 
     @classmethod
     def from_file(cls, path: str | Path) -> ClusterKey:
@@ -77,7 +78,11 @@ class ClusterKey:
         return "ClusterKey(<secret>)"
 
     def mac(self, purpose: str, *parts: str) -> str:
-        key = hmac.new(self._secret, f"{_VERSION}/{purpose}".encode(), hashlib.sha256).digest()
+        key = self._keys.get(purpose)
+        if key is None:
+            key = hmac.new(self._secret, f"{_VERSION}/{purpose}".encode(),
+                           hashlib.sha256).digest()
+            self._keys[purpose] = key
         message = json.dumps(parts, separators=(",", ":")).encode()  # unambiguous framing
         return hmac.new(key, message, hashlib.sha256).hexdigest()
 
