@@ -245,14 +245,27 @@ def _status(args: argparse.Namespace) -> int:
     return status.run(args.url, args.api_key or None, args.cacert, args.timeout, args.json)
 
 
-def _add_bench_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
-                      argv: list[str]) -> None:
-    if argv[:1] == ["bench"]:
-        from loadtest.bench import cli as bench_cli
+# Subcommands whose modules are imported only when they run (each module's add_parser(sub)
+# defines its arguments); otherwise listed in `tandem --help` by name and help alone.
+LAZY_COMMANDS = {
+    "bench": ("loadtest.bench.cli",
+              "load-test an OpenAI-compatible server or Tandem's gRPC API"),
+    "plan": ("services.planner.cli",
+             "size prefill and decode workers from SLOs and live metrics; apply to a RayService"),
+    "doctor": ("services.doctor.cli",
+               "answer the six serving questions from a cluster's live metrics, rank the levers"),
+}
 
-        bench_cli.add_parser(sub)
-    else:  # listed in `tandem --help` without importing loadtest
-        sub.add_parser("bench", help="load-test an OpenAI-compatible server or Tandem's gRPC API")
+
+def _add_lazy_parsers(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+                      argv: list[str]) -> None:
+    import importlib
+
+    for name, (module, help_text) in LAZY_COMMANDS.items():
+        if argv[:1] == [name]:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_up_parser(sub)
     _add_chat_parser(sub)
     _add_status_parser(sub)
-    _add_bench_parser(sub, argv)
+    _add_lazy_parsers(sub, argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
