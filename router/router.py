@@ -62,6 +62,10 @@ class RouterStatus:
     fallback_decisions: int = 0
     # Decisions per (reason, detail), as on RoutingDecision.
     decisions_by_reason: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Full blocks of the prompts sent to a prefill worker while the index was readable
+    # (``prompt``), and of their leading blocks those cached on any prefill worker (``any``) and
+    # on the chosen one (``chosen``): under any policy, what prefix routing could reach and did.
+    prefix_blocks: dict[str, int] = field(default_factory=dict)
 
 
 def default_replica_id() -> str:
@@ -108,6 +112,7 @@ class Router:
         self._decisions = 0
         self._fallbacks = 0
         self._by_reason: Counter[tuple[str, str]] = Counter()
+        self._prefix_blocks: Counter[str] = Counter()
         self._failovers: Counter[tuple[str, str]] = Counter()
         self._down: dict[str, int] = {}  # worker -> heartbeat seq it was found gone at
 
@@ -324,7 +329,7 @@ class Router:
             raise NoHealthyWorkers("no live prefill or decode worker is registered")
         prompt_blocks = -(-num_tokens // cfg.settings.block_size)
         if cfg.policy == ROUND_ROBIN:
-            return self._decide_round_robin(prefill, decode, num_tokens, prompt_blocks,
+            return self._decide_round_robin(prefill, decode, hashes, num_tokens, prompt_blocks,
                                             request_id, now)
         unusable = self._index_problem()
         lengths = (
@@ -369,6 +374,7 @@ class Router:
             longest = max(lengths[w] for w in prefill)
             reason = d.PREFIX if cached > 0 and cached == longest else d.LOAD
             detail = ""
+            self._count_prefix(len(hashes), longest, cached)
             # All of them, not only the uncached tail: a prefix that is only provisionally held
             # (its worker still queueing the first request) stays put while traffic keeps coming.
             self._index.add_provisional(chosen, hashes, now)
@@ -380,8 +386,8 @@ class Router:
                               prompt_blocks, cached, scores, decode_scores)
 
     def _decide_round_robin(
-        self, prefill: list[str], decode: list[str], num_tokens: int, prompt_blocks: int,
-        request_id: str, now: float,
+        self, prefill: list[str], decode: list[str], hashes: Sequence[BlockHash],
+        num_tokens: int, prompt_blocks: int, request_id: str, now: float,
     ) -> RoutingDecision:
         """Prefill workers in turn, never consulting the prefix index or their load; decode by
         load as under the prefix policy, so that a comparison isolates the prefill choice."""
@@ -397,9 +403,15 @@ class Router:
             return self._decision(request_id, None, decode_choice, d.SKIP_PREFILL, skip_detail,
                                   num_tokens, prompt_blocks, 0, {}, decode_scores)
         chosen = self._round_robin.next(prefill)
+        if self._index_problem() in (None, d.INDEX_EMPTY):  # measured, never consulted
+            lengths = self._index.prefix_lengths(hashes, prefill, now)
+            self._count_prefix(len(hashes), max(lengths.values()), lengths[chosen])
         self._inflight.add(request_id, chosen, prompt_blocks, now)
         return self._decision(request_id, chosen, decode_choice, d.ROUND_ROBIN, "", num_tokens,
                               prompt_blocks, 0, {}, decode_scores)
+
+    def _count_prefix(self, prompt: int, any_worker: int, chosen: int) -> None:
+        self._prefix_blocks.update(prompt=prompt, any=any_worker, chosen=chosen)
 
     def _index_problem(self) -> str | None:
         """Why the index cannot be trusted right now, or None if it can."""
@@ -477,6 +489,7 @@ class Router:
                 decisions=self._decisions,
                 fallback_decisions=self._fallbacks,
                 decisions_by_reason=dict(self._by_reason),
+                prefix_blocks=dict(self._prefix_blocks),
             )
 
     def start(self, poll_s: float = 0.05, registry_every_s: float = 0.25,

@@ -108,3 +108,33 @@ def test_round_robin_without_prefill_workers_sends_the_prompt_to_decode() -> Non
 def test_unknown_policy_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match="prefix, round_robin.*'random'"):
         RouterConfig(SETTINGS, policy="random")
+
+
+def test_prefix_blocks_count_what_prefix_routing_could_reach_under_either_policy() -> None:
+    s = Setup()
+    p0 = s.worker("p0")
+    s.worker("p1")
+    s.worker("d0", "decode")
+    prompt = tokens(3, 16 * 10)  # 10 full blocks
+    p0.cache(prompt[:16 * 6])  # 6 leading blocks on p0 only
+    prefix_router, rr_router = s.router("prefix"), s.router("round_robin")
+    for router in (prefix_router, rr_router):
+        router.sync()
+
+    rr = [rr_router.route(prompt).prefill_worker for _ in range(2)]
+    assert rr == ["p0", "p1"]
+    # Both prompts could have found 6 blocks (on p0); only the one sent to p0 did.
+    assert rr_router.status().prefix_blocks == {"prompt": 20, "any": 12, "chosen": 6}
+
+    assert prefix_router.route(prompt).prefill_worker == "p0"
+    assert prefix_router.status().prefix_blocks == {"prompt": 10, "any": 6, "chosen": 6}
+
+
+def test_prefix_blocks_skip_prompts_that_no_prefill_worker_computes() -> None:
+    s = Setup()
+    s.worker("p0")
+    s.worker("d0", "decode")
+    router = s.router("round_robin", short_prompt_tokens=32)
+    router.sync()
+    assert router.route(tokens(4, 20)).prefill_worker is None  # short: decode computes it
+    assert router.status().prefix_blocks == {}
