@@ -254,6 +254,8 @@ LAZY_COMMANDS = {
              "size prefill and decode workers from SLOs and live metrics; apply to a RayService"),
     "doctor": ("services.doctor.cli",
                "answer the six serving questions from a cluster's live metrics, rank the levers"),
+    "batch": ("services.batch.cli",
+              "run an OpenAI batch file (JSONL) at full throughput, resumable"),
 }
 
 

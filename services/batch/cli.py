@@ -1,0 +1,137 @@
+"""``tandem batch``: an OpenAI batch file through an in-process engine or a running cluster.
+
+See docs/operations.md, "Offline batches".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from services.batch import batch_file, runner
+from services.cli import _add_client_args, _add_engine_args
+
+# Requests in flight against --base-url: a default cluster's admission bound (one decode batch
+# of max_num_seqs); beyond it the gateway answers 429, which is retried.
+DEFAULT_REMOTE_CONCURRENCY = 32
+# In-process: twice the engine's batch, so a finished sequence's place is taken at the next step.
+LOCAL_CONCURRENCY_PER_SEQ = 2
+CONNECT_TIMEOUT_S = 10.0
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``batch`` to the CLI's subcommands; its handler is ``args.func``."""
+    parser = sub.add_parser(
+        "batch", help="run an OpenAI batch file (JSONL) at full throughput, resumable",
+        description="Answer every request of an OpenAI batch input file and append one output "
+                    "line per request as it finishes; run again to resume. See "
+                    "docs/operations.md, \"Offline batches\".")
+    parser.add_argument("--input", required=True, type=Path, metavar="JSONL",
+                        help="requests: {custom_id, method, url, body} per line")
+    parser.add_argument("--output", required=True, type=Path, metavar="JSONL",
+                        help="results, one line per request in the order they finish; lines "
+                             "already there are kept and their requests not sent again")
+    parser.add_argument("--restart", action="store_true",
+                        help="empty the output first and answer every request")
+    parser.add_argument("--concurrency", type=int, default=None, metavar="N",
+                        help=f"requests in flight (default: {LOCAL_CONCURRENCY_PER_SEQ} x "
+                             f"--max-num-seqs in-process, {DEFAULT_REMOTE_CONCURRENCY} with "
+                             f"--base-url)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--base-url", default=None, metavar="URL",
+                        help="a running server's HTTP URL (default: an engine in this process)")
+    _add_client_args(parser, "--base-url with API keys")
+    _add_engine_args(parser)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="in-process engine's device (cpu)")
+    parser.add_argument("--max-num-seqs", type=int, default=32,
+                        help="in-process engine's running batch size (32)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 once every request has its output line and none failed in this run, 1 if some
+    failed (their lines are written: not sent again on resume), 2 for a bad input or output
+    file (before any request), 130 when interrupted (run it again to resume)."""
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    requests = batch_file.read_requests(args.input)
+    done = (set() if args.restart
+            else batch_file.read_done(args.output, {r.custom_id for r in requests}))
+    todo = runner.in_prefix_order(requests, done)
+    if not todo:  # nothing to send: no engine to load
+        print(f"tandem batch: all {len(requests)} requests already answered in {args.output}",
+              file=sys.stderr)
+        return 0
+    with contextlib.ExitStack() as stack:
+        if args.base_url is None:
+            client = stack.enter_context(_local_client(args))
+            concurrency = args.concurrency or LOCAL_CONCURRENCY_PER_SEQ * args.max_num_seqs
+        else:
+            client = _remote_client(args)
+            concurrency = args.concurrency or DEFAULT_REMOTE_CONCURRENCY
+        out = stack.enter_context(batch_file.open_output(args.output, args.restart))
+        progress = stack.enter_context(tqdm(total=len(requests), initial=len(done), unit="req",
+                                            desc="batch", file=sys.stderr,
+                                            disable=args.no_progress))
+
+        async def answer_all() -> runner.Summary:
+            async with client:
+                return await runner.run(todo, client, out, concurrency, progress)
+
+        try:
+            summary = asyncio.run(answer_all())
+        except KeyboardInterrupt:
+            progress.close()
+            print(f"tandem batch: interrupted; the answered requests are in {args.output}: "
+                  f"run the same command again to go on", file=sys.stderr)
+            return 130
+    print(f"tandem batch: {summary.line()}; {len(done)} answered before", file=sys.stderr)
+    return 1 if summary.failed else 0
+
+
+def _remote_client(args: argparse.Namespace) -> httpx.AsyncClient:
+    from services.serving.up_stats import bearer, ca_context
+
+    return httpx.AsyncClient(base_url=args.base_url.rstrip("/").removesuffix("/v1"),
+                             headers=bearer(args.api_key or None),
+                             verify=ca_context(args.cacert) or True,
+                             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+
+
+@contextlib.contextmanager
+def _local_client(args: argparse.Namespace) -> Iterator[httpx.AsyncClient]:
+    """An HTTP client of the gateway's own ASGI app over an engine in this process: the
+    colocated `tandem up` gateway with no server around it."""
+    from services.engine.async_engine import AsyncEngine
+    from services.engine.config import EngineConfig, SpeculativeConfig
+    from services.engine.llm_engine import LLMEngine
+    from services.engine.tokenizer_loader import load_model_metadata
+    from services.gateway import EngineBackend, Gateway, GatewayConfig, create_http_app
+
+    spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                    num_threads=args.threads, block_size=args.block_size,
+                                    max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    speculative=spec))
+    meta = load_model_metadata(args.model)  # the request defaults the online gateway applies
+    async_engine = AsyncEngine(engine)
+    try:
+        gateway = Gateway(EngineBackend(async_engine), engine.tokenizer,
+                          GatewayConfig(sampling_defaults=meta.sampling_defaults))
+        # A 500 is an answer to record, not an exception to raise in the client.
+        transport = httpx.ASGITransport(app=create_http_app(gateway), raise_app_exceptions=False)
+        yield httpx.AsyncClient(transport=transport, base_url="http://tandem-batch",
+                                timeout=None)
+    finally:
+        async_engine.shutdown()
