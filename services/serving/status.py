@@ -66,7 +66,7 @@ class ClusterStatus:
 Series = dict[str, dict[str, float]]  # metric name -> worker -> value (summed over other labels)
 
 
-def _series(metrics_text: str) -> tuple[Series, dict[str, str], str | None]:
+def metric_series(metrics_text: str) -> tuple[Series, dict[str, str], str | None]:
     """Per-worker values of every series, each worker's role, and the model_name label."""
     values: Series = defaultdict(dict)
     roles: dict[str, str] = {}
@@ -86,7 +86,7 @@ def cluster_status(metrics_text: str, url: str = "", healthy: bool = True,
                    reason: str | None = None, model: str | None = None) -> ClusterStatus:
     """The status from one read of /metrics and /health (``model``: /v1/models' id; the
     metrics' ``model_name`` without it)."""
-    values, roles, model_name = _series(metrics_text)
+    values, roles, model_name = metric_series(metrics_text)
 
     def number(name: str, worker: str) -> int | None:
         value = values.get(name, {}).get(worker)
@@ -191,41 +191,57 @@ def _reason(exc: OSError) -> str:
     return str(reason)
 
 
-def read_status(url: str, api_key: str | None = None, cacert: str | None = None,
-                timeout_s: float = 5.0) -> ClusterStatus:
-    """Reads /health, /metrics and /v1/models; raises ``StatusError``."""
-    url = url.rstrip("/")
-    try:
-        context = ca_context(cacert)
-    except OSError as exc:  # a missing or bad PEM file
-        raise StatusError(f"--cacert {cacert}: {exc}") from exc
-    headers = bearer(api_key)
+class GatewayReader:
+    """GETs from a gateway's HTTP front end; every failure is a ``StatusError`` of one line."""
 
-    def get(path: str) -> str:
+    def __init__(self, url: str, api_key: str | None = None, cacert: str | None = None,
+                 timeout_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
         try:
-            return read_text(f"{url}{path}", headers, context, timeout_s)
+            self.context = ca_context(cacert)
+        except OSError as exc:  # a missing or bad PEM file
+            raise StatusError(f"--cacert {cacert}: {exc}") from exc
+        self.api_key = api_key
+        self.headers = bearer(api_key)
+        self.timeout_s = timeout_s
+
+    def get(self, path: str) -> str:
+        """The body; raises ``urllib.error.HTTPError`` for a status >= 400, else
+        ``StatusError``."""
+        try:
+            return read_text(f"{self.url}{path}", self.headers, self.context, self.timeout_s)
         except urllib.error.HTTPError:
             raise
         except OSError as exc:
-            raise StatusError(f"cannot reach {url}: {_reason(exc)}") from exc
+            raise StatusError(f"cannot reach {self.url}: {_reason(exc)}") from exc
 
+    def metrics(self) -> str:
+        """/metrics' text; raises ``StatusError``."""
+        try:
+            return self.get("/metrics")
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                raise StatusError("/metrics needs an API key (--api-key)" if self.api_key is None
+                                  else "/metrics refused the API key (401)") from exc
+            raise StatusError(f"{self.url}/metrics answered HTTP {exc.code}") from exc
+
+
+def read_status(url: str, api_key: str | None = None, cacert: str | None = None,
+                timeout_s: float = 5.0) -> ClusterStatus:
+    """Reads /health, /metrics and /v1/models; raises ``StatusError``."""
+    reader = GatewayReader(url, api_key, cacert, timeout_s)
+    url = reader.url
     healthy, reason = True, None
     try:
-        get("/health")
+        reader.get("/health")
     except urllib.error.HTTPError as exc:
         if exc.code != 503:
             raise StatusError(f"{url}/health answered HTTP {exc.code}") from exc
         healthy, reason = False, _health_reason(exc)
-    try:
-        metrics_text = get("/metrics")
-    except urllib.error.HTTPError as exc:
-        if exc.code == 401:
-            raise StatusError("/metrics needs an API key (--api-key)" if api_key is None
-                              else "/metrics refused the API key (401)") from exc
-        raise StatusError(f"{url}/metrics answered HTTP {exc.code}") from exc
+    metrics_text = reader.metrics()
     model = None
     try:
-        models = json.loads(get("/v1/models"))
+        models = json.loads(reader.get("/v1/models"))
         model = ", ".join(str(card["id"]) for card in models["data"]) or None
     except urllib.error.HTTPError as exc:  # 401 without a key: the metrics name it
         if exc.code != 401:

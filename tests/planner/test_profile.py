@@ -1,0 +1,129 @@
+"""A profile from tandem bench's results.json, and the live load from two /metrics texts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest.bench.records import RequestRecord
+from services.cli import main
+from services.planner.observe import NoTraffic, load_between
+from services.planner.profile import load_profile, profile_from_bench
+
+
+def _record(index: int, prompt: int, ttft: float, tpot: float, out: int = 11) -> dict[str, Any]:
+    end = ttft + tpot * (out - 1)
+    return RequestRecord(index=index, kind="short", group="", prompt_tokens=prompt,
+                         server_prompt_tokens=prompt, output_tokens=out, start_s=0.0,
+                         first_token_s=ttft, end_s=end, admitted=True).to_json()
+
+
+def _cell(mode: str, value: float, records: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"label": "tandem", "load": {"mode": mode, "value": value, "burstiness": 1.0},
+            "runs": [{"round": 0, "records": records}]}
+
+
+def _results(tmp_path: Path, cells: list[dict[str, Any]]) -> Path:
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps({"tool": "tandem bench", "cells": cells}))
+    return out
+
+
+def test_profile_fits_prefill_and_itl_lines(tmp_path: Path) -> None:
+    # Alone (concurrency 1): 100 tokens in 0.15 s, 300 in 0.35 s: TTFT = 0.05 + n / 1000.
+    # TPOT 21 ms at concurrency 1, 28 ms at 8: ITL(b) = 20 ms + 1 ms · b.
+    alone = [_record(0, 100, 0.15, 0.021), _record(1, 300, 0.35, 0.021)]
+    busy = [_record(i, 200, 0.5, 0.028) for i in range(8)]
+    cells = [_cell("concurrency", 1, alone), _cell("concurrency", 8, busy),
+             _cell("rate", 2.0, busy)]  # a rate run adds nothing to the fit
+    out = tmp_path / "profile.json"
+    assert main(["plan", "profile", str(_results(tmp_path, cells)), "--max-num-seqs", "16",
+                 "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.prefill_tokens_per_s == pytest.approx(1000.0)
+    assert profile.prefill_overhead_s == pytest.approx(0.05)
+    assert profile.itl_base_s == pytest.approx(0.020)
+    assert profile.itl_per_seq_s == pytest.approx(0.001)
+    assert profile.max_num_seqs == 16
+
+
+def test_one_prompt_length_counts_all_of_ttft_as_prefill(tmp_path: Path) -> None:
+    # 200 tokens in 0.25 s: 800 tokens/s, no fixed part.
+    alone = [_record(0, 200, 0.25, 0.021), _record(1, 200, 0.25, 0.021)]
+    cells = [_cell("concurrency", 1, alone),
+             _cell("concurrency", 4, [_record(2, 200, 0.3, 0.024)])]
+    profile = profile_from_bench([_results(tmp_path, cells)])
+    assert profile.prefill_tokens_per_s == pytest.approx(800.0)
+    assert profile.prefill_overhead_s == 0.0
+
+
+def test_one_concurrency_is_not_enough(tmp_path: Path) -> None:
+    cells = [_cell("concurrency", 1, [_record(0, 200, 0.25, 0.021)])]
+    with pytest.raises(ValueError, match="two concurrencies at least"):
+        profile_from_bench([_results(tmp_path, cells)])
+
+
+# Two reads of a gateway's /metrics, 10 s apart: 20 requests ended and 2 refused; 4,000 prompt
+# and 1,000 generated tokens; the prefill worker found 1,000 of 4,000 prompt tokens cached (the
+# decode worker's lookups do not count: its prefill was done elsewhere).
+METRICS = """\
+# TYPE tandem_worker_info gauge
+tandem_worker_info{{model_name="m",worker="p1",role="prefill"}} 1.0
+tandem_worker_info{{model_name="m",worker="d1",role="decode"}} 1.0
+# TYPE tandem_request_success counter
+tandem_request_success_total{{model_name="m",tenant="",finished_reason="length"}} {ended}
+# TYPE tandem_request_failures counter
+tandem_request_failures_total{{model_name="m",tenant="",reason="rejected"}} {failed}
+# TYPE tandem_prompt_tokens counter
+tandem_prompt_tokens_total{{model_name="m",tenant=""}} {prompt}
+# TYPE tandem_generation_tokens counter
+tandem_generation_tokens_total{{model_name="m",tenant=""}} {generated}
+# TYPE tandem_prefix_cache_queries counter
+tandem_prefix_cache_queries_total{{model_name="m",worker="p1"}} {queries}
+tandem_prefix_cache_queries_total{{model_name="m",worker="d1"}} {queries}
+# TYPE tandem_prefix_cache_hits counter
+tandem_prefix_cache_hits_total{{model_name="m",worker="p1"}} {hits}
+tandem_prefix_cache_hits_total{{model_name="m",worker="d1"}} {queries}
+"""
+BEFORE = METRICS.format(ended=5, failed=1, prompt=1000, generated=250, queries=500, hits=0)
+AFTER = METRICS.format(ended=25, failed=3, prompt=5000, generated=1250, queries=4500, hits=1000)
+
+
+def test_load_from_two_metrics_texts() -> None:
+    load = load_between(BEFORE, AFTER, 10.0)
+    # λ = (20 + 2) / 10; L_in = 4000 / 20; L_out = 1000 / 20; h = 1000 / 4000.
+    assert load.rate == pytest.approx(2.2)
+    assert load.prompt_tokens == pytest.approx(200.0)
+    assert load.output_tokens == pytest.approx(50.0)
+    assert load.hit_rate == pytest.approx(0.25)
+
+
+def test_no_traffic_and_colocated_are_said() -> None:
+    with pytest.raises(NoTraffic, match="no request ended in the 10 s window"):
+        load_between(AFTER, AFTER, 10.0)
+    colocated = "\n".join(line for line in AFTER.splitlines() if "worker_info" not in line)
+    with pytest.raises(ValueError, match="colocated"):
+        load_between(colocated, colocated, 10.0)
+
+
+def test_plan_from_recorded_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before, after, profile = tmp_path / "before", tmp_path / "after", tmp_path / "profile.json"
+    before.write_text(BEFORE)
+    after.write_text(AFTER)
+    profile.write_text(json.dumps({"prefill_tokens_per_s": 1000.0, "itl_base_s": 0.02,
+                                   "itl_per_seq_s": 0.001, "max_num_seqs": 64}))
+    args = ["plan", "--profile", str(profile), "--metrics", str(before), str(after),
+            "--window", "10", "--ttft-ms", "500", "--tpot-ms", "50"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # S = 200 · 0.75 / 1000 = 0.15 s; P = 1: ρ = 2.2 · 0.15 = 0.33,
+    # W = 0.33 · 0.15 / (2 · 0.67) = 0.036940 s: TTFT = 186.94 ms.
+    assert report["plan"]["prefill"] == 1
+    assert report["plan"]["ttft_ms"] == pytest.approx(150 + 1000 * 0.0495 / 1.34)
+    assert "patch" not in report  # no --rayservice: the plan only
+    assert main([*args, "--tpot-ms", "10"]) == 1
+    assert "TPOT target 10.0 ms is below" in capsys.readouterr().err
