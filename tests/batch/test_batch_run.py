@@ -1,0 +1,121 @@
+"""`tandem batch` end to end: a real subprocess on the built-in model, killed halfway and run
+again; against a running gateway with --base-url. Every answer is compared with what the
+online HTTP API gives for the same request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.cli import main as tandem
+from services.gateway.runner import ServeAddresses
+from tests.batch.conftest import API_KEY
+from tests.batch.requests import batch_lines, read_jsonl, write_jsonl
+from tests.gateway.helpers import wait_until
+
+TANDEM = Path(sys.executable).with_name("tandem")
+REQUESTS = 200
+
+
+def _complete_lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def _online_answers(server: ServeAddresses, lines: list[dict[str, Any]]
+                    ) -> dict[str, httpx.Response]:
+    """Each request sent to the online API over HTTP, 32 at a time."""
+
+    async def send_all() -> dict[str, httpx.Response]:
+        slots = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(base_url=server.http_url, timeout=120,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+
+            async def send(line: dict[str, Any]) -> tuple[str, httpx.Response]:
+                async with slots:
+                    return line["custom_id"], await client.post(line["url"], json=line["body"])
+
+            return dict(await asyncio.gather(*(send(line) for line in lines)))
+
+    return asyncio.run(send_all())
+
+
+def _same_answer(batch_body: dict[str, Any], online_body: dict[str, Any]) -> None:
+    """Ids, timestamps and cached-token counts differ between two runs; nothing else may."""
+    assert batch_body["object"] == online_body["object"]
+    assert batch_body["choices"] == online_body["choices"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert ({k: batch_body["usage"][k] for k in counts}
+            == {k: online_body["usage"][k] for k in counts})
+
+
+def test_a_killed_batch_resumes_and_answers_every_request_once_as_online(
+        tmp_path: Path, online: ServeAddresses) -> None:
+    lines = batch_lines(REQUESTS)
+    source = write_jsonl(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    command = [str(TANDEM), "batch", "--input", str(source), "--output", str(output),
+               "--threads", "1", "--no-progress"]
+    with (tmp_path / "first.err").open("w") as err:
+        first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            wait_until(lambda: _complete_lines(output) >= REQUESTS // 2 or first.poll() is not None,
+                       "half the batch answered", timeout_s=300)
+        finally:
+            first.kill()
+            first.wait()
+    killed_at = _complete_lines(output)
+    assert REQUESTS // 2 <= killed_at < REQUESTS, (tmp_path / "first.err").read_text()
+    # A line cut short as if the kill had come mid-write, of a request not answered yet.
+    answered = {line["custom_id"] for line in read_jsonl(output)}
+    torn_id = next(line["custom_id"] for line in lines if line["custom_id"] not in answered)
+    with output.open("a") as out:
+        out.write(json.dumps({"id": "batch_req_torn", "custom_id": torn_id})[:30])
+
+    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+    assert second.returncode == 0, second.stderr
+    assert f"{REQUESTS - killed_at} requests (0 failed)" in second.stderr
+    assert f"{killed_at} answered before" in second.stderr
+    results = read_jsonl(output)  # every line whole: the torn one was cut off
+    assert Counter(r["custom_id"] for r in results) == {line["custom_id"]: 1 for line in lines}
+    online_answers = _online_answers(online, lines)
+    for result in results:
+        assert result["id"].startswith("batch_req_") and result["error"] is None
+        response = result["response"]
+        assert response["status_code"] == 200
+        assert response["request_id"] == response["body"]["id"]
+        reference = online_answers[result["custom_id"]]
+        assert reference.status_code == 200
+        _same_answer(response["body"], reference.json())
+
+
+def test_base_url_sends_to_a_running_gateway_and_records_a_refused_line(
+        tmp_path: Path, online: ServeAddresses, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = batch_lines(4)
+    lines[1]["body"]["temperature"] = -1  # the gateway's own 400
+    source = write_jsonl(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+
+    code = tandem(["batch", "--input", str(source), "--output", str(output), "--base-url",
+                   f"{online.http_url}/v1", "--api-key", API_KEY, "--no-progress"])
+
+    assert code == 1  # a request failed; its line is written all the same
+    assert "4 requests (1 failed)" in capsys.readouterr().err
+    results = {r["custom_id"]: r for r in read_jsonl(output)}
+    assert set(results) == {line["custom_id"] for line in lines}
+    refused = results.pop(lines[1]["custom_id"])
+    assert refused["error"] is None and refused["response"]["status_code"] == 400
+    error = refused["response"]["body"]["error"]
+    assert error["param"] == "temperature" and "greater than or equal to 0" in error["message"]
+    online_answers = _online_answers(online, [line for line in lines if line is not lines[1]])
+    for custom_id, result in results.items():
+        assert result["response"]["status_code"] == 200
+        _same_answer(result["response"]["body"], online_answers[custom_id].json())
