@@ -98,7 +98,7 @@ class GatewayIngress:
             source = backend.snapshots
             migrations = backend.migrations
         metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,
-                         self.router, migrations)
+                         self.router, migrations, config)
         self.fronts = FrontEnds(self.gateway, config.host, config.port, config.grpc_port,
                                 log_level="warning", graceful_shutdown_s=1.0,
                                 configure_logging=False,  # Ray owns the replica's logging

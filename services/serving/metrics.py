@@ -21,6 +21,7 @@ from router import Router
 from services.decode.metrics import TRANSFER_SECONDS_BUCKETS
 from services.serving.backend import RESUME_SECONDS_BUCKETS, MigrationStats
 from services.serving.cluster_view import WorkerSnapshot
+from services.serving.config import AppConfig
 
 SnapshotSource = Callable[[], list[WorkerSnapshot]]
 
@@ -158,7 +159,48 @@ class RouterCollector(Collector):
             "Times a worker's numbered KV events skipped ahead (lost events); each triggers a "
             "snapshot of that worker's cache.", labels=["model_name"])
         gaps.add_metric([self._model_name], status.event_gaps)
-        yield from (decisions, bus, blocks, rebuilds, failovers, gaps)
+        prompt = CounterMetricFamily(
+            "tandem_router_prompt_blocks",
+            "Full blocks of the prompts routed to a prefill worker while the prefix index was "
+            "readable (under any routing policy).", labels=["model_name"])
+        prompt.add_metric(name, status.prefix_blocks.get("prompt", 0))
+        cached = CounterMetricFamily(
+            "tandem_router_cached_blocks",
+            "Leading blocks of those prompts cached on any prefill worker (on=any: what prefix "
+            "routing could reach) and on the chosen one (on=chosen).",
+            labels=["model_name", "on"])
+        for where in ("any", "chosen"):
+            cached.add_metric([*name, where], status.prefix_blocks.get(where, 0))
+        yield from (decisions, bus, blocks, rebuilds, failovers, gaps, prompt, cached)
+
+
+# AppConfig fields the doctor (services/doctor) reads from tandem_config_info: no secrets, no
+# file paths.
+CONFIG_INFO_FIELDS = ("colocated", "prefill_replicas", "decode_replicas", "routing_policy",
+                      "spec", "spec_k", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                      "num_kv_blocks", "kv_cache_memory_gb", "kv_transport")
+
+
+class ConfigCollector(Collector):
+    """``tandem_config_info``: 1, the serving settings in its labels (like vLLM's
+    ``cache_config_info``)."""
+
+    def __init__(self, model_name: str, config: AppConfig) -> None:
+        self._labels = {"model_name": model_name,
+                        **{name: _label(getattr(config, name)) for name in CONFIG_INFO_FIELDS}}
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("tandem_config_info",
+                                 "1; its labels are the cluster's serving settings (AppConfig).",
+                                 labels=list(self._labels))
+        info.add_metric(list(self._labels.values()), 1.0)
+        yield info
+
+
+def _label(value: object) -> str:
+    if value is None:
+        return ""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _number(metrics: dict[str, Any], key: str) -> float:
@@ -201,7 +243,10 @@ class MigrationCollector(Collector):
 
 
 def register(registry: CollectorRegistry, model_name: str, source: SnapshotSource,
-             router: Router | None = None, migrations: MigrationStats | None = None) -> None:
+             router: Router | None = None, migrations: MigrationStats | None = None,
+             config: AppConfig | None = None) -> None:
+    if config is not None:
+        registry.register(ConfigCollector(model_name, config))
     registry.register(WorkerCollector(model_name, source))
     if migrations is not None:
         registry.register(MigrationCollector(model_name, migrations))
