@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +136,32 @@ def wait_for(check, timeout_s: float, what: str,  # type: ignore[no-untyped-def]
     while not check():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def static_server(directory: Path, ready_path: str
+                  ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real HTTP server process serving ``directory`` (its URL and process), once
+    ``ready_path`` answers; killed on exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                               "127.0.0.1", "--directory", str(directory)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def answers() -> bool:
+        try:
+            return httpx.get(f"{url}{ready_path}", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(answers, 30, "the stand-in server to answer")
+        yield url, server
+    finally:
+        server.send_signal(signal.SIGCONT)  # in case a test stopped it
+        server.kill()
+        server.wait(timeout=30)
 
 
 def resume_stopped_worker(cluster: UpProcess) -> None:

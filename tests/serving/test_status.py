@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -21,7 +20,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.serving import metrics as worker_metrics
 from services.serving.cluster_view import WorkerSnapshot
 from services.serving.status import cluster_status, render, short_id
-from tests.e2e.cluster import free_port, wait_for
+from tests.e2e.cluster import free_port, static_server
 
 MODEL = "SmolLM2-135M-Instruct"
 PREFILL, DECODE = "p8x2k4q1", "d3m9z7c5-a-rather-long-replica-id"
@@ -130,20 +129,7 @@ def test_a_garbage_answer_or_a_hung_gateway_exits_2(tmp_path: Path) -> None:
     (tmp_path / "metrics").write_text("this is { not prometheus\n")
     (tmp_path / "v1").mkdir()
     (tmp_path / "v1" / "models").write_text("{}")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
-                               "127.0.0.1", "--directory", str(tmp_path)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def answers() -> bool:
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(answers, 30, "the stand-in server to answer")
+    with static_server(tmp_path, "/health") as (url, server):
         garbage = _status("--url", url)
         assert garbage.returncode == 2
         assert garbage.stderr.startswith(f"tandem: error: {url}/metrics is not Prometheus "
@@ -154,10 +140,6 @@ def test_a_garbage_answer_or_a_hung_gateway_exits_2(tmp_path: Path) -> None:
         assert time.monotonic() - started < 30
         assert (hung.returncode, hung.stderr) == (
             2, f"tandem: error: cannot reach {url}: timed out\n")
-    finally:
-        server.send_signal(signal.SIGCONT)
-        server.kill()
-        server.wait(timeout=30)
 
 
 def _status(*args: str) -> subprocess.CompletedProcess[str]:
