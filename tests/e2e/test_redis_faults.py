@@ -1,6 +1,7 @@
 """Redis is soft state (docs/router.md, "When Redis fails"): one `tandem up --redis-url` cluster
 (1 prefill + 1 decode) is started while nothing listens on the Redis port, serves by rendezvous
-hashing over the workers the gateway polls, and connects once Redis is started. Then, while
+hashing over the workers the gateway polls, and connects once Redis is started; its workers then
+register in Redis and publish their KV events to its stream. Then, while
 requests stream through the official ``openai`` client, Redis is paused (SIGSTOP), filled
 (``maxmemory 1mb``, ``noeviction``) and made a read-only replica. Each time: no request fails,
 every output is the engine's greedy output, no stream waits long for a chunk, every KV block is
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
+import httpx
 import pytest
 import redis
 from openai import OpenAI
@@ -100,6 +102,23 @@ def test_serves_before_redis_starts_then_connects(cluster: UpProcess, server: Re
     server.start()  # on the port the cluster was given
     wait_until_connected(cluster, server)
     assert_prefix_aware(cluster)
+
+
+def test_workers_register_and_publish_events_in_redis(cluster: UpProcess,
+                                                     redis_up: RedisServer) -> None:
+    """`tandem up --redis-url`: the workers are in Redis' registry and their KV events on its
+    stream, from which the gateway routes."""
+    client = redis_up.client()
+    registry = RedisRegistry(client)
+    wait_for(lambda: sorted(r.info.role for r in registry.workers()) == ["decode", "prefill"],
+             60, "a prefill and a decode worker in the Redis registry")
+    prompt = list(range(1000, 1064))  # four full blocks
+    for _ in range(2):
+        response = httpx.post(f"{cluster.http_url}/v1/completions", timeout=60,
+                              json={"prompt": prompt, "max_tokens": 3, "temperature": 0})
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+    wait_for(lambda: client.xlen("tandem:kv-events") > 0, 30, "KV events on the Redis stream")
 
 
 def test_paused_redis(cluster: UpProcess, redis_up: RedisServer,
