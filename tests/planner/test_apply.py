@@ -27,6 +27,7 @@ from services.cli import main
 from services.planner.apply import LAST_CHANGE
 from tests.deploy.conftest import CHART_DIR, NAMESPACE, Helm
 from tests.planner.kube import Served, served_emulator
+from tests.planner.recorded import gateway_metrics
 
 PLANNER_VALUES = CHART_DIR / "ci" / "planner-values.yaml"  # bounds prefill 1-3, decode 2-6
 WIDE = ("--set", "planner.bounds.prefill.max=8", "--set", "planner.bounds.decode.min=1",
@@ -34,23 +35,6 @@ WIDE = ("--set", "planner.bounds.prefill.max=8", "--set", "planner.bounds.decode
 PROFILE = {"prefill_tokens_per_s": 1000.0, "itl_base_s": 0.020, "itl_per_seq_s": 0.001,
            "max_num_seqs": 64}
 WINDOW_S = 10
-
-METRICS = """\
-# TYPE tandem_worker_info gauge
-tandem_worker_info{{model_name="m",worker="p1",role="prefill"}} 1.0
-tandem_worker_info{{model_name="m",worker="d1",role="decode"}} 1.0
-# TYPE tandem_request_success counter
-tandem_request_success_total{{model_name="m",tenant="",finished_reason="length"}} {ended}
-# TYPE tandem_prompt_tokens counter
-tandem_prompt_tokens_total{{model_name="m",tenant=""}} {prompt}
-# TYPE tandem_generation_tokens counter
-tandem_generation_tokens_total{{model_name="m",tenant=""}} {generated}
-# TYPE tandem_prefix_cache_queries counter
-tandem_prefix_cache_queries_total{{model_name="m",worker="p1"}} {prompt}
-# TYPE tandem_prefix_cache_hits counter
-tandem_prefix_cache_hits_total{{model_name="m",worker="p1"}} {hits}
-"""
-
 
 class Cluster:
     """The emulator holding one RayService, and `tandem plan` pointed at it."""
@@ -82,9 +66,9 @@ class Cluster:
         """`tandem plan` on the load of ``rate`` requests/s (recorded /metrics)."""
         ended = int(rate * WINDOW_S)
         before, after = self.tmp_path / "before.txt", self.tmp_path / "after.txt"
-        before.write_text(METRICS.format(ended=0, prompt=0, generated=0, hits=0))
-        after.write_text(METRICS.format(ended=ended, prompt=200 * ended,
-                                        generated=50 * ended, hits=50 * ended))
+        before.write_text(gateway_metrics(ended=0, prompt=0, generated=0, hits=0))
+        after.write_text(gateway_metrics(ended=ended, prompt=200 * ended,
+                                         generated=50 * ended, hits=50 * ended))
         return main(["plan", "--profile", str(self.profile), "--ttft-ms", "300",
                      "--tpot-ms", "50", "--metrics", str(before), str(after),
                      "--window", str(WINDOW_S), "--rayservice", name or self.name,

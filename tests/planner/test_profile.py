@@ -10,8 +10,10 @@ import pytest
 
 from loadtest.bench.records import RequestRecord
 from services.cli import main
-from services.planner.observe import NoTraffic, load_between
+from services.planner.observe import NoTraffic, load_between, observe
 from services.planner.profile import load_profile, profile_from_bench
+from tests.e2e.cluster import static_server
+from tests.planner.recorded import colocated_metrics, gateway_metrics
 
 
 def _record(index: int, prompt: int, ttft: float, tpot: float, out: int = 11) -> dict[str, Any]:
@@ -70,27 +72,8 @@ def test_one_concurrency_is_not_enough(tmp_path: Path) -> None:
 # Two reads of a gateway's /metrics, 10 s apart: 20 requests ended and 2 refused; 4,000 prompt
 # and 1,000 generated tokens; the prefill worker found 1,000 of 4,000 prompt tokens cached (the
 # decode worker's lookups do not count: its prefill was done elsewhere).
-METRICS = """\
-# TYPE tandem_worker_info gauge
-tandem_worker_info{{model_name="m",worker="p1",role="prefill"}} 1.0
-tandem_worker_info{{model_name="m",worker="d1",role="decode"}} 1.0
-# TYPE tandem_request_success counter
-tandem_request_success_total{{model_name="m",tenant="",finished_reason="length"}} {ended}
-# TYPE tandem_request_failures counter
-tandem_request_failures_total{{model_name="m",tenant="",reason="rejected"}} {failed}
-# TYPE tandem_prompt_tokens counter
-tandem_prompt_tokens_total{{model_name="m",tenant=""}} {prompt}
-# TYPE tandem_generation_tokens counter
-tandem_generation_tokens_total{{model_name="m",tenant=""}} {generated}
-# TYPE tandem_prefix_cache_queries counter
-tandem_prefix_cache_queries_total{{model_name="m",worker="p1"}} {queries}
-tandem_prefix_cache_queries_total{{model_name="m",worker="d1"}} {queries}
-# TYPE tandem_prefix_cache_hits counter
-tandem_prefix_cache_hits_total{{model_name="m",worker="p1"}} {hits}
-tandem_prefix_cache_hits_total{{model_name="m",worker="d1"}} {queries}
-"""
-BEFORE = METRICS.format(ended=5, failed=1, prompt=1000, generated=250, queries=500, hits=0)
-AFTER = METRICS.format(ended=25, failed=3, prompt=5000, generated=1250, queries=4500, hits=1000)
+BEFORE = gateway_metrics(ended=5, failed=1, prompt=1000, generated=250, hits=0)
+AFTER = gateway_metrics(ended=25, failed=3, prompt=5000, generated=1250, hits=1000)
 
 
 def test_load_from_two_metrics_texts() -> None:
@@ -105,9 +88,8 @@ def test_load_from_two_metrics_texts() -> None:
 def test_no_traffic_and_colocated_are_said() -> None:
     with pytest.raises(NoTraffic, match="no request ended in the 10 s window"):
         load_between(AFTER, AFTER, 10.0)
-    colocated = "\n".join(line for line in AFTER.splitlines() if "worker_info" not in line)
     with pytest.raises(ValueError, match="colocated"):
-        load_between(colocated, colocated, 10.0)
+        load_between(colocated_metrics(0), colocated_metrics(5), 10.0)
 
 
 def test_plan_from_recorded_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,3 +109,22 @@ def test_plan_from_recorded_metrics(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "patch" not in report  # no --rayservice: the plan only
     assert main([*args, "--tpot-ms", "10"]) == 1
     assert "TPOT target 10.0 ms is below" in capsys.readouterr().err
+
+
+def test_load_from_a_served_metrics_endpoint(tmp_path: Path) -> None:
+    """The live path: two GETs of /metrics from a real HTTP server; the second read happens
+    after the window, when the counters have moved (the wait swaps the served text)."""
+    (tmp_path / "metrics").write_text(BEFORE)
+    windows: list[float] = []
+
+    def window_passes(seconds: float) -> None:
+        windows.append(seconds)
+        (tmp_path / "metrics").write_text(AFTER)
+
+    with static_server(tmp_path, "/metrics") as (url, _):
+        load = observe(url, 10.0, wait=window_passes)
+    assert windows == [10.0]
+    # The elapsed time is measured, not assumed: here it is what the swap took, not 10 s, so
+    # only the per-request means and the hit rate are exact.
+    assert load.prompt_tokens == pytest.approx(200.0) and load.output_tokens == 50.0
+    assert load.hit_rate == pytest.approx(0.25) and load.rate > 0
