@@ -45,7 +45,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help=f"requests in flight (default: {LOCAL_CONCURRENCY_PER_SEQ} x "
                              f"--max-num-seqs in-process, {DEFAULT_REMOTE_CONCURRENCY} with "
                              f"--base-url)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (the model's loading, the requests')")
     parser.add_argument("--base-url", default=None, metavar="URL",
                         help="a running server's HTTP URL (default: an engine in this process)")
     _add_client_args(parser, "--base-url with API keys")
@@ -115,6 +116,7 @@ def _local_client(args: argparse.Namespace) -> Iterator[httpx.AsyncClient]:
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig, SpeculativeConfig
     from services.engine.llm_engine import LLMEngine
+    from services.engine.model_loader import load_model
     from services.engine.tokenizer_loader import load_model_metadata
     from services.gateway import EngineBackend, Gateway, GatewayConfig, create_http_app
 
@@ -123,7 +125,8 @@ def _local_client(args: argparse.Namespace) -> Iterator[httpx.AsyncClient]:
                                     num_threads=args.threads, block_size=args.block_size,
                                     max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    speculative=spec))
+                                    speculative=spec),
+                       load_model(args.model, args.dtype, progress=not args.no_progress))
     meta = load_model_metadata(args.model)  # the request defaults the online gateway applies
     async_engine = AsyncEngine(engine)
     try:
