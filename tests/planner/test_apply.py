@@ -19,13 +19,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 from kubernetes import client
 
 from services.cli import main
 from services.planner.apply import LAST_CHANGE
-from tests.deploy.conftest import CHART_DIR, NAMESPACE, Helm
+from services.serving.config import AppConfig
+from tests.deploy.conftest import CHART_DIR, NAMESPACE, SHARED_SCHEMAS, Helm
+from tests.deploy.test_helm_chart import _strict
 from tests.planner.kube import Served, served_emulator
 from tests.planner.recorded import gateway_metrics
 
@@ -100,6 +103,16 @@ def deployment(obj: dict[str, Any], role: str) -> dict[str, Any]:
     return dict(found)
 
 
+def assert_valid(obj: dict[str, Any]) -> None:
+    """Still a RayService KubeRay's CRD accepts (unknown fields refused), whose Serve
+    application's args still load as Tandem's AppConfig."""
+    crd = yaml.safe_load((SHARED_SCHEMAS / "kuberay" / "ray.io_rayservices.yaml").read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    jsonschema.validate(obj, _strict(v1["schema"]["openAPIV3Schema"]),
+                        cls=jsonschema.Draft7Validator)
+    AppConfig.from_dict(application(obj)["args"], "the patched serveConfigV2")
+
+
 def without_planned_fields(obj: dict[str, Any]) -> dict[str, Any]:
     """The object less what the planner may change."""
     out = copy.deepcopy(obj)
@@ -131,6 +144,7 @@ def test_apply_sets_both_sides_and_nothing_else(cluster: Cluster, helm: Helm,
         assert application(after)["args"][f"{role}_replicas"] == count
     assert LAST_CHANGE in after["metadata"]["annotations"]
     assert without_planned_fields(after) == without_planned_fields(before)
+    assert_valid(after)
     (patch,) = cluster.served.emulator["patch"]
     assert patch.headers["Content-Type"] == "application/merge-patch+json"
 
@@ -158,6 +172,7 @@ def test_bounds_clamp_and_autoscaling_gets_its_floor(cluster: Cluster, helm: Hel
             "target_ongoing_requests": 0}
     decode = group(after, "decode")
     assert (decode["replicas"], decode["minReplicas"], decode["maxReplicas"]) == (3, 3, 6)
+    assert_valid(after)
 
 
 def test_cool_down_refuses_a_second_change(cluster: Cluster, helm: Helm,
