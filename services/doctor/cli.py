@@ -33,6 +33,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--window", type=float, default=30.0, metavar="S",
                         help="measure over the next S seconds of traffic (30); 0: everything "
                              "since the gateway started, from one read")
+    parser.add_argument("--requests", type=int, default=0, metavar="N",
+                        help="end the window once N requests have ended in it (at the latest "
+                             "after --window seconds)")
     parser.add_argument("--interval", type=float, default=1.0, metavar="S",
                         help="read the gauges (batch, queue, KV) every S seconds of the window "
                              "(1)")
@@ -45,17 +48,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def collect(reader: GatewayReader, window_s: float, interval_s: float) -> Evidence:
-    """Raises ``StatusError`` when the gateway cannot be read."""
+def collect(reader: GatewayReader, window_s: float, interval_s: float, requests: int = 0
+            ) -> Evidence:
+    """Reads every ``interval_s`` for ``window_s`` or until ``requests`` requests ended;
+    raises ``StatusError`` when the gateway cannot be read."""
     first = _read(reader)
     if window_s <= 0:
         return Evidence(EMPTY, first, 0.0, (first,))
+    until = f" or until {requests} requests end" if requests else ""
+    print(f"tandem doctor: measuring {reader.url} for {window_s:g} s{until}", file=sys.stderr,
+          flush=True)
     reads = [first]
     started = time.monotonic()
     end = started + window_s
     while (now := time.monotonic()) < end:
         time.sleep(min(interval_s, end - now))
         reads.append(_read(reader))
+        ended = Evidence(first, reads[-1], 0.0).delta("tandem_request_success_total")
+        if requests and ended >= requests:
+            break
     return Evidence(first, reads[-1], time.monotonic() - started, tuple(reads))
 
 
@@ -70,7 +81,7 @@ def _read(reader: GatewayReader) -> Scrape:
 def run(args: argparse.Namespace) -> int:
     try:
         reader = GatewayReader(args.url, args.api_key or None, args.cacert, args.timeout)
-        evidence = collect(reader, args.window, args.interval)
+        evidence = collect(reader, args.window, args.interval, args.requests)
         diagnosis = diagnose(evidence)
     except StatusError as exc:
         print(f"tandem: error: {exc}", file=sys.stderr, flush=True)

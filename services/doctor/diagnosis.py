@@ -3,7 +3,8 @@
 Where the time of a mean request goes (seconds; docs/operations.md "Doctor"):
 
 - ``queue_s``: waiting to be scheduled on the engine that computes the prompt, by Little's law
-  (the mean number of sequences waiting on prefill or colocated engines over the request rate);
+  (``wait_s``: the mean number of sequences waiting on prefill or colocated engines over the
+  request rate), at most TTFT (a colocated engine's preempted sequences wait again later);
 - ``prefill_s``: the rest of TTFT (TTFT is queue + prefill: the first token is streamed as soon
   as the prompt is computed);
 - ``transfer_s``: the mean KV pull of a decode worker (after the first token, before the second);
@@ -29,7 +30,8 @@ class Diagnosis:
     ttft_p99_s: float | None
     e2e_s: float
     itl_s: float
-    queue_s: float
+    wait_s: float  # all waiting on prefill or colocated engines, re-waits after preemption too
+    queue_s: float  # of it, before the first token (at most TTFT)
     prefill_s: float
     transfer_s: float
     decode_s: float
@@ -82,8 +84,8 @@ class Diagnosis:
         return self.spec_accepted / self.spec_draft if self.spec_draft else None
 
     def share(self, seconds: float) -> float:
-        """``seconds`` as a fraction of the mean request's E2E."""
-        return seconds / self.e2e_s if self.e2e_s > 0 else 0.0
+        """``seconds`` as a fraction of the mean request's E2E (at most all of it)."""
+        return min(1.0, seconds / self.e2e_s) if self.e2e_s > 0 else 0.0
 
     @property
     def prefill_s_per_token(self) -> float:
@@ -114,7 +116,8 @@ def diagnose(evidence: Evidence) -> Diagnosis:
     rate = requests / window if window else 0.0
     waiting_prefill = e.gauge("tandem_num_requests_waiting", PREFILLING_ROLES).sum_mean
     waiting_decode = e.gauge("tandem_num_requests_waiting", ("decode",)).sum_mean
-    queue_s = min(ttft_s, waiting_prefill / rate) if rate else 0.0
+    wait_s = waiting_prefill / rate if rate else 0.0
+    queue_s = min(ttft_s, wait_s)
     decode_s = max(0.0, e2e_s - ttft_s - transfer)
     queries = e.delta("tandem_prefix_cache_queries_total", PREFILLING_ROLES)
     routed = e.delta("tandem_router_prompt_blocks_total")
@@ -123,7 +126,8 @@ def diagnose(evidence: Evidence) -> Diagnosis:
     return Diagnosis(
         window_s=e.window_s, requests=requests, request_rate=rate,
         ttft_s=ttft_s, ttft_p99_s=ttft.quantile(0.99), e2e_s=e2e_s, itl_s=itl.mean or 0.0,
-        queue_s=queue_s, prefill_s=max(0.0, ttft_s - queue_s), transfer_s=transfer,
+        wait_s=wait_s, queue_s=queue_s, prefill_s=max(0.0, ttft_s - queue_s),
+        transfer_s=transfer,
         decode_s=decode_s,
         decode_wait_s=min(decode_s, waiting_decode / rate) if rate else 0.0,
         prompt_tokens=e.delta("tandem_prompt_tokens_total") / requests,

@@ -14,6 +14,7 @@ from services.doctor.diagnosis import Diagnosis
 # output, less the verification work; the measured acceptance replaces it once it runs.
 SPEC_PRIOR_SPEEDUP = 1.5
 NIXL_PULL_S = 0.005  # a KV pull over NIXL with RDMA: milliseconds
+BATCH_FULL = 0.8  # a decode batch this full has no room for more sequences in practice
 SHOWN_FROM = 0.01  # levers expected to save less than 1 % of E2E are not recommended
 
 
@@ -74,7 +75,7 @@ def kv_memory(d: Diagnosis) -> Lever | None:
         return None
     context = d.prompt_tokens + d.output_tokens / 2
     recompute = d.preemptions_per_request * context * d.prefill_s_per_token
-    waited = d.queue_s if d.colocated else d.decode_wait_s
+    waited = d.wait_s if d.colocated else d.decode_wait_s
     saving = recompute + waited
     blocks = d.config.get("num_kv_blocks")
     change = (f"num_kv_blocks: {2 * int(blocks)} (config)" if blocks else
@@ -101,9 +102,9 @@ def prefill_workers(d: Diagnosis) -> Lever | None:
 
 
 def decode_workers(d: Diagnosis) -> Lever | None:
-    """Sequences wait for a decode slot with KV to spare (max_num_seqs reached): another
+    """Sequences wait for a decode slot with KV to spare (batches near max_num_seqs): another
     decode worker takes at least its share (1/(M+1)) of the wait."""
-    if d.colocated or d.memory_bound or d.decode_wait_s <= 0:
+    if d.colocated or d.memory_bound or d.batch_fill < BATCH_FULL or d.decode_wait_s <= 0:
         return None
     m = int(d.config.get("decode_replicas") or 1)
     saving = d.decode_wait_s / (m + 1)

@@ -60,8 +60,10 @@ def test_unreachable_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -
 def test_a_window_without_traffic_exits_1(recorded_gateway: str) -> None:
     done = doctor("--url", recorded_gateway, "--window", "0.5", "--interval", "0.2")
     assert done.returncode == 1
-    assert done.stderr.startswith("tandem doctor: no request ended in the 0.")
-    assert done.stderr.endswith(" s window: send traffic during it, or use --window 0 (since "
+    measuring, no_traffic = done.stderr.splitlines(keepends=True)
+    assert measuring == f"tandem doctor: measuring {recorded_gateway} for 0.5 s\n"
+    assert no_traffic.startswith("tandem doctor: no request ended in the 0.")
+    assert no_traffic.endswith(" s window: send traffic during it, or use --window 0 (since "
                                 "the gateway started)\n")
 
 
