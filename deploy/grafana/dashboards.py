@@ -322,6 +322,8 @@ def cache_and_routing() -> dashboard_b.Dashboard:
     hits = "tandem_prefix_cache_hits_total"
     queries = "tandem_prefix_cache_queries_total"
     decisions = "tandem_router_decisions_total"
+    prompt_blocks = "tandem_router_prompt_blocks_total"
+    cached = "tandem_router_cached_blocks_total"
     return (
         _base("tandem-cache-routing", "Tandem / Cache and routing",
               "Prefix cache hits per worker, the router's decisions by reason, and its "
@@ -354,6 +356,13 @@ def cache_and_routing() -> dashboard_b.Dashboard:
             "cached_on_decode, no_prefill_workers) or why the index was unusable.",
             [Query(f"sum by (reason, detail) ({rate(decisions)})", "{{reason}} {{detail}}")],
             "reqps"))
+        .with_panel(time_series(
+            "Prefix reachable and reached", "Of the prompt blocks routed to prefill workers, "
+            "those cached on any prefill worker (what prefix routing could reach) and on the "
+            "chosen one; the gap is hits lost to routing (round_robin, or load winning).",
+            [Query(f"sum({rate(cached, label('on', on))}) / sum({rate(prompt_blocks)})",
+                   f"cached on {on}") for on in ("any", "chosen")],
+            "percentunit", soft_max=1))
         .with_panel(time_series(
             "Fallback activations", "Decisions made by rendezvous hashing because the prefix "
             "index was unusable (bus_unavailable, index_rebuilding, index_empty); red from "
