@@ -83,14 +83,14 @@ def _plot_latency(path: Path, d: Diagnosis) -> None:
 
     parts = {"queueing": d.queue_s, "prefill": d.prefill_s, "KV transfer": d.transfer_s,
              "decode": d.decode_s}
-    fig, ax = plt.subplots(figsize=(7, 1.8))
+    fig, ax = plt.subplots(figsize=(7, 2.2))
     left = 0.0
     for name, seconds in parts.items():
         ax.barh([0], [1000 * seconds], left=[left], label=f"{name} {1000 * seconds:.0f} ms")
         left += 1000 * seconds
     ax.set_yticks([])
     ax.set_xlabel("ms of a mean request")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.02), ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -108,7 +108,8 @@ def _plot_load(path: Path, evidence: Evidence) -> None:
     usage = [max(r.per_worker("tandem_kv_cache_usage_perc", DECODING_ROLES).values(),
                  default=0.0) for r in reads]
     fig, (left, right) = plt.subplots(1, 2, figsize=(8, 2.6))
-    left.hist(running, bins=max(1, int(max(running, default=0)) + 1))
+    left.hist(running, bins=[b - 0.5 for b in range(int(max(running, default=0)) + 2)],
+              rwidth=0.8)
     left.set_xlabel("sequences running on decoding engines")
     left.set_ylabel("reads")
     right.hist([100 * u for u in usage], bins=10, range=(0, 100))

@@ -134,3 +134,19 @@ def decode_state() -> Evidence:
     last.add("tandem_router_cached_blocks_total", 0, on="any")
     last.add("tandem_router_cached_blocks_total", 0, on="chosen")
     return evidence(last, read())
+
+
+def full_decode_state() -> Evidence:
+    """The decode batch at 30 of max_num_seqs 32 with KV to spare and 2 sequences waiting for
+    a slot: 10 requests in 10 s, TTFT 300 ms, E2E 6 s, KV pull 10 ms; prefix routing on."""
+    config = {**DISAGG, "prefill_replicas": "1", "routing_policy": "prefix"}
+    roles = {"p0": "prefill", "d0": "decode"}
+
+    def read() -> Metrics:
+        m = engine(Metrics(config, roles), "p0", queries=1000)
+        return engine(m, "d0", running=30, waiting=2, kv=0.5)
+
+    last = requests(read(), 10, ttft=0.3, e2e=6.0, prompt=100, output=100)
+    last.histogram("tandem_kv_transfer_seconds", 10, 0.01, TRANSFER_BUCKETS, worker="d0",
+                   role="decode")
+    return evidence(last, read())

@@ -11,7 +11,15 @@ from services.doctor.levers import ranked, recommended
 from services.doctor.questions import answer_all
 from services.doctor.report import Report
 
-from .metrics_text import DISAGG, Metrics, decode_state, engine, kv_state, prefix_state
+from .metrics_text import (
+    DISAGG,
+    Metrics,
+    decode_state,
+    engine,
+    full_decode_state,
+    kv_state,
+    prefix_state,
+)
 
 
 def effects(evidence: Evidence) -> dict[str, float]:
@@ -63,6 +71,18 @@ def test_decode_bound_with_speculation_off_ranks_speculation_first() -> None:
                                        "prefix_routing": 0.0}
     levers = recommended(ranked(d))
     assert [(lever.key, lever.change) for lever in levers] == [("speculation", "--spec ngram")]
+
+
+def test_full_decode_batches_with_sequences_waiting_rank_another_decode_worker_first() -> None:
+    d = diagnose(full_decode_state())
+    assert d.decode_wait_s == pytest.approx(2.0)  # 2 waiting / 1 per s
+    assert not d.memory_bound and d.batch_fill == pytest.approx(30 / 32)
+    # another decode worker: 2 s / 2 of 6 s; speculation: 5.69 s x (1 - 1/1.5) x 2/32;
+    # NIXL: 10 ms - 5 ms.
+    assert effects(full_decode_state()) == {
+        "decode_workers": round(1.0 / 6, 4), "speculation": round(5.69 / 3 / 16 / 6, 4),
+        "kv_transport": round(0.005 / 6, 4)}
+    assert ranked(d)[0].change == "--decode 2"
 
 
 def test_the_six_answers_name_what_dominates() -> None:
