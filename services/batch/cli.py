@@ -1,6 +1,6 @@
 """``tandem batch``: an OpenAI batch file through an in-process engine or a running cluster.
 
-See docs/operations.md, "Offline batches".
+See docs/api.md, "Offline batches".
 """
 
 from __future__ import annotations
@@ -9,15 +9,17 @@ import argparse
 import asyncio
 import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from tqdm import tqdm
 
 from services.batch import batch_file, runner
 from services.cli import _add_client_args, _add_engine_args
+
+if TYPE_CHECKING:  # torch is imported only for an in-process engine
+    from services.engine.async_engine import AsyncEngine
 
 # Requests in flight against --base-url: a default cluster's admission bound (one decode batch
 # of max_num_seqs); beyond it the gateway answers 429, which is retried.
@@ -33,7 +35,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "batch", help="run an OpenAI batch file (JSONL) at full throughput, resumable",
         description="Answer every request of an OpenAI batch input file and append one output "
                     "line per request as it finishes; run again to resume. See "
-                    "docs/operations.md, \"Offline batches\".")
+                    "docs/api.md, \"Offline batches\".")
     parser.add_argument("--input", required=True, type=Path, metavar="JSONL",
                         help="requests: {custom_id, method, url, body} per line")
     parser.add_argument("--output", required=True, type=Path, metavar="JSONL",
@@ -74,8 +76,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 0
     with contextlib.ExitStack() as stack:
+        engine: AsyncEngine | None = None
         if args.base_url is None:
-            client = stack.enter_context(_local_client(args))
+            engine = _local_engine(args)
+            stack.callback(engine.shutdown)
+            client = _local_client(engine)
             concurrency = args.concurrency or LOCAL_CONCURRENCY_PER_SEQ * args.max_num_seqs
         else:
             client = _remote_client(args)
@@ -86,8 +91,12 @@ def run(args: argparse.Namespace) -> int:
                                             disable=args.no_progress))
 
         async def answer_all() -> runner.Summary:
-            async with client:
-                return await runner.run(todo, client, out, concurrency, progress)
+            try:
+                async with client:
+                    return await runner.run(todo, client, out, concurrency, progress)
+            finally:  # interrupted too: the engine's last callbacks still find this loop open
+                if engine is not None:
+                    engine.shutdown()
 
         try:
             summary = asyncio.run(answer_all())
@@ -109,16 +118,12 @@ def _remote_client(args: argparse.Namespace) -> httpx.AsyncClient:
                              timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
 
 
-@contextlib.contextmanager
-def _local_client(args: argparse.Namespace) -> Iterator[httpx.AsyncClient]:
-    """An HTTP client of the gateway's own ASGI app over an engine in this process: the
-    colocated `tandem up` gateway with no server around it."""
+def _local_engine(args: argparse.Namespace) -> AsyncEngine:
+    """The in-process engine, as `tandem generate` builds it, running."""
     from services.engine.async_engine import AsyncEngine
     from services.engine.config import EngineConfig, SpeculativeConfig
     from services.engine.llm_engine import LLMEngine
     from services.engine.model_loader import load_model
-    from services.engine.tokenizer_loader import load_model_metadata
-    from services.gateway import EngineBackend, Gateway, GatewayConfig, create_http_app
 
     spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -127,14 +132,19 @@ def _local_client(args: argparse.Namespace) -> Iterator[httpx.AsyncClient]:
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     speculative=spec),
                        load_model(args.model, args.dtype, progress=not args.no_progress))
-    meta = load_model_metadata(args.model)  # the request defaults the online gateway applies
-    async_engine = AsyncEngine(engine)
-    try:
-        gateway = Gateway(EngineBackend(async_engine), engine.tokenizer,
-                          GatewayConfig(sampling_defaults=meta.sampling_defaults))
-        # A 500 is an answer to record, not an exception to raise in the client.
-        transport = httpx.ASGITransport(app=create_http_app(gateway), raise_app_exceptions=False)
-        yield httpx.AsyncClient(transport=transport, base_url="http://tandem-batch",
-                                timeout=None)
-    finally:
-        async_engine.shutdown()
+    return AsyncEngine(engine)
+
+
+def _local_client(engine: AsyncEngine) -> httpx.AsyncClient:
+    """An HTTP client of the gateway's own ASGI app over the engine: the colocated
+    `tandem up` gateway with no server around it."""
+    from services.engine.tokenizer_loader import load_model_metadata
+    from services.gateway import EngineBackend, Gateway, GatewayConfig, create_http_app
+
+    llm = engine.llm
+    meta = load_model_metadata(llm.config.model)  # the request defaults the online gateway uses
+    gateway = Gateway(EngineBackend(engine), llm.tokenizer,
+                      GatewayConfig(sampling_defaults=meta.sampling_defaults))
+    # A 500 is an answer to record, not an exception to raise in the client.
+    transport = httpx.ASGITransport(app=create_http_app(gateway), raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://tandem-batch", timeout=None)
