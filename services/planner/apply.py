@@ -2,13 +2,18 @@
 
 What the planner sets, for each role (``prefill``, ``decode``), and nothing else:
 
-* ``spec.rayClusterConfig.workerGroupSpecs[groupName=role]``: ``replicas`` and
-  ``minReplicas`` to the count, ``maxReplicas`` to the count too when the chart fixed the group
-  (``minReplicas == maxReplicas``), else to at least the count;
-* in ``spec.serveConfigV2`` (a YAML string): with Serve autoscaling (the deployment has an
-  ``autoscaling_config``) its ``min_replicas`` and ``initial_replicas`` to the count and
-  ``max_replicas`` to at least it (the planner sets the floor, Serve absorbs peaks above it);
-  without, the application's ``args.<role>_replicas``;
+* in ``spec.serveConfigV2`` (a YAML string), the role's Serve deployment options: with Serve
+  autoscaling (an ``autoscaling_config``) its ``min_replicas`` and ``initial_replicas`` to the
+  count and ``max_replicas`` to at least it (the planner sets the floor, Serve absorbs peaks
+  above it); without, ``num_replicas``. Both are Serve's lightweight updates: replicas are
+  added or removed, none restarted. The application's ``args`` (``<role>_replicas``: what the
+  gateway waits for at start) are left alone: a change there would rebuild the application and
+  restart every engine;
+* ``spec.rayClusterConfig.workerGroupSpecs[groupName=role].replicas`` to the count (and
+  ``minReplicas``/``maxReplicas`` widened to hold it). KubeRay does not carry these to a
+  running RayCluster (kuberay#2331: it leaves pod counts to the Ray autoscaler); they size the
+  next cluster it rolls out. The running cluster's pods follow Serve's replicas through the
+  Ray autoscaler, which the chart turns on with the planner, between the groups' bounds;
 * ``metadata.annotations["tandem.dev/planner-last-change"]``: when (UTC), for the cool-down.
 
 One JSON merge patch (custom resources take no strategic merge patch, and a merge patch
@@ -139,15 +144,20 @@ def serve_config(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def current_counts(obj: dict[str, Any]) -> dict[str, int]:
-    """Each role's count as the Serve application has it: the autoscaling floor, or the
-    application's ``<role>_replicas``."""
+    """Each role's count as the Serve application has it: the autoscaling floor, the
+    deployment's ``num_replicas``, or the application's ``<role>_replicas``."""
     app = _application(serve_config(obj), obj["metadata"]["name"])
     counts = {}
     for role in ROLES:
         _group(obj, role)  # both groups exist
-        scaling = (_deployment(app, role) or {}).get("autoscaling_config")
-        counts[role] = int(scaling["min_replicas"] if scaling
-                           else app.get("args", {}).get(f"{role}_replicas", 1))
+        options = _deployment(app, role) or {}
+        scaling = options.get("autoscaling_config")
+        if scaling:
+            counts[role] = int(scaling["min_replicas"])
+        elif isinstance(options.get("num_replicas"), int):
+            counts[role] = options["num_replicas"]
+        else:
+            counts[role] = int(app.get("args", {}).get(f"{role}_replicas", 1))
     return counts
 
 
@@ -176,15 +186,19 @@ def build_patch(obj: dict[str, Any], counts: dict[str, int], now: dt.datetime) -
     groups = copy.deepcopy(obj["spec"]["rayClusterConfig"]["workerGroupSpecs"])
     for role, count in counts.items():
         group = next(g for g in groups if g.get("groupName") == role)
-        fixed = group.get("minReplicas") == group.get("maxReplicas")
-        group["replicas"] = group["minReplicas"] = count
-        group["maxReplicas"] = count if fixed else max(count, int(group.get("maxReplicas", 0)))
-        scaling = (_deployment(app, role) or {}).get("autoscaling_config")
+        group["replicas"] = count
+        group["minReplicas"] = min(count, int(group.get("minReplicas", count)))
+        group["maxReplicas"] = max(count, int(group.get("maxReplicas", count)))
+        options = _deployment(app, role)
+        if options is None:
+            options = {"name": role}
+            app.setdefault("deployments", []).append(options)
+        scaling = options.get("autoscaling_config")
         if scaling:
             scaling["min_replicas"] = scaling["initial_replicas"] = count
             scaling["max_replicas"] = max(count, int(scaling.get("max_replicas", count)))
         else:
-            app.setdefault("args", {})[f"{role}_replicas"] = count
+            options["num_replicas"] = count
     config["applications"] = [app]
     metadata: dict[str, Any] = {"annotations": {LAST_CHANGE: now.isoformat(timespec="seconds")}}
     if obj["metadata"].get("resourceVersion"):

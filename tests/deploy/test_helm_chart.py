@@ -343,14 +343,19 @@ def test_deployments_land_on_their_groups(rendered: Rendered) -> None:
 def test_worker_groups_follow_values(rendered: Rendered) -> None:
     values = rendered.values
     scaling = any(values[role]["autoscaling"]["enabled"] for role in ROLES)
-    assert rendered.cluster["enableInTreeAutoscaling"] is scaling
+    planner = values["planner"]["enabled"]  # sets Serve's counts: the Ray autoscaler adds pods
+    assert rendered.cluster["enableInTreeAutoscaling"] is (scaling or planner)
     if any("idleTimeoutSeconds" in rendered.group(role) for role in ROLES):
         # KubeRay's validation: per-group idle timeouts need autoscaler v2.
         assert rendered.cluster["autoscalerOptions"]["version"] == "v2"
     for role in ROLES:
         group, role_values = rendered.group(role), values[role]
-        assert group["replicas"] == group["minReplicas"] == initial_replicas(role_values)
-        assert group["maxReplicas"] == max_replicas(role_values)
+        assert group["replicas"] == initial_replicas(role_values)
+        low, high = initial_replicas(role_values), max_replicas(role_values)
+        if planner:  # room for every count the planner may set
+            bounds = values["planner"]["bounds"][role]
+            low, high = min(low, bounds["min"]), max(high, bounds["max"])
+        assert (group["minReplicas"], group["maxReplicas"]) == (low, high)
         spec = group["template"]["spec"]
         assert spec.get("nodeSelector", {}) == role_values["nodeSelector"]
         assert spec.get("tolerations", []) == role_values["tolerations"]
@@ -361,7 +366,10 @@ def test_worker_groups_follow_values(rendered: Rendered) -> None:
             assert options["num_replicas"] == "auto"
             bounds = options["autoscaling_config"]
             assert (bounds["min_replicas"], bounds["max_replicas"]) == (
-                group["minReplicas"], group["maxReplicas"])
+                role_values["autoscaling"]["minReplicas"],
+                role_values["autoscaling"]["maxReplicas"])
+            assert group["minReplicas"] <= bounds["min_replicas"]
+            assert group["maxReplicas"] >= bounds["max_replicas"]
         else:
             assert "autoscaling_config" not in options
 

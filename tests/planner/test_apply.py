@@ -34,6 +34,7 @@ from tests.planner.recorded import gateway_metrics
 
 PLANNER_VALUES = CHART_DIR / "ci" / "planner-values.yaml"  # bounds prefill 1-3, decode 2-6
 WIDE = ("--set", "planner.bounds.prefill.max=8", "--set", "planner.bounds.decode.min=1",
+        "--set", "planner.bounds.decode.max=8",
         "--set", "decode.autoscaling.enabled=false")  # decode fixed at 1, bounds 1-8 each
 PROFILE = {"prefill_tokens_per_s": 1000.0, "itl_base_s": 0.020, "itl_per_seq_s": 0.001,
            "max_num_seqs": 64}
@@ -104,8 +105,11 @@ def deployment(obj: dict[str, Any], role: str) -> dict[str, Any]:
 
 
 def assert_valid(obj: dict[str, Any]) -> None:
-    """Still a RayService KubeRay's CRD accepts (unknown fields refused), whose Serve
-    application's args still load as Tandem's AppConfig."""
+    """Still a RayService KubeRay's CRD accepts (unknown fields refused), whose serveConfigV2
+    Ray Serve's own schema accepts and whose args still load as Tandem's AppConfig."""
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(yaml.safe_load(obj["spec"]["serveConfigV2"]))
     crd = yaml.safe_load((SHARED_SCHEMAS / "kuberay" / "ray.io_rayservices.yaml").read_text())
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     jsonschema.validate(obj, _strict(v1["schema"]["openAPIV3Schema"]),
@@ -122,9 +126,8 @@ def without_planned_fields(obj: dict[str, Any]) -> dict[str, Any]:
             g.pop(key)
     config = yaml.safe_load(out["spec"]["serveConfigV2"])
     for app in config["applications"]:
-        app["args"].pop("prefill_replicas")
-        app["args"].pop("decode_replicas")
         for d in app["deployments"]:
+            d.pop("num_replicas", None)
             for key in ("min_replicas", "initial_replicas", "max_replicas"):
                 d.get("autoscaling_config", {}).pop(key, None)
     out["spec"]["serveConfigV2"] = config
@@ -139,9 +142,12 @@ def test_apply_sets_both_sides_and_nothing_else(cluster: Cluster, helm: Helm,
     assert report["target"] == {"prefill": 5, "decode": 2} and report["applied"] is True
     after = cluster.read()
     for role, count in (("prefill", 5), ("decode", 2)):
+        # Serve's count (a lightweight update); the worker group's for the next cluster, within
+        # the bounds the chart gave it (1-8); the args the gateway started with stay.
+        assert deployment(after, role)["num_replicas"] == count
         g = group(after, role)
-        assert (g["replicas"], g["minReplicas"], g["maxReplicas"]) == (count, count, count)
-        assert application(after)["args"][f"{role}_replicas"] == count
+        assert (g["replicas"], g["minReplicas"], g["maxReplicas"]) == (count, 1, 8)
+        assert application(after)["args"][f"{role}_replicas"] == 1
     assert LAST_CHANGE in after["metadata"]["annotations"]
     assert without_planned_fields(after) == without_planned_fields(before)
     assert_valid(after)
@@ -166,12 +172,12 @@ def test_bounds_clamp_and_autoscaling_gets_its_floor(cluster: Cluster, helm: Hel
     assert cluster.plan(30, "--apply") == 0
     assert "prefill: 7 clamped to 3 by the bounds 1-3" in capsys.readouterr().out
     after = cluster.read()
-    assert application(after)["args"]["prefill_replicas"] == 3
+    assert deployment(after, "prefill")["num_replicas"] == 3
     assert deployment(after, "decode")["autoscaling_config"] | {"target_ongoing_requests": 0} \
         == {"min_replicas": 3, "initial_replicas": 3, "max_replicas": 6,
             "target_ongoing_requests": 0}
     decode = group(after, "decode")
-    assert (decode["replicas"], decode["minReplicas"], decode["maxReplicas"]) == (3, 3, 6)
+    assert (decode["replicas"], decode["minReplicas"], decode["maxReplicas"]) == (3, 2, 6)
     assert_valid(after)
 
 
@@ -180,14 +186,14 @@ def test_cool_down_refuses_a_second_change(cluster: Cluster, helm: Helm,
     cluster.create(helm, *WIDE)
     assert cluster.plan(10, "--apply") == 0  # 3 + 1
     first = cluster.read()
-    assert application(first)["args"]["prefill_replicas"] == 3
+    assert deployment(first, "prefill")["num_replicas"] == 3
     capsys.readouterr()
     assert cluster.plan(20, "--apply", "--cooldown", "3600") == 0  # wants 5 + 2
     out = capsys.readouterr().out
     assert "cool-down: the last change was" in out and "keeping 3 prefill + 1 decode" in out
     assert cluster.read() == first and cluster.patches_sent() == 1
     assert cluster.plan(20, "--apply", "--cooldown", "0") == 0
-    assert application(cluster.read())["args"]["prefill_replicas"] == 5
+    assert deployment(cluster.read(), "prefill")["num_replicas"] == 5
 
 
 def test_scale_down_inside_the_dead_band_does_nothing(cluster: Cluster, helm: Helm,
@@ -197,7 +203,7 @@ def test_scale_down_inside_the_dead_band_does_nothing(cluster: Cluster, helm: He
     assert "stay at 3 (dead band)" in capsys.readouterr().out
     assert cluster.read() == before and cluster.patches_sent() == 0
     assert cluster.plan(8, "--apply", "--margin", "0") == 0
-    assert application(cluster.read())["args"]["prefill_replicas"] == 2
+    assert deployment(cluster.read(), "prefill")["num_replicas"] == 2
 
 
 def test_forbidden_patch_is_one_clear_line(cluster: Cluster, helm: Helm,
