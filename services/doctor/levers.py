@@ -93,12 +93,9 @@ def prefill_workers(d: Diagnosis) -> Lever | None:
     (1/(N+1)) of the queue."""
     if d.colocated or d.queue_s <= 0:
         return None
-    n = int(d.config.get("prefill_replicas") or 1)
-    saving = d.queue_s / (n + 1)
-    return Lever("prefill_workers", "another prefill worker", f"--prefill {n + 1}",
-                 d.share(saving),
-                 f"prompts wait {_ms(d.queue_s)} before prefill ({_pct(d.share(d.queue_s))} "
-                 f"of E2E) on {n} worker(s) -> saves at least ~{_ms(saving)}")
+    return _another_worker(d, "prefill", d.queue_s,
+                           f"prompts wait {_ms(d.queue_s)} before prefill "
+                           f"({_pct(d.share(d.queue_s))} of E2E)")
 
 
 def decode_workers(d: Diagnosis) -> Lever | None:
@@ -106,13 +103,17 @@ def decode_workers(d: Diagnosis) -> Lever | None:
     decode worker takes at least its share (1/(M+1)) of the wait."""
     if d.colocated or d.memory_bound or d.batch_fill < BATCH_FULL or d.decode_wait_s <= 0:
         return None
-    m = int(d.config.get("decode_replicas") or 1)
-    saving = d.decode_wait_s / (m + 1)
-    return Lever("decode_workers", "another decode worker", f"--decode {m + 1}",
+    return _another_worker(d, "decode", d.decode_wait_s,
+                           f"sequences wait {_ms(d.decode_wait_s)} for a decode slot with "
+                           f"{d.running.mean:.1f} running of max_num_seqs {d.max_num_seqs}")
+
+
+def _another_worker(d: Diagnosis, role: str, waited_s: float, why: str) -> Lever:
+    count = int(d.config.get(f"{role}_replicas") or 1)
+    saving = waited_s / (count + 1)
+    return Lever(f"{role}_workers", f"another {role} worker", f"--{role} {count + 1}",
                  d.share(saving),
-                 f"sequences wait {_ms(d.decode_wait_s)} for a decode slot with "
-                 f"{d.running.mean:.1f} running of max_num_seqs {d.max_num_seqs} on {m} "
-                 f"worker(s) -> saves at least ~{_ms(saving)}")
+                 f"{why} on {count} worker(s) -> saves at least ~{_ms(saving)}")
 
 
 def kv_transport(d: Diagnosis) -> Lever | None:
