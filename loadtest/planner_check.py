@@ -4,8 +4,9 @@ Starts `tandem up` (1 prefill + 1 decode worker, the built-in model), profiles i
 `tandem bench` at a few concurrencies (``tandem plan profile``'s fit), predicts the mean TTFT
 and TPOT of that 1P+1D shape at two Poisson arrival rates with the planner's own formulas
 (``services/planner/sizing.py``), measures them with `tandem bench --request-rate`, and writes
-a Markdown table (predicted vs measured, ratio) to ``--out/planner_check.md``. Nothing is
-asserted: one machine's noise is the point of looking.
+a Markdown table (predicted vs measured, ratio) to ``--out/planner_check.md``, with the load
+``tandem plan`` reads from the gateway's /metrics over each run beside the offered one. Nothing
+is asserted: one machine's noise is the point of looking.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,10 @@ import yaml
 
 from loadtest.bench.cli import main as bench
 from loadtest.tandem_up import TandemUp, cpus_argument
+from services.planner.observe import load_between
 from services.planner.profile import profile_from_bench, save_profile
 from services.planner.sizing import Load, Profile, decode_batch, prefill_ttft
+from services.serving.up_stats import read_text
 
 
 def predict(profile: Profile, load: Load) -> tuple[float, float]:
@@ -32,16 +36,22 @@ def predict(profile: Profile, load: Load) -> tuple[float, float]:
             profile.itl(decode_batch(profile, load, 1)))
 
 
-def measured(results: Path) -> dict[float, dict[str, Any]]:
-    """Per request rate: mean TTFT and TPOT (s) and the requests completed."""
-    document = json.loads((results / "results.json").read_text())
-    out = {}
-    for cell in document["cells"]:
-        summary = cell["summary"]
-        out[float(cell["load"]["value"])] = {
-            "ttft": summary["ttft"]["mean"] / 1000, "tpot": summary["tpot"]["mean"] / 1000,
+def measured(results: Path) -> dict[str, Any]:
+    """One rate's run: mean TTFT and TPOT (s) and the requests completed."""
+    (cell,) = json.loads((results / "results.json").read_text())["cells"]
+    summary = cell["summary"]
+    return {"ttft": summary["ttft"]["mean"] / 1000, "tpot": summary["tpot"]["mean"] / 1000,
             "completed": summary["completed"], "requests": summary["requests"]}
-    return out
+
+
+def observed_run(url: str, out: Path, rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    """Bench one rate; the gateway's /metrics read before and after it, as `tandem plan`
+    reads them (the load it would size from)."""
+    metrics = f"{url}/metrics"
+    before, started = read_text(metrics, {}, None), time.monotonic()
+    result = measured(_bench(url, out, ["--request-rate", f"{rate:g}"], args, args.requests))
+    seen = load_between(before, read_text(metrics, {}, None), time.monotonic() - started)
+    return result | {"seen": seen}
 
 
 def _bench(url: str, out: Path, load: list[str], args: argparse.Namespace,
@@ -57,14 +67,16 @@ def _bench(url: str, out: Path, load: list[str], args: argparse.Namespace,
 def table(profile: Profile, load: Load, rows: list[tuple[float, tuple[float, float],
                                                          dict[str, Any]]]) -> str:
     lines = ["| λ (req/s) | prefill ρ | TTFT predicted | TTFT measured | ratio | "
-             "TPOT predicted | TPOT measured | ratio | completed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "TPOT predicted | TPOT measured | ratio | completed | /metrics saw λ, L_in, L_out |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for rate, (ttft, tpot), got in rows:
         rho = prefill_ttft(profile, load.scaled(rate / load.rate), 1).utilisation
+        seen = got["seen"]
         lines.append(f"| {rate:g} | {rho:.2f} | {ttft * 1000:.0f} ms | {got['ttft'] * 1000:.0f} ms"
                      f" | {got['ttft'] / ttft:.2f} | {tpot * 1000:.1f} ms | "
                      f"{got['tpot'] * 1000:.1f} ms | {got['tpot'] / tpot:.2f} | "
-                     f"{got['completed']}/{got['requests']} |")
+                     f"{got['completed']}/{got['requests']} | {seen.rate:.2f}, "
+                     f"{seen.prompt_tokens:.0f}, {seen.output_tokens:.0f} |")
     return "\n".join(lines)
 
 
@@ -101,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         capacity = min(1.0 / service, 1.0 / (args.output_len * max(profile.itl_per_seq_s, 1e-9)))
         rates = [round(float(f) * capacity, 2) for f in args.utilisation.split(",")]
         predictions = {r: predict(profile, load.scaled(r)) for r in rates}
-        got = measured(_bench(up.http_url, out / "rates",
-                              ["--request-rate", ",".join(f"{r:g}" for r in rates)], args,
-                              args.requests))
+        got = {r: observed_run(up.http_url, out / f"rate-{r:g}", r, args) for r in rates}
     finally:
         up.stop()
     rows = [(r, predictions[r], got[r]) for r in rates]
@@ -115,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{profile.prefill_overhead_s * 1000:.1f} ms; ITL(b) = {profile.itl_base_s * 1000:.1f} + "
         f"{profile.itl_per_seq_s * 1000:.2f}·b ms (from concurrency {args.concurrency}). "
         f"Load: L_in {load.prompt_tokens:.0f}, L_out {args.output_len}, Poisson arrivals, "
-        f"{args.requests} requests per rate. Means (the planner's targets are means).", "",
+        f"{args.requests} requests per rate. Means (the planner's targets are means). The last "
+        f"column: the load `tandem plan` reads from the gateway's /metrics over each run (its "
+        f"window includes the bench's start, so λ reads low).", "",
         table(profile, load, rows), ""])
     (out / "planner_check.md").write_text(report)
     print(report)
