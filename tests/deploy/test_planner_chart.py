@@ -4,12 +4,15 @@ release's RayService; all valid Kubernetes (kubernetes-validate)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
+from services.planner.cli import add_parser
+from services.planner.sizing import Profile
 from tests.deploy.conftest import CHART_DIR, NAMESPACE, Helm, HelmError
 from tests.deploy.test_helm_chart import K8S_VERSIONS, SKIP_KUBERAY_CHECK
 
@@ -57,8 +60,20 @@ def test_enabled_renders_a_scoped_role_and_a_valid_deployment(helm: Helm) -> Non
     assert command[:4] == ["tandem", "plan", "--loop", "--apply"]
     assert f"--rayservice={name}" in command and f"--namespace={NAMESPACE}" in command
     assert "--ttft-ms=800" in command and "--tpot-ms=60" in command
-    profile = json.loads(planner["ConfigMap"]["data"]["profile.json"])
-    assert profile["prefill_tokens_per_s"] == 9000
+    # The command is one `tandem plan` parses, and the profile one it loads.
+    parser = argparse.ArgumentParser(prog="tandem")
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(command[1:])
+    assert (args.loop, args.apply, args.ttft_ms, args.tpot_ms) == (True, True, 800.0, 60.0)
+    assert (args.rayservice, args.namespace) == (name, NAMESPACE)
+    assert args.url == f"http://{name}-http:8000"
+    (http,) = [o for o in objects if o["kind"] == "Service"
+               and o["metadata"]["name"] == f"{name}-http"]
+    assert 8000 in [p["port"] for p in http["spec"]["ports"]]
+    (mount,) = container["volumeMounts"][:1]
+    assert args.profile.parent.as_posix() == mount["mountPath"]
+    profile = Profile.from_json(json.loads(planner["ConfigMap"]["data"]["profile.json"]))
+    assert profile.prefill_tokens_per_s == 9000 and profile.max_num_seqs == 128
     # The bounds the planner clamps to ride on the RayService.
     assert service["metadata"]["annotations"] == {"tandem.dev/planner-prefill-bounds": "1-3",
                                                   "tandem.dev/planner-decode-bounds": "2-6"}
