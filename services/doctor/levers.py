@@ -8,11 +8,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.doctor.diagnosis import Diagnosis
+from services.engine.config import SpeculativeConfig
 
-# Decode speed-up speculative decoding is assumed to bring when it is off, so nothing measured
-# it: n-gram prompt lookup with 4 draft tokens accepts about one token per step on chat-like
-# output, less the verification work; the measured acceptance replaces it once it runs.
-SPEC_PRIOR_SPEEDUP = 1.5
+# Decode speed-up that speculative decoding is assumed to bring while it is off (nothing
+# measured it): n-gram prompt lookup measured 1.47x on repetitive text at batch 1 and 0.93x on
+# chat (docs/speculative.md, "Measured"), so this is an upper estimate; the measured acceptance
+# replaces it once speculation runs.
+SPEC_PRIOR_SPEEDUP = 1.47
+# The adaptive policy shares this many draft tokens per step across the batch: k shrinks as the
+# batch grows and speculation stops at this many running sequences.
+SPEC_BATCH_LIMIT = SpeculativeConfig().max_draft_tokens_per_step
 NIXL_PULL_S = 0.005  # a KV pull over NIXL with RDMA: milliseconds
 BATCH_FULL = 0.8  # a decode batch this full has no room for more sequences in practice
 SHOWN_FROM = 0.01  # levers expected to save less than 1 % of E2E are not recommended
@@ -54,17 +59,18 @@ def prefix_routing(d: Diagnosis) -> Lever | None:
 
 def speculation(d: Diagnosis) -> Lever | None:
     """Speculation spends spare compute per decode step: saving = decode time × (1 − 1/speed-up)
-    × the batch's spare room (none once KV or max_num_seqs caps it)."""
+    × the batch's room for drafts (1 − running / SPEC_BATCH_LIMIT; none once KV ran out)."""
     if d.config.get("spec", "none") not in ("", "none"):
         return None
-    headroom = 1.0 - d.batch_fill
-    saving = d.decode_s * (1 - 1 / SPEC_PRIOR_SPEEDUP) * headroom
+    room = 0.0 if d.memory_bound else max(0.0, 1.0 - d.running.mean / SPEC_BATCH_LIMIT)
+    saving = d.decode_s * (1 - 1 / SPEC_PRIOR_SPEEDUP) * room
     return Lever("speculation", "speculative decoding (n-gram prompt lookup)", "--spec ngram",
                  d.share(saving),
                  f"decode is {_ms(d.decode_s)} ({_pct(d.share(d.decode_s))} of E2E); assumed "
-                 f"speed-up {SPEC_PRIOR_SPEEDUP}x (a prior: nothing measured it yet); batch "
-                 f"fill {_pct(d.batch_fill)}, spare room {_pct(headroom)} -> saves "
-                 f"~{_ms(saving)}")
+                 f"speed-up {SPEC_PRIOR_SPEEDUP}x (measured on repetitive text; less on chat); "
+                 f"{d.running.mean:.1f} sequences running"
+                 f"{', KV full' if d.memory_bound else ''}: room for drafts {_pct(room)} -> "
+                 f"saves ~{_ms(saving)}")
 
 
 def kv_memory(d: Diagnosis) -> Lever | None:

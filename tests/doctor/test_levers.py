@@ -36,10 +36,10 @@ def test_prefix_heavy_traffic_with_round_robin_ranks_prefix_routing_first() -> N
     assert (d.hit_rate, d.reachable, d.chosen) == (0.0, 0.5, 0.0)
     assert d.prompt_tokens == 194
     # prefix: 0.4 s x 0.5 lost / 1.0 computed = 0.2 s of 0.6; another prefill worker: 0.1 / 3;
-    # speculation: 0.08 x (1 - 1/1.5) x (1 - 1/32); NIXL: 0.02 - 0.005.
+    # speculation: 0.08 x (1 - 1/1.47) x (1 - 1 running / 16); NIXL: 0.02 - 0.005.
     assert effects(prefix_state()) == {
         "prefix_routing": round(0.2 / 0.6, 4), "prefill_workers": round(0.1 / 3 / 0.6, 4),
-        "speculation": round(0.08 / 3 * 31 / 32 / 0.6, 4),
+        "speculation": round(0.08 * (1 - 1 / 1.47) * 15 / 16 / 0.6, 4),
         "kv_transport": round(0.015 / 0.6, 4)}
     top = ranked(d)[0]
     assert (top.key, top.change) == ("prefix_routing", "--routing-policy prefix")
@@ -65,8 +65,9 @@ def test_decode_bound_with_speculation_off_ranks_speculation_first() -> None:
     d = diagnose(decode_state())
     assert d.decode_s == pytest.approx(3.79)  # 4 - 0.2 - 0.01
     assert not d.memory_bound and d.batch_fill == pytest.approx(2 / 32)
-    # 3.79 s x (1 - 1/1.5) x (1 - 2/32) of 4 s; nothing was cached anywhere; NIXL saves 5 ms.
-    assert effects(decode_state()) == {"speculation": round(3.79 / 3 * 30 / 32 / 4, 4),
+    # 3.79 s x (1 - 1/1.47) x (1 - 2/16) of 4 s; nothing was cached anywhere; NIXL saves 5 ms.
+    assert effects(decode_state()) == {"speculation": round(3.79 * (1 - 1 / 1.47) * 14 / 16 / 4,
+                                                            4),
                                        "kv_transport": round(0.005 / 4, 4),
                                        "prefix_routing": 0.0}
     levers = recommended(ranked(d))
@@ -77,10 +78,10 @@ def test_full_decode_batches_with_sequences_waiting_rank_another_decode_worker_f
     d = diagnose(full_decode_state())
     assert d.decode_wait_s == pytest.approx(2.0)  # 2 waiting / 1 per s
     assert not d.memory_bound and d.batch_fill == pytest.approx(30 / 32)
-    # another decode worker: 2 s / 2 of 6 s; speculation: 5.69 s x (1 - 1/1.5) x 2/32;
-    # NIXL: 10 ms - 5 ms.
+    # another decode worker: 2 s / 2 of 6 s; speculation: no room for drafts at 30 running
+    # (the adaptive policy stops at 16); NIXL: 10 ms - 5 ms.
     assert effects(full_decode_state()) == {
-        "decode_workers": round(1.0 / 6, 4), "speculation": round(5.69 / 3 / 16 / 6, 4),
+        "decode_workers": round(1.0 / 6, 4), "speculation": 0.0,
         "kv_transport": round(0.005 / 6, 4)}
     assert ranked(d)[0].change == "--decode 2"
 
