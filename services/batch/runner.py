@@ -33,6 +33,7 @@ class Summary:
     requests: int = 0
     failed: int = 0  # answered with a status other than 200, or not answered at all
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
     completion_tokens: int = 0
     elapsed_s: float = 0.0
 
@@ -42,9 +43,11 @@ class Summary:
         if response is None or response["status_code"] != 200:
             self.failed += 1
             return
-        usage = response["body"].get("usage") or {}
+        body = response["body"]
+        usage = (body.get("usage") if isinstance(body, dict) else None) or {}
         self.prompt_tokens += usage.get("prompt_tokens", 0)
         self.completion_tokens += usage.get("completion_tokens", 0)
+        self.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -52,8 +55,8 @@ class Summary:
 
     def line(self) -> str:
         return (f"{self.requests} requests ({self.failed} failed), {self.prompt_tokens} prompt "
-                f"+ {self.completion_tokens} completion tokens in {self.elapsed_s:.1f} s: "
-                f"{self.output_tokens_per_s:.1f} output tokens/s")
+                f"({self.cached_tokens} cached) + {self.completion_tokens} completion tokens in "
+                f"{self.elapsed_s:.1f} s: {self.output_tokens_per_s:.1f} output tokens/s")
 
 
 def in_prefix_order(requests: Sequence[BatchRequest], done: Collection[str]
