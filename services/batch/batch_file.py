@@ -10,8 +10,8 @@ Output, one line per request, in the order requests finish::
     {"id": "batch_req_...", "custom_id": "q1",
      "response": {"status_code": 200, "request_id": "chatcmpl-...", "body": {...}}, "error": null}
 
-A request the server answered (any status, a 400 included) has its ``response``; one that got
-no answer (the server unreachable) has ``response`` null and ``error`` ``{code, message}``.
+Every line holds the server's answer (any status, a 400 included) in ``response``; ``error``
+is always null: a request that got no answer has no line yet (the next run sends it).
 """
 
 from __future__ import annotations
@@ -142,12 +142,6 @@ def response_line(custom_id: str, status_code: int, body: Any) -> dict[str, Any]
                          "request_id": request_id if isinstance(request_id, str) else line_id,
                          "body": body},
             "error": None}
-
-
-def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
-    """The output line of a request that got no answer."""
-    return {"id": _line_id(), "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
 
 
 def _line_id() -> str:

@@ -62,9 +62,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 once every request has its output line and none failed in this run, 1 if some
-    failed (their lines are written: not sent again on resume), 2 for a bad input or output
-    file (before any request), 130 when interrupted (run it again to resume)."""
+    """Exit 0 once every request has its output line and none failed in this run; 1 if some
+    failed (their lines are written: not sent again on resume) or the server went away (run
+    it again to go on); 2 for a bad input or output file, or a server that does not answer
+    or refuses the key (before any request); 130 when interrupted (run it again to go on)."""
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     requests = batch_file.read_requests(args.input)
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             client = _local_client(engine)
             concurrency = args.concurrency or LOCAL_CONCURRENCY_PER_SEQ * args.max_num_seqs
         else:
+            asyncio.run(runner.check_server(_remote_client(args)))
             client = _remote_client(args)
             concurrency = args.concurrency or DEFAULT_REMOTE_CONCURRENCY
         out = stack.enter_context(batch_file.open_output(args.output, args.restart))
@@ -105,6 +107,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"tandem batch: interrupted; the answered requests are in {args.output}: "
                   f"run the same command again to go on", file=sys.stderr)
             return 130
+        except runner.ServerGone as exc:
+            progress.close()
+            print(f"tandem batch: stopped, the server is gone: {exc}; the answered requests "
+                  f"are in {args.output}: run the same command again to go on",
+                  file=sys.stderr)
+            return 1
     print(f"tandem batch: {summary.line()}; {len(done)} answered before", file=sys.stderr)
     return 1 if summary.failed else 0
 

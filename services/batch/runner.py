@@ -18,12 +18,25 @@ from typing import Any, TextIO
 import httpx
 from tqdm import tqdm
 
-from services.batch.batch_file import BatchRequest, error_line, response_line, write_line
+from services.batch.batch_file import BatchRequest, response_line, write_line
 
-# Answers that mean "not now": the request is sent again after the server's Retry-After.
+# Answers that mean "not now" (the server is full, or a worker is being replaced): the
+# request is sent again after the server's Retry-After.
 RETRY_STATUSES = frozenset({429, 503})
-MAX_ATTEMPTS = 5  # per request, for those statuses and for transport errors
+# Tries of one request that got no answer or only "not now", waiting between them up to
+# MAX_RETRY_WAIT_S (~3 minutes in all); then the run stops.
+MAX_ATTEMPTS = 10
 MAX_RETRY_WAIT_S = 30.0
+
+
+class ServerUnusable(ValueError):
+    """Before any request: the server does not answer, or refuses the API key (the CLI's
+    usage error, exit 2)."""
+
+
+class ServerGone(RuntimeError):
+    """A request got no answer, or only "not now", ``MAX_ATTEMPTS`` times: the run stops;
+    the requests without an output line are sent by the next run."""
 
 
 @dataclass
@@ -31,7 +44,7 @@ class Summary:
     """What one run did (requests already answered by an earlier run not counted)."""
 
     requests: int = 0
-    failed: int = 0  # answered with a status other than 200, or not answered at all
+    failed: int = 0  # answered with a status other than 200
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     completion_tokens: int = 0
@@ -40,7 +53,7 @@ class Summary:
     def add(self, line: dict[str, Any]) -> None:
         self.requests += 1
         response = line["response"]
-        if response is None or response["status_code"] != 200:
+        if response["status_code"] != 200:
             self.failed += 1
             return
         body = response["body"]
@@ -84,39 +97,63 @@ async def run(requests: Sequence[BatchRequest], client: httpx.AsyncClient, out: 
             if progress is not None:
                 progress.update()
 
-    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, len(requests))))))
+    try:
+        async with asyncio.TaskGroup() as workers:  # one fails: the others are cancelled
+            for _ in range(max(1, min(concurrency, len(requests)))):
+                workers.create_task(worker())
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
     summary.elapsed_s = time.perf_counter() - start
     return summary
 
 
+async def check_server(client: httpx.AsyncClient) -> None:
+    """``ServerUnusable`` unless the server lists its models to this client (reachable, and
+    the API key, if any, accepted). Closes the client."""
+    try:
+        async with client:
+            response = await client.get("/v1/models")
+    except httpx.TransportError as exc:
+        raise ServerUnusable(f"{client.base_url} does not answer ({type(exc).__name__}: "
+                             f"{exc})") from None
+    if response.status_code != 200:
+        raise ServerUnusable(f"{client.base_url}/v1/models answered {response.status_code}: "
+                             f"{response.text[:300]}")
+
+
 async def answer(client: httpx.AsyncClient, request: BatchRequest) -> dict[str, Any]:
-    """The output line of one request: the server's answer, whatever its status, once it is
-    not a "not now" (429, 503; retried after Retry-After) or after ``MAX_ATTEMPTS``; a
-    ``request_failed`` error when the server could not be reached that many times."""
+    """The output line of one request: the server's answer, whatever its status, except a
+    "not now" (429, 503: sent again after Retry-After). ``ServerGone`` after
+    ``MAX_ATTEMPTS`` tries without an answer."""
+    problem = ""
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        last = attempt == MAX_ATTEMPTS
         try:
             response = await client.post(request.url, json=request.body)
         except httpx.TransportError as exc:
-            if last:
-                return error_line(request.custom_id, "request_failed",
-                                  f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(min(2.0 ** attempt, MAX_RETRY_WAIT_S))
+            problem = f"{type(exc).__name__}: {exc}"
+            await _wait_before_retry(attempt, None)
             continue
-        if response.status_code in RETRY_STATUSES and not last:
-            await asyncio.sleep(_retry_after_s(response, attempt))
+        if response.status_code in RETRY_STATUSES:
+            problem = f"{response.status_code}: {response.text[:300]}"
+            await _wait_before_retry(attempt, response)
             continue
         try:
             body: Any = response.json()
         except ValueError:  # not JSON (a proxy's error page): kept as text
             body = response.text
         return response_line(request.custom_id, response.status_code, body)
-    raise AssertionError("unreachable")
+    raise ServerGone(f"{request.custom_id} got no answer in {MAX_ATTEMPTS} tries (the last: "
+                     f"{problem})")
 
 
-def _retry_after_s(response: httpx.Response, attempt: int) -> float:
+async def _wait_before_retry(attempt: int, response: httpx.Response | None) -> None:
+    """The server's Retry-After if it gave one, else exponential backoff; not after the last
+    attempt."""
+    if attempt == MAX_ATTEMPTS:
+        return
+    retry_after = response.headers.get("retry-after") if response is not None else None
     try:
-        wait = float(response.headers.get("retry-after", ""))
+        wait = float(retry_after) if retry_after else 2.0 ** attempt
     except ValueError:
         wait = 2.0 ** attempt
-    return min(max(wait, 0.1), MAX_RETRY_WAIT_S)
+    await asyncio.sleep(min(max(wait, 0.1), MAX_RETRY_WAIT_S))

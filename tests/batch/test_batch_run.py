@@ -119,3 +119,41 @@ def test_base_url_sends_to_a_running_gateway_and_records_a_refused_line(
     for custom_id, result in results.items():
         assert result["response"]["status_code"] == 200
         _same_answer(result["response"]["body"], online_answers[custom_id].json())
+
+
+def test_resume_skips_what_is_answered_and_restart_starts_over(
+        tmp_path: Path, online: ServeAddresses, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", batch_lines(3))
+    output = tmp_path / "out.jsonl"
+    command = ["batch", "--input", str(source), "--output", str(output), "--base-url",
+               online.http_url, "--api-key", API_KEY, "--no-progress"]
+    assert tandem(command) == 0
+    first = output.read_text()
+
+    assert tandem(command) == 0
+    assert "all 3 requests already answered" in capsys.readouterr().err
+    assert output.read_text() == first
+
+    assert tandem([*command, "--restart"]) == 0
+    assert "3 requests (0 failed)" in capsys.readouterr().err
+    again = read_jsonl(output)  # three new lines, not six
+    assert sorted(r["custom_id"] for r in again) == ["req-000", "req-001", "req-002"]
+    assert output.read_text() != first
+
+
+@pytest.mark.parametrize(("url", "key", "expected"), [
+    ("http://127.0.0.1:9", API_KEY, "http://127.0.0.1:9 does not answer (ConnectError"),
+    (None, "sk-wrong", "/v1/models answered 401"),
+])
+def test_a_server_that_cannot_be_used_is_refused_before_any_request(
+        tmp_path: Path, online: ServeAddresses, capsys: pytest.CaptureFixture[str],
+        url: str | None, key: str, expected: str) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", batch_lines(2))
+    output = tmp_path / "out.jsonl"
+
+    code = tandem(["batch", "--input", str(source), "--output", str(output), "--base-url",
+                   url or online.http_url, "--api-key", key, "--no-progress"])
+
+    assert code == 2
+    assert expected in capsys.readouterr().err
+    assert not output.exists()
