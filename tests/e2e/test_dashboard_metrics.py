@@ -102,8 +102,19 @@ def prometheus(cluster: UpProcess, tmp_path_factory: pytest.TempPathFactory
         log.close()
 
 
+# Counters this module's checks compare before and after its own traffic (the shared cluster
+# has served other modules' requests).
+DELTAS = ("tandem_router_decisions_total", "tandem_decode_recomputes_total",
+          "tandem_request_failures_total")
+
+
 @pytest.fixture(scope="module")
-def served(cluster: UpProcess, prometheus: Prometheus) -> UpProcess:
+def before(cluster: UpProcess) -> dict[str, float]:
+    return {name: _total(metric_values(cluster.http_url, name)) for name in DELTAS}
+
+
+@pytest.fixture(scope="module")
+def served(cluster: UpProcess, prometheus: Prometheus, before: dict[str, float]) -> UpProcess:
     """The cluster after REQUESTS distinct prompts (each prefilled on P, its KV pulled by D),
     once the gateway has polled the workers' counters and Prometheus has scraped them."""
     for i in range(REQUESTS):
@@ -203,14 +214,19 @@ def test_goodput_cells_exist_and_are_consistent(served: UpProcess) -> None:
     assert tpot_count == finished  # every request sent had MAX_TOKENS > 1 tokens
 
 
-def test_worker_and_router_series_agree_with_the_traffic(served: UpProcess) -> None:
+def test_worker_and_router_series_agree_with_the_traffic(served: UpProcess,
+                                                          before: dict[str, float]) -> None:
     url = served.http_url
+
+    def added(name: str) -> float:
+        return _total(metric_values(url, name)) - before[name]
+
     roles = {dict(k)["worker"]: dict(k)["role"] for k in metric_values(url, "tandem_worker_info")}
     assert sorted(roles.values()) == ["decode", "prefill"]
 
     decisions = metric_values(url, "tandem_router_decisions_total")
     assert {dict(k)["reason"] for k in decisions} <= ROUTING_REASONS
-    assert _total(decisions) == REQUESTS  # the router decided each request once
+    assert added("tandem_router_decisions_total") == REQUESTS  # each request decided once
     connected = metric_values(url, "tandem_router_bus_connected")
     assert connected and all(v == 1 for v in connected.values())
 
@@ -227,5 +243,5 @@ def test_worker_and_router_series_agree_with_the_traffic(served: UpProcess) -> N
     granted = _total(metric_values(url, "tandem_prefill_leases_granted_total"))
     assert granted >= _total(ended) >= 1
     assert _total(metric_values(url, "tandem_prefill_requests_total")) >= granted
-    assert _total(metric_values(url, "tandem_decode_recomputes_total")) == 0
-    assert _total(metric_values(url, "tandem_request_failures_total")) == 0
+    assert added("tandem_decode_recomputes_total") == 0
+    assert added("tandem_request_failures_total") == 0
