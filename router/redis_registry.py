@@ -105,12 +105,13 @@ class RedisRegistry:
         if raw is None:
             return None
         body = json.loads(raw)
-        return HashSettings(int(body["block_size"]), str(body["model_id"]), str(body["scheme"]))
+        return HashSettings(int(body["block_size"]), str(body["model_id"]), str(body["scheme"]),
+                            str(body.get("kv_cache_dtype", "auto")))
 
     def publish_settings(self, settings: HashSettings) -> None:
         raw = json.dumps(
             {"block_size": settings.block_size, "model_id": settings.model_id,
-             "scheme": settings.scheme},
+             "scheme": settings.scheme, "kv_cache_dtype": settings.kv_cache_dtype},
             sort_keys=True,
         )
         try:

@@ -29,6 +29,7 @@ from services.decode.metrics import DecodeMetrics
 from services.decode.peers import PeerLink, PrefillPeer
 from services.decode.trace import DecodeTrace
 from services.engine.async_engine import AsyncEngine
+from services.engine.kv_cache import kv_storage
 from services.engine.kv_events import KVEvent
 from services.engine.llm_engine import ImportSlot, LLMEngine
 from services.engine.outputs import EngineOverloadedError, RequestError, RequestOutput
@@ -111,7 +112,7 @@ class DecodeWorker:
         self.engine = AsyncEngine(engine, on_events)
         self.metrics = DecodeMetrics()
         self.accepting = True
-        self._blocks = block_bytes(engine.kv_cache)
+        self._blocks = block_bytes(kv_storage(engine.kv_cache))
         self._block_size = engine.config.block_size
         self._peers: dict[str, PeerLink] = {}
         self._phases: dict[str, str] = {}
@@ -120,7 +121,7 @@ class DecodeWorker:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.transport.start(self.engine.llm.kv_cache)
+        await self.transport.start(kv_storage(self.engine.llm.kv_cache))
         self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
                                             self.transport).signed(self.transport.key)
 

@@ -1,7 +1,8 @@
 """Chained KV block hashes shared by workers and the router.
 
 A block's hash is SHA-256 over a canonical byte encoding of (parent hash, the block's token ids,
-extra keys such as the model id and the per-tenant cache salt). Never Python's ``hash()``: it
+extra keys such as the model id, the KV cache dtype when not ``auto`` and the per-tenant cache
+salt). Never Python's ``hash()``: it
 differs per process. This module imports nothing heavy so the router can use it without torch.
 """
 
@@ -32,9 +33,15 @@ class HashSettings:
     block_size: int
     model_id: str
     scheme: str = HASH_SCHEME
+    # What a block's bytes hold (engine config kv_cache_dtype): an int8 worker's blocks never
+    # match an auto worker's. ``auto`` adds no key, so those hashes are as before.
+    kv_cache_dtype: str = "auto"
 
     def extra_keys(self, cache_salt: str | None = None) -> tuple[str, ...]:
-        return (self.model_id,) if not cache_salt else (self.model_id, cache_salt)
+        keys = (self.model_id,)
+        if self.kv_cache_dtype != "auto":
+            keys += (f"kv:{self.kv_cache_dtype}",)
+        return keys + (cache_salt,) if cache_salt else keys
 
 
 def _encode_extra_key(key: str | int | bytes) -> bytes:

@@ -39,6 +39,7 @@ class ModelConfig:
 SPEC_METHODS = ("none", "ngram", "draft", "self")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")  # engine/attention
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 pages KV in multiples of 256 tokens
+KV_CACHE_DTYPES = ("auto", "int8")  # engine/kv_cache.py
 
 
 @dataclass
@@ -90,6 +91,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
+    # auto: the cache holds `dtype`; int8: int8 values with a float32 scale per (slot, KV head)
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 32  # running batch size cap
     max_num_batched_tokens: int = 512  # per-step token budget (= prefill chunk size)
@@ -113,6 +116,12 @@ class EngineConfig:
             if self.dtype not in ("bfloat16", "float16"):
                 raise ValueError(f"attention_backend flash_attn needs dtype bfloat16 or "
                                  f"float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "int8" and self.attention_backend == "flash_attn":
+            raise ValueError("kv_cache_dtype int8 needs attention_backend torch, triton or auto "
+                             "(flash_attn reads only a bfloat16/float16 cache)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention import StepMetadata
+from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
 
 # Batch sizes with a graph: small ones one by one, then every 16 (vLLM's ladder is similar).
@@ -73,7 +74,7 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int,
                  max_batch: int, max_model_len: int, device: str,
                  capture: Capture = cuda_graph_capture) -> None:
         self.model = model

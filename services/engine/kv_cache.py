@@ -3,6 +3,15 @@
 Layout ``[num_blocks, num_layers, 2 (k|v), block_size, num_kv_heads, head_dim]``: block-major, so
 one block of every layer is a single contiguous byte range. KV transfer moves a block with one
 descriptor, and the whole tensor is registered with the transport once.
+
+``kv_dtype`` ``int8`` (``QuantizedKV``) keeps the values as int8 with a float32 scale per
+(block slot, KV head) for keys and values alike (symmetric absmax: ``x ~ q * scale``,
+``scale = max|x| / 127``). A block's scales follow its values inside the block's byte range
+(``[num_blocks, bytes_per_block]`` uint8 underneath), so transports and checksums, which move
+and hash a block's bytes, carry the scales with the values unchanged. A token's row is
+quantized once, when it is stored, from its own values alone: a block's contents depend on its
+tokens only (never on how many writes filled it), so a cached prefix reads the same values on
+every hit, and no stored row is ever re-scaled.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ import torch
 from services.engine.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SCALE_BYTES = 4  # float32
+INT8_MAX = 127
 
 
 @dataclass(frozen=True)
@@ -23,11 +34,17 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str
+    dtype: str  # the model's compute dtype
+    kv_dtype: str = "auto"  # auto: the cache holds `dtype`; int8: int8 values + float32 scales
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype == "int8"
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        """The dtype of the cache's values."""
+        return torch.int8 if self.quantized else _DTYPES[self.dtype]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -35,15 +52,28 @@ class KVCacheSpec:
                 self.head_dim)
 
     @property
-    def bytes_per_block(self) -> int:
+    def scales_shape(self) -> tuple[int, ...]:
+        return self.shape[:-1]
+
+    @property
+    def value_bytes_per_block(self) -> int:
         element = torch.tensor([], dtype=self.torch_dtype).element_size()
         return (self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
                 * element)
 
+    @property
+    def bytes_per_block(self) -> int:
+        """A block's bytes, scales included: what a transfer moves and the budget divides."""
+        scales = (self.num_layers * 2 * self.block_size * self.num_kv_heads * _SCALE_BYTES
+                  if self.quantized else 0)
+        return self.value_bytes_per_block + scales
+
     @classmethod
     def for_model(cls, model: ModelConfig, block_size: int, dtype: str,
-                  num_blocks: int | None, memory_gb: float) -> KVCacheSpec:
-        spec = cls(1, block_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+                  num_blocks: int | None, memory_gb: float,
+                  kv_dtype: str = "auto") -> KVCacheSpec:
+        spec = cls(1, block_size, model.num_layers, model.num_kv_heads, model.head_dim, dtype,
+                   kv_dtype)
         if num_blocks is None:
             num_blocks = int(memory_gb * 2**30) // spec.bytes_per_block
         if num_blocks < 1:
@@ -51,8 +81,67 @@ class KVCacheSpec:
                 f"KV cache budget of {memory_gb} GiB holds no {spec.bytes_per_block}-byte block"
             )
         return cls(num_blocks, block_size, model.num_layers, model.num_kv_heads,
-                   model.head_dim, dtype)
+                   model.head_dim, dtype, kv_dtype)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, device: str = "cpu") -> torch.Tensor:
-    return torch.zeros(spec.shape, dtype=spec.torch_dtype, device=device)
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` as int8 rows and their float32 scales ``[...]``: symmetric absmax per row,
+    rounded half away from zero (the Triton store kernel rounds the same way). A row's error is
+    at most ``scale / 2 = max|row| / 254`` per element; an all-zero row has scale 0."""
+    x = x.float()
+    scales = x.abs().amax(-1) / INT8_MAX
+    scaled = x / torch.where(scales > 0, scales, 1.0)[..., None]
+    values = torch.trunc(scaled + torch.copysign(torch.full_like(scaled, 0.5), scaled))
+    return values.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+
+
+def dequantize_int8(values: torch.Tensor, scales: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``quantize_int8``, in ``dtype`` (the product is taken in float32)."""
+    return (values.float() * scales[..., None]).to(dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """An int8 cache: ``values`` and ``scales`` are views into the one byte tensor ``data``."""
+
+    data: torch.Tensor  # [num_blocks, bytes_per_block] uint8: what transfers move
+    values: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] int8
+    scales: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads] float32
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor,
+              offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize k, v [T, Hkv, D] into their slots (``blocks``, ``offsets``: [T]); return
+        them as attention reads them back (dequantized, in k's dtype)."""
+        stored = []
+        for kv, x in enumerate((k, v)):
+            values, scales = quantize_int8(x)
+            self.values[:, layer, kv][blocks, offsets] = values
+            self.scales[:, layer, kv][blocks, offsets] = scales
+            stored.append(dequantize_int8(values, scales, x.dtype))
+        return stored[0], stored[1]
+
+    def gather(self, layer: int, kv: int, blocks: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+        """Blocks ``blocks`` of the layer's keys (kv 0) or values (1), dequantized:
+        ``[len(blocks), block_size, Hkv, D]`` in ``dtype``."""
+        return dequantize_int8(self.values[:, layer, kv].index_select(0, blocks),
+                               self.scales[:, layer, kv].index_select(0, blocks), dtype)
+
+
+KVCache = torch.Tensor | QuantizedKV  # kv_dtype auto: the values tensor itself
+
+
+def allocate_kv_cache(spec: KVCacheSpec, device: str = "cpu") -> KVCache:
+    if not spec.quantized:
+        return torch.zeros(spec.shape, dtype=spec.torch_dtype, device=device)
+    data = torch.zeros((spec.num_blocks, spec.bytes_per_block), dtype=torch.uint8,
+                       device=device)
+    split = spec.value_bytes_per_block
+    return QuantizedKV(data, data[:, :split].view(torch.int8).view(spec.shape),
+                       data[:, split:].view(torch.float32).view(spec.scales_shape))
+
+
+def kv_storage(cache: KVCache) -> torch.Tensor:
+    """The one tensor holding every block's bytes (scales included), for the transports."""
+    return cache.data if isinstance(cache, QuantizedKV) else cache

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention import get_attention_backend
+from services.engine.block_hash import HashSettings
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.device import check_device, wait_for_writes
 from services.engine.faults import fault_hook_from_env
 from services.engine.grammar import Grammars
-from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
 from services.engine.kv_events import KVEvent
 from services.engine.logits_controls import Draw, controlled
 from services.engine.model import LlamaModel
@@ -75,11 +76,14 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.kv_spec = KVCacheSpec.for_model(loaded.config, config.block_size, config.dtype,
-                                             config.num_kv_blocks, config.kv_cache_memory_gb)
+                                             config.num_kv_blocks, config.kv_cache_memory_gb,
+                                             config.kv_cache_dtype)
+        self.hash_settings = HashSettings(config.block_size, loaded.config.model_id,
+                                          kv_cache_dtype=config.kv_cache_dtype)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings,
                                  self.kv_spec.num_blocks * config.block_size)
-        self.kv_cache = allocate_kv_cache(self.kv_spec, config.device)
+        self.kv_cache: KVCache = allocate_kv_cache(self.kv_spec, config.device)
         self.block_manager = BlockManager(self.kv_spec.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -236,9 +240,8 @@ class LLMEngine:
             raise EngineOverloadedError(
                 f"{len(self.scheduler.waiting)} requests are already waiting; retry later"
             )
-        extra_keys = (self.model_config.model_id, cache_salt) if cache_salt else (
-            self.model_config.model_id,)
-        seq = Sequence(request_id, prompt + outputs, len(prompt), params, extra_keys)
+        seq = Sequence(request_id, prompt + outputs, len(prompt), params,
+                       self.hash_settings.extra_keys(cache_salt))
         if params.structured_output is not None:
             seq.matcher = self.grammars.matcher(params.structured_output, outputs)
             if seq.matcher.is_error():

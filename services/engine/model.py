@@ -20,6 +20,7 @@ from torch import nn
 from services.engine.attention import AttentionBackend
 from services.engine.config import ModelConfig
 from services.engine.cpu_linear import Linear, packing_available
+from services.engine.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,7 +129,7 @@ class LlamaModel(nn.Module):
         return draft
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 plan: Any, logits_indices: torch.Tensor) -> torch.Tensor:
         """Run the step's flat token batch; return float32 logits for ``logits_indices`` rows.
         ``plan``: the attention backend's ``prepare`` of the step's metadata."""

@@ -10,6 +10,7 @@ import torch
 from services.engine.attention import build_step_metadata
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.device import to_device
+from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
 from services.engine.scheduler import ScheduledSequence
 from services.engine.sequence import Sequence
@@ -28,7 +29,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int,
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int,
                  device: str = "cpu") -> None:
         self.model = model
         self.kv_cache = kv_cache

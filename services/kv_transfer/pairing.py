@@ -39,6 +39,7 @@ class PairingInfo:
     hash_scheme: str
     transport: str
     protocol_version: int = PROTOCOL_VERSION
+    kv_cache_dtype: str = "auto"  # auto: the cache holds `dtype`; int8: values + their scales
     transport_metadata: dict[str, Any] = field(default_factory=dict, compare=False)
     # Signed with the cluster key by its worker (None without a key): the transport metadata
     # is what a NIXL peer needs to read this worker's cache.
@@ -49,7 +50,8 @@ class PairingInfo:
                    transport: KVTransport) -> PairingInfo:
         spec = engine.kv_spec
         return cls(worker_id=worker_id, role=role, model_id=engine.model_config.model_id,
-                   dtype=spec.dtype, block_size=spec.block_size, kv_layout=KV_LAYOUT,
+                   dtype=spec.dtype, kv_cache_dtype=spec.kv_dtype,
+                   block_size=spec.block_size, kv_layout=KV_LAYOUT,
                    num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                    head_dim=spec.head_dim, hash_scheme=HASH_SCHEME, transport=transport.kind,
                    transport_metadata=transport.metadata())
@@ -95,6 +97,7 @@ _MUST_MATCH = (
     ("protocol_version", "protocol version"),
     ("model_id", "model"),
     ("dtype", "dtype"),
+    ("kv_cache_dtype", "KV cache dtype (kv_cache_dtype)"),
     ("block_size", "block size"),
     ("kv_layout", "KV cache layout"),
     ("num_layers", "KV cache layout (layers)"),

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.engine.async_engine import AsyncEngine
+from services.engine.kv_cache import kv_storage
 from services.engine.kv_events import KVEvent
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
@@ -48,14 +49,14 @@ class PrefillWorker:
         self.transport.reads_allowed = self.leases.covers  # a read needs a live lease
         self.metrics = PrefillMetrics()
         self.peers: dict[str, PairingInfo] = {}  # decode workers met so far
-        self._blocks = block_bytes(engine.kv_cache)
+        self._blocks = block_bytes(kv_storage(engine.kv_cache))
         self._info: PairingInfo | None = None
         self._reaper: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.transport.start(self.engine.llm.kv_cache)
+        await self.transport.start(kv_storage(self.engine.llm.kv_cache))
         self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
                                             self.transport).signed(self.transport.key)
         self._reaper = asyncio.create_task(self._reap(), name=f"{self.worker_id}-leases")

@@ -14,6 +14,7 @@ from router.config import POLICIES as ROUTING_POLICIES
 from services.engine.config import (
     ATTENTION_BACKENDS,
     FLASH_ATTN_BLOCK_MULTIPLE,
+    KV_CACHE_DTYPES,
     SPEC_METHODS,
     EngineConfig,
     SpeculativeConfig,
@@ -50,6 +51,9 @@ class AppConfig:
     max_waiting: int = 1024  # queue limit per engine; beyond it requests get 429
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 0.25
+    # auto: the KV cache holds `dtype`; int8: int8 values with a float32 scale per token and
+    # KV head (about 1.9x the blocks of bfloat16 in the same memory; not with flash_attn)
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     # torch intra-op threads per engine; None: from the CPUs of the machine the engine runs on,
     # (cpus - 1) // engines on it, at least 1 (``engine_threads``)
@@ -114,6 +118,12 @@ class AppConfig:
             raise ConfigError(f"attention_backend flash_attn needs block_size to be a multiple "
                               f"of {FLASH_ATTN_BLOCK_MULTIPLE} (flash-attn's KV pages), got "
                               f"{self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "int8" and self.attention_backend == "flash_attn":
+            raise ConfigError("kv_cache_dtype int8 needs attention_backend auto, triton or "
+                              "torch (flash_attn reads only a bfloat16/float16 cache)")
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
@@ -173,6 +183,7 @@ class AppConfig:
         return EngineConfig(speculative=speculative, device=self.engine_device(),
             model=self.model, dtype=self.dtype, block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.engine_threads(), attention_backend=self.attention_backend,

@@ -107,7 +107,8 @@ class GatewayIngress:
 
     async def _disaggregated(self, config: AppConfig, model_id: str, prefill: DeploymentHandle,
                              decode: DeploymentHandle) -> DisaggBackend:
-        settings = HashSettings(config.block_size, model_id)
+        settings = HashSettings(config.block_size, model_id,
+                                kv_cache_dtype=config.kv_cache_dtype)
         router_config = RouterConfig(settings, policy=config.routing_policy)
         # The workers this gateway polls through Serve: the whole registry in-process, and with
         # Redis the fallback for workers Redis has no record of (it is soft state: down,

@@ -91,11 +91,13 @@ def local_engine(model: LoadedModel, **overrides: Any) -> LLMEngine:
 @asynccontextmanager
 async def local_pair(model: LoadedModel, transport: str, *,
                      prefill: PrefillConfig | None = None, decode: DecodeConfig | None = None,
+                     prefill_engine: dict[str, Any] | None = None,
                      decode_engine: dict[str, Any] | None = None,
                      clock: Clock = time.monotonic, pair: bool = True
                      ) -> AsyncIterator[tuple[PrefillWorker, DecodeWorker]]:
     """A prefill and a decode worker as plain objects in this process, on a real transport."""
-    p = PrefillWorker(local_engine(model), make_transport(transport, "p0"),
+    p = PrefillWorker(local_engine(model, **(prefill_engine or {})),
+                      make_transport(transport, "p0"),
                       prefill or PrefillConfig(checksums=True), "p0", clock)
     d = DecodeWorker(local_engine(model, **(decode_engine or {})),
                      make_transport(transport, "d0"),

@@ -24,6 +24,7 @@ import torch
 
 from services.engine.attention.metadata import StepMetadata, build_step_metadata
 from services.engine.config import ATTENTION_BACKENDS
+from services.engine.kv_cache import KVCache
 
 __all__ = ["BACKENDS", "AttentionBackend", "StepMetadata", "build_step_metadata",
            "get_attention_backend", "resolve_backend"]
@@ -39,9 +40,9 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, plan: Any) -> torch.Tensor:
-        """Write k/v [T, Hkv, D] for the step's tokens into the cache; return the attention
-        output of q [T, Hq, D] as [T, Hq * D]."""
+                kv_cache: KVCache, plan: Any) -> torch.Tensor:
+        """Write k/v [T, Hkv, D] for the step's tokens into the cache (an int8 cache quantizes
+        them); return the attention output of q [T, Hq, D] as [T, Hq * D]."""
         ...
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from services.engine.attention.metadata import StepMetadata
 from services.engine.config import FLASH_ATTN_BLOCK_MULTIPLE
+from services.engine.kv_cache import KVCache, QuantizedKV
 
 VarlenFunc = Callable[..., torch.Tensor]
 
@@ -58,7 +59,10 @@ class FlashAttention:
                          step.slot_mapping % step.block_size, cu_seqlens_k)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, plan: FlashPlan) -> torch.Tensor:
+                kv_cache: KVCache, plan: FlashPlan) -> torch.Tensor:
+        if isinstance(kv_cache, QuantizedKV):
+            raise ValueError("attention_backend flash_attn cannot read an int8 KV cache "
+                             "(kv_cache_dtype int8): use attention_backend triton or torch")
         step = plan.step
         key_cache = kv_cache[:, layer, 0]  # [blocks, block_size, Hkv, D]: strided views
         value_cache = kv_cache[:, layer, 1]

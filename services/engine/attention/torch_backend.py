@@ -5,6 +5,10 @@ sequences in batches of equal query length (one batched SDPA each, with the mask
 prefill chunks one by one (4-D SDPA: causal without a mask when the chunk is the whole
 context so far, else a mask over its cached keys). A single decoding sequence needs no mask:
 its keys are cut to its length.
+
+An int8 cache (``QuantizedKV``) is quantized as the step's K/V are stored and dequantized as
+blocks are gathered; a fresh prefill attends to its own K/V as stored (quantized and back), so
+every path reads the same keys whether they came from the cache or not.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.attention.metadata import StepMetadata
+from services.engine.kv_cache import KVCache, QuantizedKV
 
 
 @dataclass
@@ -108,14 +113,15 @@ class TorchAttention:
         return DecodeBatch(row, e - s, length, tables, mask, width * bs)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, plan: TorchPlan) -> torch.Tensor:
+                kv_cache: KVCache, plan: TorchPlan) -> torch.Tensor:
         """Write k/v for the step's tokens into the cache, return attention output [T, Hq*D]."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        key_cache = kv_cache[:, layer, 0]  # [blocks, block_size, Hkv, D] (views)
-        value_cache = kv_cache[:, layer, 1]
-        key_cache[plan.slot_blocks, plan.slot_offsets] = k
-        value_cache[plan.slot_blocks, plan.slot_offsets] = v
+        if isinstance(kv_cache, QuantizedKV):
+            k, v = kv_cache.store(layer, k, v, plan.slot_blocks, plan.slot_offsets)
+        else:
+            kv_cache[:, layer, 0][plan.slot_blocks, plan.slot_offsets] = k
+            kv_cache[:, layer, 1][plan.slot_blocks, plan.slot_offsets] = v
 
         out = torch.empty_like(q)
         group = num_heads // num_kv_heads
@@ -124,9 +130,10 @@ class TorchAttention:
             # Gathering k and v separately leaves each contiguous: the reshape and transpose
             # below are views, and SDPA reads the strided layout without another copy.
             table = batch.block_tables.flatten()
-            # index_select, not advanced indexing: ~25x faster on this strided view on CPU.
-            keys = key_cache.index_select(0, table).view(n, -1, num_kv_heads, head_dim)
-            values = value_cache.index_select(0, table).view(n, -1, num_kv_heads, head_dim)
+            keys = _gather(kv_cache, layer, 0, table, q.dtype).view(n, -1, num_kv_heads,
+                                                                     head_dim)
+            values = _gather(kv_cache, layer, 1, table, q.dtype).view(n, -1, num_kv_heads,
+                                                                       head_dim)
             if batch.mask is None:  # one sequence: its keys, no mask
                 keys, values = keys[:, :batch.num_keys], values[:, :batch.num_keys]
             # Fold each KV group's query heads (and query rows) into the query-length dim:
@@ -145,9 +152,10 @@ class TorchAttention:
                 keys = k[span.start:span.end]
                 values = v[span.start:span.end]
             else:
-                keys = key_cache.index_select(0, span.block_ids).view(-1, num_kv_heads, head_dim)
-                values = value_cache.index_select(0, span.block_ids).view(-1, num_kv_heads,
-                                                                          head_dim)
+                keys = _gather(kv_cache, layer, 0, span.block_ids, q.dtype).view(
+                    -1, num_kv_heads, head_dim)
+                values = _gather(kv_cache, layer, 1, span.block_ids, q.dtype).view(
+                    -1, num_kv_heads, head_dim)
                 keys, values = keys[:span.context_len], values[:span.context_len]
             # 4-D: SDPA's fused kernels take only batched inputs (3-D falls back to math).
             attn = F.scaled_dot_product_attention(
@@ -157,3 +165,12 @@ class TorchAttention:
             )
             out[span.start:span.end] = attn[0].transpose(0, 1)
         return out.view(num_tokens, num_heads * head_dim)
+
+
+def _gather(kv_cache: KVCache, layer: int, kv: int, blocks: torch.Tensor,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``blocks`` of the layer's keys (kv 0) or values (1): [n, block_size, Hkv, D]."""
+    if isinstance(kv_cache, QuantizedKV):
+        return kv_cache.gather(layer, kv, blocks, dtype)
+    # index_select, not advanced indexing: ~25x faster on this strided view on CPU.
+    return kv_cache[:, layer, kv].index_select(0, blocks)

@@ -17,6 +17,7 @@ from services.engine.attention.triton_kernels import (
     paged_attention,
     store_kv,
 )
+from services.engine.kv_cache import KVCache, QuantizedKV
 
 
 @dataclass
@@ -40,10 +41,12 @@ class TritonAttention:
                                                   self.num_sms))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, plan: TritonPlan) -> torch.Tensor:
+                kv_cache: KVCache, plan: TritonPlan) -> torch.Tensor:
         step = plan.step
-        store_kv(kv_cache, layer, k, v, step.slot_mapping)
-        out = paged_attention(q, kv_cache, layer, step.query_start, step.seq_lens,
+        values, scales = ((kv_cache.values, kv_cache.scales) if isinstance(kv_cache, QuantizedKV)
+                          else (kv_cache, None))
+        store_kv(values, layer, k, v, step.slot_mapping, scales)
+        out = paged_attention(q, values, layer, step.query_start, step.seq_lens,
                               step.block_tables, step.max_query_len, step.max_seq_len,
-                              self.scale, num_splits=plan.num_splits)
+                              self.scale, num_splits=plan.num_splits, scales=scales)
         return out.view(q.shape[0], -1)

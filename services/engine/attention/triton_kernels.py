@@ -14,6 +14,12 @@ Query tiles are numbered flat over the step, sequence ``s`` starting at tile
 ``query_start[s] // BLOCK_Q + s`` (found by binary search), so a step of many decodes plus one
 long prefill launches about ``T / BLOCK_Q + S`` programs per KV head, not ``S x`` the longest query.
 
+An int8 cache (``scales`` given: float32 ``[num_blocks, num_layers, 2, block_size, num_kv_heads]``)
+is quantized by ``store_kv`` (a scale per token and KV head, absmax / 127, rounded half away from
+zero as ``kv_cache.quantize_int8``) and read as int8 by the attention kernel, which turns the
+tile to q's dtype (int8 is exact in bfloat16) and applies the scales to the scores (keys) and
+to the probabilities (values), one multiply per key instead of one per element.
+
 Split-KV (``num_splits > 1``): each program's key range is cut into ``num_splits`` tile-aligned
 parts whose (max, sum, unnormalised acc) go to fp32 scratch; ``_reduce_splits_kernel`` merges them.
 """
@@ -33,14 +39,26 @@ _MAX_DECODE_QUERY_LEN = 16  # longer queries (prefill chunks) bring enough progr
 
 
 @triton.jit
+def _quantize_rows(x, scale_ptr, scale_offsets, row_ok):
+    """int8 rows of x [HEADS, HEAD_DIM] (float32); stores each row's scale."""
+    scale = tl.max(tl.abs(x), 1) / 127.0
+    tl.store(scale_ptr + scale_offsets, scale, mask=row_ok)
+    scaled = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    rounded = tl.where(scaled >= 0, scaled + 0.5, scaled - 0.5)  # .to(int8) truncates
+    return tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, num_kv_heads,
+    k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
+    slot_mapping_ptr, num_kv_heads,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_sb, stride_ss, stride_sh,
     BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One program per token: copy its [num_kv_heads, head_dim] key and value into its slot
-    (none for slot -1: a CUDA graph's padding row)."""
+    (none for slot -1: a CUDA graph's padding row); QUANT: as int8 rows plus their scales."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: block * stride can pass 2**31
     if slot < 0:
@@ -52,6 +70,13 @@ def _store_kv_kernel(
              + heads * stride_ch + dims * stride_cd)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    if QUANT:
+        head_ids = tl.arange(0, HEADS)
+        scales = ((slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_ss
+                  + head_ids * stride_sh)
+        head_ok = head_ids < num_kv_heads
+        k = _quantize_rows(k.to(tl.float32), key_scale_ptr, scales, head_ok)
+        v = _quantize_rows(v.to(tl.float32), value_scale_ptr, scales, head_ok)
     tl.store(key_cache_ptr + cache, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + cache, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -59,9 +84,10 @@ def _store_kv_kernel(
 @triton.jit
 def _attend_key_tile(
     q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr, value_cache_ptr,
-    qk_scale, stride_cb, stride_cs, stride_cd, stride_bb,
+    key_scale_ptr, value_scale_ptr,
+    qk_scale, stride_cb, stride_cs, stride_cd, stride_bb, stride_sb, stride_ss,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     """One online-softmax step over keys [start, start + BLOCK_N) (those below kv_hi)."""
     keys = start + tl.arange(0, BLOCK_N)
@@ -76,8 +102,16 @@ def _attend_key_tile(
     if INTERPRETER:  # it computes bfloat16 on the raw bit patterns: work in float32
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    if QUANT:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        scale_offsets = blocks.to(tl.int64) * stride_sb + (keys % BLOCK_SIZE) * stride_ss
+        key_scales = tl.load(key_scale_ptr + scale_offsets, mask=key_ok, other=0.0)
+        value_scales = tl.load(value_scale_ptr + scale_offsets, mask=key_ok, other=0.0)
 
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    if QUANT:
+        scores = scores * key_scales[None, :]
     visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -86,20 +120,24 @@ def _attend_key_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if QUANT:
+        p = p * value_scales[None, :]
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, out_ptr,
+    part_max_ptr, part_sum_ptr, part_acc_ptr,
     query_start_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs, num_tokens, num_heads, num_splits, qk_scale,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_cb, stride_cs, stride_ch, stride_cd, stride_bs, stride_bb,
+    stride_sb, stride_ss, stride_sh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -145,6 +183,9 @@ def _paged_attention_kernel(
     block_table = block_tables_ptr + seq * stride_bs
     key_cache_ptr += kv_head * stride_ch
     value_cache_ptr += kv_head * stride_ch
+    if QUANT:
+        key_scale_ptr += kv_head * stride_sh
+        value_scale_ptr += kv_head * stride_sh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -155,15 +196,17 @@ def _paged_attention_kernel(
         while start < kv_hi:
             m_i, l_i, acc = _attend_key_tile(
                 q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr,
-                value_cache_ptr, qk_scale, stride_cb, stride_cs, stride_cd, stride_bb,
-                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION)
+                value_cache_ptr, key_scale_ptr, value_scale_ptr, qk_scale, stride_cb,
+                stride_cs, stride_cd, stride_bb, stride_sb, stride_ss,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION, QUANT)
             start += BLOCK_N
     else:
         for start in range(kv_lo, kv_hi, BLOCK_N):
             m_i, l_i, acc = _attend_key_tile(
                 q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr,
-                value_cache_ptr, qk_scale, stride_cb, stride_cs, stride_cd, stride_bb,
-                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION)
+                value_cache_ptr, key_scale_ptr, value_scale_ptr, qk_scale, stride_cb,
+                stride_cs, stride_cd, stride_bb, stride_sb, stride_ss,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION, QUANT)
 
     if SPLIT:
         part = (split * num_tokens + tokens) * num_heads + heads
@@ -205,10 +248,11 @@ def _reduce_splits_kernel(
 
 
 def store_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, scales: torch.Tensor | None = None) -> None:
     """Write k, v [T, num_kv_heads, head_dim] of the step's T new tokens into layer `layer` of
     the cache: token t goes to block slot_mapping[t] // block_size, offset
-    slot_mapping[t] % block_size; a slot of -1 is skipped. slot_mapping: [T] int64 (or int32)."""
+    slot_mapping[t] % block_size; a slot of -1 is skipped. slot_mapping: [T] int64 (or int32).
+    ``scales`` (an int8 cache's): each token's rows are quantized, their scales stored there."""
     num_tokens, num_kv_heads, head_dim = k.shape
     block_size = kv_cache.shape[3]
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
@@ -217,17 +261,32 @@ def store_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tenso
     if num_tokens == 0:
         return
     key_cache, value_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    key_scales, value_scales = _layer_scales(kv_cache, layer, scales)
     _store_kv_kernel[(num_tokens,)](
-        k, v, key_cache, value_cache, slot_mapping, num_kv_heads,
-        *k.stride(), *v.stride(), *key_cache.stride(),
+        k, v, key_cache, value_cache, key_scales, value_scales, slot_mapping, num_kv_heads,
+        *k.stride(), *v.stride(), *key_cache.stride(), *key_scales.stride(),
         BLOCK_SIZE=block_size, HEADS=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        QUANT=scales is not None,
     )
+
+
+def _layer_scales(kv_cache: torch.Tensor, layer: int, scales: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's key and value scales [num_blocks, block_size, num_kv_heads]; without an
+    int8 cache, stand-ins of that rank (never read: QUANT is a compile-time False)."""
+    if scales is None:
+        assert kv_cache.is_floating_point()
+        stand_in = kv_cache[:, layer, 0, :, :, 0]
+        return stand_in, stand_in
+    assert kv_cache.dtype == torch.int8 and scales.shape == kv_cache.shape[:-1]
+    return scales[:, layer, 0], scales[:, layer, 1]
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float,
-                    num_splits: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+                    num_splits: int = 1, out: torch.Tensor | None = None,
+                    scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every query row of the step over its sequence's cached keys, reading K/V
     in place from the block table (no gather copy). Returns [T, num_heads, head_dim] in q's
     dtype.
@@ -236,12 +295,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     seq_lens[s] - q_len + i and attends to key positions <= that. max_query_len and max_seq_len
     are host-side maxima so the launch never syncs with the device; they only pick tile sizes
     and cap num_splits (at the number of key tiles), so results never depend on them.
-    num_splits == 1 allocates no scratch.
+    num_splits == 1 allocates no scratch. ``scales``: an int8 cache's (see ``store_kv``).
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     num_seqs = seq_lens.shape[0]
-    assert kv_cache.shape[5] == head_dim and kv_cache.dtype == q.dtype
+    assert kv_cache.shape[5] == head_dim
+    assert kv_cache.dtype == (torch.int8 if scales is not None else q.dtype)
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of the KV heads"
     assert _is_power_of_two(head_dim) and _is_power_of_two(block_size)
     assert query_start.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
@@ -270,14 +330,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         part_max = part_sum = part_acc = out  # never read: SPLIT is a compile-time False
 
     key_cache, value_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+    key_scales, value_scales = _layer_scales(kv_cache, layer, scales)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        q, key_cache, value_cache, out, part_max, part_sum, part_acc,
+        q, key_cache, value_cache, key_scales, value_scales, out, part_max, part_sum, part_acc,
         query_start, seq_lens, block_tables,
         num_seqs, num_tokens, num_heads, num_splits, scale * _LOG2E,
         *q.stride(), *out.stride(), *key_cache.stride(), *block_tables.stride(),
+        *key_scales.stride(),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
+        BLOCK_SIZE=block_size, SPLIT=num_splits > 1, QUANT=scales is not None,
         INTERPRETER=q.device.type == "cpu",  # CPU tensors only run under TRITON_INTERPRET=1
         # float32 caches (tests, debugging) get exact products, not TF32 tensor-core ones.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
