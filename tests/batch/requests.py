@@ -16,10 +16,10 @@ PREAMBLES = [f"Here is a list of facts about {topic}, one per line, each one sho
 
 
 def batch_lines(count: int) -> list[dict[str, Any]]:
-    """``count`` batch input lines: every third a completion, the rest chats; 2-4 tokens each."""
+    """``count`` batch input lines: every third a completion, the rest chats; 4-8 tokens each."""
     lines = []
     for i in range(count):
-        max_tokens = 2 + i % 3
+        max_tokens = 4 + i % 5
         if i % 3 == 2:
             url = "/v1/completions"
             body: dict[str, Any] = {"prompt": f"{PREAMBLES[i % len(PREAMBLES)]} number {i} is",
