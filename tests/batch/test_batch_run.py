@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -95,6 +96,26 @@ def test_a_killed_batch_resumes_and_answers_every_request_once_as_online(
         reference = online_answers[result["custom_id"]]
         assert reference.status_code == 200
         _same_answer(response["body"], reference.json())
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_the_answered_lines(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", batch_lines(REQUESTS))
+    output = tmp_path / "out.jsonl"
+    process = subprocess.Popen([str(TANDEM), "batch", "--input", str(source), "--output",
+                                str(output), "--threads", "1", "--no-progress"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: _complete_lines(output) >= 1 or process.poll() is not None,
+                   "a first answer", timeout_s=300)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+
+    assert process.returncode == 130, err
+    assert "interrupted; the answered requests are in" in err and "Traceback" not in err
+    assert 1 <= len(read_jsonl(output)) < REQUESTS  # whole lines only
 
 
 def test_base_url_sends_to_a_running_gateway_and_records_a_refused_line(
