@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from router.config import POLICIES as ROUTING_POLICIES
 from services.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SPEC_METHODS
@@ -178,17 +179,24 @@ def _add_version(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"tandem {version()}")
 
 
-def _up(args: argparse.Namespace) -> int:
-    from services.serving import up
-    from services.serving.config import AppConfig, read_yaml_settings
+def up_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """`tandem up`'s AppConfig settings: the --config file's, overridden by the flags given."""
+    from services.serving.config import read_yaml_settings
 
     flags = {field: getattr(args, flag) for flag, field in _UP_FLAGS.items()
              if hasattr(args, flag)}
+    source = getattr(args, "config", None)
+    return {**(read_yaml_settings(source) if source else {}), **flags}
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.serving import up
+    from services.serving.config import AppConfig
+
     keys = [*getattr(args, "api_key", []),
             *(k for k in os.environ.get("TANDEM_API_KEYS", "").split(",") if k.strip())]
     source = getattr(args, "config", None)
-    settings = {**(read_yaml_settings(source) if source else {}), **flags}
-    with up.secret_files(settings, keys) as settings:
+    with up.secret_files(up_settings(args), keys) as settings:
         config = AppConfig.from_dict(settings, source or "command line")
         config.server_tls()  # a bad TLS file fails here, not in the gateway Ray starts
         try:
