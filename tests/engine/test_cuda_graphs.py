@@ -37,9 +37,9 @@ def short_model(loaded_model):  # type: ignore[no-untyped-def]
                                                                         num_layers=2))
 
 
-def _engine(short_model, graphs: bool) -> LLMEngine:  # type: ignore[no-untyped-def]
+def _engine(short_model, graphs: bool, kv_cache_dtype: str = "auto") -> LLMEngine:  # type: ignore[no-untyped-def]
     engine = LLMEngine(EngineConfig(num_kv_blocks=64, attention_backend="triton",
-                                    max_num_seqs=8), short_model)
+                                    max_num_seqs=8, kv_cache_dtype=kv_cache_dtype), short_model)
     if graphs:
         engine.runner.graphs = DecodeGraphs(engine.runner.model, engine.kv_cache,
                                             engine.config.block_size, 8, GRAPH_CONTEXT, "cpu",
@@ -47,13 +47,16 @@ def _engine(short_model, graphs: bool) -> LLMEngine:  # type: ignore[no-untyped-
     return engine
 
 
-def test_graphs_give_the_eager_tokens_as_the_batch_shrinks(short_model, prompts) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_graphs_give_the_eager_tokens_as_the_batch_shrinks(short_model, prompts,  # type: ignore[no-untyped-def]
+                                                           kv_cache_dtype: str) -> None:
     # 3 sequences (padded to 4), then 2, then 1 as they finish: three graphs, shared buffers.
+    # An int8 cache: the same views every step, quantized by the store kernel (no host sync).
     batch = [prompts[0], prompts[1][:20], prompts[2][:9]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 6, 3)]
     outputs = {}
     for graphs in (False, True):
-        engine = _engine(short_model, graphs)
+        engine = _engine(short_model, graphs, kv_cache_dtype)
         outputs[graphs] = engine.generate(batch, params)
         outputs[graphs] += engine.generate([prompts[1][:12]], params[0])  # buffers reused
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
