@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
@@ -9,6 +10,12 @@ from tests.hf_reference import Reference, hf_greedy, load_hf_model
 from tests.prompts import prompt_set
 
 MAX_NEW_TOKENS = 32
+
+# Every model this process runs (our engines, transformers' references) uses one torch thread:
+# on these 2-core machines two collapse whenever anything else runs (measured: the exactness
+# tests 441 s on two threads, 110 s on one, beside another test run; transformers' references
+# 85 s -> 20 s). Clusters the tests start pick their own threads.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

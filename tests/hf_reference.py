@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,21 +24,7 @@ def load_hf_model(gguf_path: Path) -> torch.nn.Module:
     return model.eval()
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one intra-op thread meanwhile: a batch-1 reference gains little from two, and
-    two collapse (10-20x slower steps, measured) while anything else runs on this 2-core
-    machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @torch.inference_mode()
-@one_thread()
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> Reference:
     tokens: list[int] = []
     gaps: list[float] = []
