@@ -86,10 +86,11 @@ class StepTiming:
 
 
 def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
-                      steps: int = 20) -> StepTiming:
+                      steps: int = 20, kv_cache_dtype: str = "auto") -> StepTiming:
     """Time engine.step() in steady decode, and the model forward inside it alone."""
     engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=batch, num_kv_blocks=4096,
-                                    max_num_batched_tokens=max(512, batch)), loaded)
+                                    max_num_batched_tokens=max(512, batch),
+                                    kv_cache_dtype=kv_cache_dtype), loaded)
     work = make_workload(batch, context, 1, loaded.config.vocab_size, seed=batch)
     params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(work.prompts):
