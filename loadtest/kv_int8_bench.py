@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from loadtest.engine_bench import bench_decode_step
+from loadtest.engine_bench import StepTiming, bench_decode_step
 from services.engine.config import KV_CACHE_DTYPES
 from services.engine.kv_cache import KVCacheSpec
 from services.engine.model_loader import load_model
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, args.dtype, progress=False)
@@ -46,11 +47,19 @@ def main() -> None:
             print(f"{memory_gb:18g} | {kv_dtype:14s} | {spec.bytes_per_block:11d} | "
                   f"{spec.num_blocks:6d} | {spec.num_blocks // blocks_per_seq}")
 
-    print(f"\ndecode: batch {args.batch}, context {args.decode_context}, {args.threads} threads")
+    # Runs alternate between the dtypes and the fastest run of each is kept: on a shared
+    # machine a neighbour's load only ever slows a run down.
+    best: dict[str, StepTiming] = {}
+    for _ in range(args.repeats):
+        for kv_dtype in KV_CACHE_DTYPES:
+            timing = bench_decode_step(loaded, args.dtype, args.batch, args.decode_context,
+                                       args.steps, kv_dtype)
+            if kv_dtype not in best or timing.step_ms < best[kv_dtype].step_ms:
+                best[kv_dtype] = timing
+    print(f"\ndecode: batch {args.batch}, context {args.decode_context}, {args.threads} threads, "
+          f"best of {args.repeats} runs (median step of {args.steps} each)")
     print("kv_cache_dtype | step ms | forward ms | output tokens/s")
-    for kv_dtype in KV_CACHE_DTYPES:
-        timing = bench_decode_step(loaded, args.dtype, args.batch, args.decode_context,
-                                   args.steps, kv_dtype)
+    for kv_dtype, timing in best.items():
         print(f"{kv_dtype:14s} | {timing.step_ms:7.1f} | {timing.forward_ms:10.1f} | "
               f"{1000 * args.batch / timing.step_ms:.1f}")
 

