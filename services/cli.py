@@ -214,6 +214,8 @@ def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                      help="the longest wait for the reply or its next chunk, in seconds (60)")
     _add_client_args(chat, "when the server has API keys")
     chat.set_defaults(func=_chat)
 
@@ -233,8 +235,9 @@ def _chat(args: argparse.Namespace) -> int:
 
     try:
         return chat.run(args.url, args.max_tokens, args.temperature, args.system, args.prompt,
-                        api_key=args.api_key or None, cacert=args.cacert)
-    except (httpx.HTTPError, RuntimeError) as exc:
+                        api_key=args.api_key or None, cacert=args.cacert,
+                        timeout_s=args.timeout)
+    except (httpx.HTTPError, RuntimeError, TimeoutError) as exc:
         print(f"tandem chat: {exc}", file=sys.stderr)
         return 1
 

@@ -36,15 +36,19 @@ def stream_reply(client: httpx.Client, url: str, messages: list[dict[str, str]],
     return "".join(reply)
 
 
+CONNECT_TIMEOUT_S = 5.0
+
+
 def run(url: str, max_tokens: int, temperature: float, system: str | None,
         prompt: str | None = None, inp: TextIO = sys.stdin, out: TextIO = sys.stdout,
-        api_key: str | None = None, cacert: str | None = None) -> int:
+        api_key: str | None = None, cacert: str | None = None, timeout_s: float = 60.0) -> int:
     """One question (``prompt``) or an interactive loop; history is kept for the session.
-    ``api_key``: sent as Bearer; ``cacert``: whom to trust for an https URL."""
+    ``api_key``: sent as Bearer; ``cacert``: whom to trust for an https URL; ``timeout_s``: the
+    longest wait for the server's answer or its next chunk (a ``TimeoutError`` after it)."""
     messages = [{"role": "system", "content": system}] if system else []
     url = url.rstrip("/").removesuffix("/v1")
-    with httpx.Client(timeout=httpx.Timeout(600.0, connect=5.0), headers=bearer(api_key),
-                      verify=ca_context(cacert) or True) as client:
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
+                      headers=bearer(api_key), verify=ca_context(cacert) or True) as client:
         while True:
             if prompt is None:
                 out.write("> ")
@@ -58,7 +62,12 @@ def run(url: str, max_tokens: int, temperature: float, system: str | None,
             else:
                 question = prompt
             messages.append({"role": "user", "content": question})
-            answer = stream_reply(client, url, messages, max_tokens, temperature, out)
+            try:
+                answer = stream_reply(client, url, messages, max_tokens, temperature, out)
+            except httpx.TimeoutException as exc:
+                raise TimeoutError(f"{url} sent nothing for {timeout_s:g} s (--timeout)"
+                                   if isinstance(exc, httpx.ReadTimeout) else
+                                   f"cannot reach {url}: timed out") from exc
             messages.append({"role": "assistant", "content": answer})
             if prompt is not None:
                 return 0
