@@ -5,6 +5,12 @@ its last reference goes it joins the free queue but stays hittable until the que
 again (LRU eviction). Stored and evicted blocks are announced as KV events for the router:
 queued here in emission order and handed out by ``take_events`` (never published from here).
 
+With a ``HostKVPool`` (the host-memory tier) an evicted block's bytes go to the pool first, and
+a prefix lookup goes on past the device-cached blocks into the pool: a hash held there is copied
+back into a free device block, which becomes an ordinary cached block (a hit; its tokens are not
+recomputed). Events carry the tier (``medium``): an eviction to the pool is ``BlockRemoved`` on
+the device and ``BlockStored`` in host memory; the pool dropping a hash is ``BlockRemoved`` there.
+
 The block manager writes a sequence's block state (``block_ids``, ``block_hashes``,
 ``num_registered_blocks``) but never its ``num_computed_tokens``: the scheduler owns that.
 """
@@ -13,10 +19,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.engine.block_hash import BlockHash, hash_block
-from services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
+from services.engine.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
 from services.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from services.engine.host_kv_pool import HostKVPool
 
 
 @dataclass
@@ -33,9 +43,10 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
-                 ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_pool: HostKVPool | None = None) -> None:
         self.block_size = block_size
+        self.host_pool = host_pool if enable_prefix_caching else None
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._events: list[KVEvent] = []  # not yet taken, in emission order
@@ -65,11 +76,15 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq``, leaving >= 1 token to compute
-        (none for a request that wants its prompt's logprobs: cached blocks have no logits)."""
+        (none for a request that wants its prompt's logprobs: cached blocks have no logits).
+        Blocks found only in the host pool are copied back into free device blocks on the way,
+        only while the free blocks can hold all of ``seq`` (so a sequence that cannot be admitted
+        does not churn blocks between the tiers); a restored block is an ordinary cached one."""
         if not self.enable_prefix_caching or seq.prompt_logprob_positions:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
+        num_free_hits = 0  # unreferenced hits, moved to the free queue's far end: kept there
         parent: BlockHash | None = None
         for i in range(max_blocks):
             if i < len(seq.block_hashes):
@@ -80,7 +95,14 @@ class BlockManager:
                 seq.block_hashes.append(parent)
             block_id = self.cached_blocks.get(parent)
             if block_id is None:
-                break
+                room = self.num_free_blocks - num_free_hits
+                fits = room >= self.blocks_needed(seq.num_tokens) - len(hits)
+                block_id = self._restore(parent, num_free_hits) if fits else None
+                if block_id is None:
+                    break
+            if self.host_pool is not None and self.blocks[block_id].ref_count == 0:
+                self.free_queue.move_to_end(block_id)
+                num_free_hits += 1
             hits.append(block_id)
         return hits
 
@@ -176,6 +198,39 @@ class BlockManager:
         if block.block_hash is not None:  # evict
             del self.cached_blocks[block.block_hash]
             self._events.append(BlockRemoved((block.block_hash,)))
+            if self.host_pool is not None:
+                self._offload(block)
             block.block_hash = None
         block.ref_count = 1
+        return block_id
+
+    def _offload(self, block: Block) -> None:
+        """Keep an evicted block's bytes in the host pool (before anything overwrites them)."""
+        assert self.host_pool is not None and block.block_hash is not None
+        stored = block.block_hash not in self.host_pool
+        dropped = self.host_pool.store(block.block_hash, block.block_id)
+        if dropped is not None:
+            self._events.append(BlockRemoved((dropped,), HOST))
+        if stored:
+            self._events.append(BlockStored((block.block_hash,), None, self.block_size, HOST))
+
+    def _restore(self, block_hash: BlockHash, num_free_hits: int) -> int | None:
+        """Copy ``block_hash``'s bytes from the host pool into a free device block and cache it
+        there (unreferenced, most recently freed); None if the pool lacks it or no free block is
+        left besides the ``num_free_hits`` at the free queue's end."""
+        pool = self.host_pool
+        if pool is None or block_hash not in pool or self.num_free_blocks <= num_free_hits:
+            return None
+        pool.touch(block_hash)  # so the eviction below does not drop it
+        block_id = self._pop_free()
+        block = self.blocks[block_id]
+        block.ref_count = 0
+        self.free_queue[block_id] = None
+        if block_hash not in pool:  # a pool of one block: the eviction took its place
+            self.free_queue.move_to_end(block_id, last=False)
+            return None
+        pool.load(block_hash, block_id)
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block_id
+        self._events.append(BlockStored((block_hash,), None, self.block_size))
         return block_id

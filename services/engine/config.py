@@ -93,6 +93,9 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     # auto: the cache holds `dtype`; int8: int8 values with a float32 scale per (slot, KV head)
     kv_cache_dtype: str = "auto"
+    # The host-memory KV tier (host_kv_pool.py): evicted prefix-cache blocks kept in this much
+    # host RAM (pinned on CUDA) and copied back on a hit; 0: off (needs enable_prefix_caching)
+    host_kv_cache_gb: float = 0.0
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 32  # running batch size cap
     max_num_batched_tokens: int = 512  # per-step token budget (= prefill chunk size)
@@ -127,6 +130,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.host_kv_cache_gb >= 0:
+            raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

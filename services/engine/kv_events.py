@@ -8,24 +8,31 @@ batch to its ``on_events`` callback) and forwards them to a bus, tagged with its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from services.engine.block_hash import BlockHash
+
+Medium = Literal["device", "host"]  # which tier holds a block: the device's KV cache or host RAM
+DEVICE: Medium = "device"
+HOST: Medium = "host"
 
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Full blocks became reusable prefix-cache entries, in chain order."""
+    """Full blocks became reusable prefix-cache entries, in chain order, in ``medium``."""
 
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
     block_size: int
+    medium: Medium = DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Cached blocks were evicted and can no longer be hit."""
+    """Cached blocks were evicted from ``medium`` and can no longer be hit there."""
 
     block_hashes: tuple[BlockHash, ...]
+    medium: Medium = DEVICE
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.device import check_device, wait_for_writes
 from services.engine.faults import fault_hook_from_env
 from services.engine.grammar import Grammars
+from services.engine.host_kv_pool import HostKVPool, host_pool_blocks
 from services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
 from services.engine.kv_events import KVEvent
 from services.engine.logits_controls import Draw, controlled
@@ -84,8 +85,13 @@ class LLMEngine:
                                  loaded.config.max_position_embeddings,
                                  self.kv_spec.num_blocks * config.block_size)
         self.kv_cache: KVCache = allocate_kv_cache(self.kv_spec, config.device)
+        self.host_pool = (
+            HostKVPool(self.kv_cache, host_pool_blocks(config.host_kv_cache_gb,
+                                                       self.kv_spec.bytes_per_block))
+            if config.host_kv_cache_gb > 0 and config.enable_prefix_caching else None
+        )
         self.block_manager = BlockManager(self.kv_spec.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.host_pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         model = LlamaModel(loaded.config, loaded.weights,
@@ -443,7 +449,16 @@ class LLMEngine:
             spec_accepted_tokens=self.spec_stats.accepted_tokens,
             spec_steps=self.spec_stats.steps,
             pending_prefill_blocks=self._pending_prefill_blocks(),
+            **self._host_kv_stats(),
         )
+
+    def _host_kv_stats(self) -> dict[str, int]:
+        pool = self.host_pool
+        if pool is None:
+            return {}
+        return {"host_kv_restored_blocks": pool.restored,
+                "host_kv_offloaded_blocks": pool.offloaded, "host_kv_blocks": len(pool),
+                "host_kv_capacity_blocks": pool.capacity}
 
     def _pending_prefill_blocks(self) -> int:
         """Prompt blocks queued or running but not computed yet (the router's prefill load)."""

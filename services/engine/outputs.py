@@ -80,3 +80,8 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_steps: int = 0  # (sequence, step) pairs that verified at least one draft token
     pending_prefill_blocks: int = 0  # prompt blocks of waiting/running requests not computed yet
+    # The host-memory KV tier (all 0 when it is off)
+    host_kv_restored_blocks: int = 0  # host-tier hits: blocks copied back instead of recomputed
+    host_kv_offloaded_blocks: int = 0  # evicted cached blocks copied to host memory
+    host_kv_blocks: int = 0  # blocks the pool holds now
+    host_kv_capacity_blocks: int = 0
