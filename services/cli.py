@@ -87,7 +87,7 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "decode": "decode_replicas", "colocated": "colocated", "host": "host",
              "port": "port", "grpc_port": "grpc_port", "redis_url": "redis_url",
              "kv_transport": "kv_transport", "kv_cache_dtype": "kv_cache_dtype",
-             "block_size": "block_size",
+             "host_kv_cache_gb": "host_kv_cache_gb", "block_size": "block_size",
              "routing_policy": "routing_policy",
              "threads": "threads_per_worker",
              "max_num_batched_tokens": "max_num_batched_tokens",
@@ -129,6 +129,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
                     help="KV cache: auto (the model's dtype) or int8 (a scale per token and KV "
                          "head; ~1.9x the blocks of bfloat16; not with flash_attn)")
+    up.add_argument("--host-kv-cache-gb", type=float, metavar="GB",
+                    help="host-memory KV tier per engine: evicted prefix-cache blocks kept in "
+                         "this much host RAM and copied back on a hit (default 0: off)")
     up.add_argument("--routing-policy", choices=ROUTING_POLICIES,
                     help="prefill choice: prefix (cache affinity + load, default) or "
                          "round_robin (in turn; a baseline)")

@@ -225,6 +225,18 @@ class _EngineStatsCollector(Collector):
             (CounterMetricFamily("tandem_prefix_cache_hits",
                                  "Prompt tokens found in the prefix cache.", labels=labels),
              lambda s: s.prefix_cache_hits),
+            (CounterMetricFamily("tandem_host_kv_restored_blocks",
+                                 "KV blocks copied back from the host-memory tier (host-tier "
+                                 "prefix hits, not recomputed).", labels=labels),
+             lambda s: s.host_kv_restored_blocks),
+            (CounterMetricFamily("tandem_host_kv_offloaded_blocks",
+                                 "Evicted prefix-cache KV blocks copied to the host-memory tier.",
+                                 labels=labels), lambda s: s.host_kv_offloaded_blocks),
+            (GaugeMetricFamily("tandem_host_kv_usage_perc",
+                               "Fraction of the host-memory KV tier's blocks in use (0 when off).",
+                               labels=labels),
+             lambda s: s.host_kv_blocks / s.host_kv_capacity_blocks
+             if s.host_kv_capacity_blocks else 0.0),
             (CounterMetricFamily("tandem_num_preemptions", "Sequences preempted (recomputed).",
                                  labels=labels), lambda s: s.num_preemptions),
             (CounterMetricFamily("tandem_spec_decode_draft_tokens",

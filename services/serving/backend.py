@@ -403,4 +403,8 @@ def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:
         num_importing=sum(s.num_importing for s in stats),
         spec_draft_tokens=sum(s.spec_draft_tokens for s in stats),
         spec_accepted_tokens=sum(s.spec_accepted_tokens for s in stats),
-        spec_steps=sum(s.spec_steps for s in stats))
+        spec_steps=sum(s.spec_steps for s in stats),
+        host_kv_restored_blocks=sum(s.host_kv_restored_blocks for s in stats),
+        host_kv_offloaded_blocks=sum(s.host_kv_offloaded_blocks for s in stats),
+        host_kv_blocks=sum(s.host_kv_blocks for s in stats),
+        host_kv_capacity_blocks=sum(s.host_kv_capacity_blocks for s in stats))

@@ -54,6 +54,9 @@ class AppConfig:
     # auto: the KV cache holds `dtype`; int8: int8 values with a float32 scale per token and
     # KV head (about 1.9x the blocks of bfloat16 in the same memory; not with flash_attn)
     kv_cache_dtype: str = "auto"
+    # The host-memory KV tier per engine: evicted prefix-cache blocks kept in this much host
+    # RAM (pinned on CUDA) and copied back on a hit instead of recomputed; 0: off
+    host_kv_cache_gb: float = 0.0
     max_model_len: int | None = None
     # torch intra-op threads per engine; None: from the CPUs of the machine the engine runs on,
     # (cpus - 1) // engines on it, at least 1 (``engine_threads``)
@@ -124,6 +127,7 @@ class AppConfig:
         if self.kv_cache_dtype == "int8" and self.attention_backend == "flash_attn":
             raise ConfigError("kv_cache_dtype int8 needs attention_backend auto, triton or "
                               "torch (flash_attn reads only a bfloat16/float16 cache)")
+        _at_least("host_kv_cache_gb", self.host_kv_cache_gb, 0)
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
@@ -183,7 +187,7 @@ class AppConfig:
         return EngineConfig(speculative=speculative, device=self.engine_device(),
             model=self.model, dtype=self.dtype, block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
-            kv_cache_dtype=self.kv_cache_dtype,
+            kv_cache_dtype=self.kv_cache_dtype, host_kv_cache_gb=self.host_kv_cache_gb,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.engine_threads(), attention_backend=self.attention_backend,
@@ -271,7 +275,7 @@ def read_yaml_settings(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _at_least(name: str, value: int, low: int) -> None:
+def _at_least(name: str, value: float, low: int) -> None:
     if value < low:
         raise ConfigError(f"{name} must be >= {low}, got {value}")
 
