@@ -23,6 +23,9 @@ class RouterConfig:
     # With both at 1 the cost is the blocks a worker must compute before this prompt is done.
     miss_weight: float = 1.0
     load_weight: float = 1.0
+    # A prompt block a worker holds only in its host-memory KV tier costs this fraction of a
+    # miss (copied back, not recomputed): between a device hit (0) and a miss (1).
+    host_hit_cost: float = 0.25
     # Prompts shorter than this many tokens skip prefill (decode computes them); 0 disables.
     short_prompt_tokens: int = 0
     # A prompt whose full blocks are all cached on a decode worker goes straight to it.
@@ -46,5 +49,7 @@ class RouterConfig:
                              f"got {self.policy!r}")
         if self.miss_weight < 0 or self.load_weight < 0:
             raise ValueError("weights must be >= 0")
+        if not 0 <= self.host_hit_cost <= 1:
+            raise ValueError(f"host_hit_cost must be in [0, 1], got {self.host_hit_cost}")
         if self.fallback_prefix_blocks < 1:
             raise ValueError("fallback_prefix_blocks must be >= 1")

@@ -25,7 +25,15 @@ from collections.abc import Sequence
 from router.bus import EventBus
 from router.errors import BusUnavailable
 from router.wire import WorkerEvent
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.engine.kv_events import (
+    DEVICE,
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Medium,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +50,8 @@ class WorkerEventForwarder:
         self.worker_id = worker_id
         self.max_queued = max_queued
         self._block_size = 0  # learned from BlockStored; only needed once blocks are held
-        self._held: dict[bytes, None] = {}  # insertion-ordered set of cached block hashes
+        # Per tier, the insertion-ordered set of cached block hashes
+        self._held: dict[Medium, dict[bytes, None]] = {DEVICE: {}, HOST: {}}
         self._seq = 0  # number of the last event queued
         self._queue: deque[WorkerEvent] = deque()
         self._lock = threading.Lock()  # mirror, numbers and queue
@@ -127,23 +136,27 @@ class WorkerEventForwarder:
             self._queue.append(WorkerEvent(self.worker_id, event, self._seq))
 
     def _snapshot(self) -> list[KVEvent]:
-        held = list(self._held)
         events: list[KVEvent] = [AllBlocksCleared()]
-        for start in range(0, len(held), SNAPSHOT_CHUNK):
-            chunk = tuple(held[start : start + SNAPSHOT_CHUNK])
-            events.append(BlockStored(chunk, None, self._block_size))
+        for medium, held_set in self._held.items():
+            held = list(held_set)
+            for start in range(0, len(held), SNAPSHOT_CHUNK):
+                chunk = tuple(held[start : start + SNAPSHOT_CHUNK])
+                events.append(BlockStored(chunk, None, self._block_size, medium))
         return events
 
     def _mirror(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
             self._block_size = event.block_size
+            held = self._held[event.medium]
             for block_hash in event.block_hashes:
-                self._held[block_hash] = None
+                held[block_hash] = None
         elif isinstance(event, BlockRemoved):
+            held = self._held[event.medium]
             for block_hash in event.block_hashes:
-                self._held.pop(block_hash, None)
+                held.pop(block_hash, None)
         elif isinstance(event, AllBlocksCleared):
-            self._held.clear()
+            for held in self._held.values():
+                held.clear()
 
 
 def attach_worker(bus: EventBus, worker_id: str) -> WorkerEventForwarder:

@@ -1,5 +1,10 @@
 """Prefix index: block hash -> workers holding it, from KV events plus provisional entries.
 
+Two tiers per worker: its device KV cache and its host-memory tier (``medium`` "host" events).
+An engine reuses a prefix block from either (a host block is copied back), so a prefix runs
+while each block is held in some tier; the blocks held only in host memory are counted apart,
+since copying one back costs more than a device hit and less than a miss.
+
 Workers are bits of an int mask, so the per-block work of a lookup is one dict probe and one AND,
 and the big dicts hold no containers (they cost the garbage collector nothing). Not thread-safe
 on its own; the router serialises access.
@@ -12,7 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from services.engine.block_hash import BlockHash
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.engine.kv_events import HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,8 @@ class PrefixIndex:
         self._free_bits: list[int] = []
         self._confirmed: dict[BlockHash, int] = {}  # hash -> mask of workers
         self._by_worker: dict[str, dict[BlockHash, None]] = {}
+        self._host: dict[BlockHash, int] = {}  # the host-memory tier: hash -> mask of workers
+        self._host_by_worker: dict[str, dict[BlockHash, None]] = {}
         # hash -> (mask, expiry). One expiry per hash, the latest of its entries: a worker's
         # entry may outlive its own TTL by at most one TTL when another worker refreshes it.
         self._provisional: dict[BlockHash, tuple[int, float]] = {}
@@ -47,14 +54,21 @@ class PrefixIndex:
                                 worker_id, event.block_size, self.block_size)
                 return
             bit = self._bit(worker_id)
-            held = self._by_worker.setdefault(worker_id, {})
-            confirmed = self._confirmed
+            host = event.medium == HOST
+            held = (self._host_by_worker if host else self._by_worker).setdefault(worker_id, {})
+            confirmed = self._host if host else self._confirmed
             for block_hash in event.block_hashes:
                 confirmed[block_hash] = confirmed.get(block_hash, 0) | bit
                 held[block_hash] = None
         elif isinstance(event, BlockRemoved):
             bit = self._bit_of.get(worker_id)
             if bit is None:
+                return
+            if event.medium == HOST:
+                held = self._host_by_worker.get(worker_id, {})
+                for block_hash in event.block_hashes:
+                    held.pop(block_hash, None)
+                    _unset_bit(self._host, block_hash, bit)
                 return
             held = self._by_worker.get(worker_id, {})
             for block_hash in event.block_hashes:
@@ -86,6 +100,7 @@ class PrefixIndex:
         del self._worker_of[bit]
         self._free_bits.append(bit)
         self._by_worker.pop(worker_id, None)
+        self._host_by_worker.pop(worker_id, None)
 
     def clear(self) -> None:
         self._bit_of.clear()
@@ -93,6 +108,8 @@ class PrefixIndex:
         self._free_bits.clear()
         self._confirmed.clear()
         self._by_worker.clear()
+        self._host.clear()
+        self._host_by_worker.clear()
         self._provisional.clear()
         self._expiries.clear()
 
@@ -120,10 +137,15 @@ class PrefixIndex:
         return len(self._by_worker.get(worker_id, ()))
 
     def prefix_lengths(
-        self, hashes: Sequence[BlockHash], candidates: Iterable[str], now: float
+        self, hashes: Sequence[BlockHash], candidates: Iterable[str], now: float,
+        host_blocks: dict[str, int] | None = None,
     ) -> dict[str, int]:
-        """For each candidate, how many leading blocks of ``hashes`` it holds (confirmed or
-        provisional). Engines reuse a prefix only up to the first missing block."""
+        """For each candidate, how many leading blocks of ``hashes`` it holds (confirmed in
+        either tier, or provisional). Engines reuse a prefix only up to the first missing block.
+        ``host_blocks``, if given, gets for each candidate how many of its leading blocks only its
+        host-memory tier holds."""
+        if host_blocks is not None:
+            host_blocks.update(dict.fromkeys(candidates, 0))
         lengths: dict[str, int] = {}
         alive = 0
         for worker_id in candidates:
@@ -133,13 +155,17 @@ class PrefixIndex:
                 alive |= bit
         if not alive:
             return lengths
-        confirmed, provisional = self._confirmed, self._provisional
+        confirmed, provisional, host = self._confirmed, self._provisional, self._host
         depth = 0
         for depth, block_hash in enumerate(hashes):  # noqa: B007 - depth is read after the loop
             held = confirmed.get(block_hash, 0)
             entry = provisional.get(block_hash)
             if entry is not None and entry[1] > now:
                 held |= entry[0]
+            host_only = alive & host.get(block_hash, 0) & ~held
+            if host_only and host_blocks is not None:
+                self._count(host_blocks, host_only)
+            held |= host_only
             survivors = alive & held
             if survivors != alive:
                 self._assign(lengths, alive & ~survivors, depth)
@@ -159,6 +185,12 @@ class PrefixIndex:
             lengths[self._worker_of[low]] = depth
             mask ^= low
 
+    def _count(self, counts: dict[str, int], mask: int) -> None:
+        while mask:
+            low = mask & -mask
+            counts[self._worker_of[low]] += 1
+            mask ^= low
+
     def _bit(self, worker_id: str) -> int:
         bit = self._bit_of.get(worker_id)
         if bit is None:
@@ -169,26 +201,19 @@ class PrefixIndex:
 
     def _clear_confirmed(self, worker_id: str) -> None:
         bit = self._bit_of.get(worker_id)
-        held = self._by_worker.get(worker_id)
-        if bit is None or not held:
+        if bit is None:
             return
-        confirmed = self._confirmed
-        for block_hash in held:
-            mask = confirmed.get(block_hash, 0) & ~bit
-            if mask:
-                confirmed[block_hash] = mask
-            else:
-                confirmed.pop(block_hash, None)
-        held.clear()
+        for confirmed, by_worker in ((self._confirmed, self._by_worker),
+                                     (self._host, self._host_by_worker)):
+            held = by_worker.get(worker_id)
+            if not held:
+                continue
+            for block_hash in held:
+                _unset_bit(confirmed, block_hash, bit)
+            held.clear()
 
     def _unset(self, block_hash: BlockHash, bit: int) -> None:
-        mask = self._confirmed.get(block_hash)
-        if mask is not None:
-            mask &= ~bit
-            if mask:
-                self._confirmed[block_hash] = mask
-            else:
-                del self._confirmed[block_hash]
+        _unset_bit(self._confirmed, block_hash, bit)
         self._unset_provisional(block_hash, bit)
 
     def _unset_provisional(self, block_hash: BlockHash, bit: int) -> None:
@@ -199,6 +224,14 @@ class PrefixIndex:
                 self._provisional[block_hash] = (mask, entry[1])
             else:
                 del self._provisional[block_hash]
+
+
+def _unset_bit(masks: dict[BlockHash, int], block_hash: BlockHash, bit: int) -> None:
+    mask = masks.get(block_hash, 0) & ~bit
+    if mask:
+        masks[block_hash] = mask
+    else:
+        masks.pop(block_hash, None)
 
 
 class EventOrder:

@@ -332,8 +332,10 @@ class Router:
             return self._decide_round_robin(prefill, decode, hashes, num_tokens, prompt_blocks,
                                             request_id, now)
         unusable = self._index_problem()
+        host_blocks: dict[str, int] = {}
         lengths = (
-            {} if unusable else self._index.prefix_lengths(hashes, prefill + decode, now)
+            {} if unusable
+            else self._index.prefix_lengths(hashes, prefill + decode, now, host_blocks)
         )
         decode_scores = {w: self._decode_load(w) for w in decode}
         self._decisions += 1
@@ -366,7 +368,7 @@ class Router:
         else:
             scores = {
                 w: prefill_cost(prompt_blocks, lengths[w], self._pending(w), cfg.miss_weight,
-                                cfg.load_weight)
+                                cfg.load_weight, host_blocks[w], cfg.host_hit_cost)
                 for w in prefill
             }
             chosen = lowest(scores, key)

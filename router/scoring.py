@@ -12,9 +12,12 @@ _TIE = 1e-9
 
 def prefill_cost(
     prompt_blocks: int, cached_blocks: int, pending_blocks: float, miss_weight: float,
-    load_weight: float,
+    load_weight: float, host_blocks: int = 0, host_hit_cost: float = 0.0,
 ) -> float:
-    return miss_weight * (prompt_blocks - cached_blocks) + load_weight * pending_blocks
+    """``cached_blocks`` leading blocks are reused, ``host_blocks`` of them copied back from
+    host memory at ``host_hit_cost`` of a miss each (a device hit costs nothing)."""
+    uncached = prompt_blocks - cached_blocks + host_hit_cost * host_blocks
+    return miss_weight * uncached + load_weight * pending_blocks
 
 
 def decode_score(

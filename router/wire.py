@@ -1,5 +1,7 @@
 """KV events on the wire: a worker id, the worker's event sequence number and one engine event,
-encoded as JSON with hex hashes.
+encoded as JSON with hex hashes. A stored/removed event of the host-memory tier carries
+``"m": "host"``; the device tier's carry no ``m`` (as before the tier existed), so events of
+either version decode alike.
 
 A worker numbers its events 1, 2, 3, ... in emission order (``WorkerEventForwarder``); the
 router applies them in that order and treats a gap as lost events (docs/router.md, Resync)."""
@@ -9,7 +11,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from services.engine.kv_events import (
+    DEVICE,
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Medium,
+)
 
 WIRE_VERSION = 1
 
@@ -32,9 +42,13 @@ def encode_event(worker_id: str, event: KVEvent, seq: int | None = None) -> byte
         body["h"] = [h.hex() for h in event.block_hashes]
         body["p"] = event.parent_hash.hex() if event.parent_hash is not None else None
         body["bs"] = event.block_size
+        if event.medium != DEVICE:
+            body["m"] = event.medium
     elif isinstance(event, BlockRemoved):
         body["k"] = "removed"
         body["h"] = [h.hex() for h in event.block_hashes]
+        if event.medium != DEVICE:
+            body["m"] = event.medium
     elif isinstance(event, AllBlocksCleared):
         body["k"] = "cleared"
     else:
@@ -62,9 +76,11 @@ def decode_event(raw: bytes | str) -> WorkerEvent:
                 block_hashes=tuple(bytes.fromhex(h) for h in body["h"]),
                 parent_hash=bytes.fromhex(parent) if parent is not None else None,
                 block_size=int(body["bs"]),
+                medium=_medium(body),
             )
         elif kind == "removed":
-            event = BlockRemoved(block_hashes=tuple(bytes.fromhex(h) for h in body["h"]))
+            event = BlockRemoved(block_hashes=tuple(bytes.fromhex(h) for h in body["h"]),
+                                 medium=_medium(body))
         elif kind == "cleared":
             event = AllBlocksCleared()
         else:
@@ -72,3 +88,12 @@ def decode_event(raw: bytes | str) -> WorkerEvent:
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"malformed KV event: {exc}") from exc
     return WorkerEvent(worker_id, event, seq)
+
+
+def _medium(body: dict[str, object]) -> Medium:
+    medium = body.get("m", DEVICE)
+    if medium == HOST:
+        return HOST
+    if medium == DEVICE:
+        return DEVICE
+    raise ValueError(f"unknown KV medium {medium!r}")
