@@ -101,9 +101,15 @@ def test_a_killed_batch_resumes_and_answers_every_request_once_as_online(
 def test_ctrl_c_stops_cleanly_and_keeps_the_answered_lines(tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "in.jsonl", batch_lines(REQUESTS))
     output = tmp_path / "out.jsonl"
-    process = subprocess.Popen([str(TANDEM), "batch", "--input", str(source), "--output",
-                                str(output), "--threads", "1", "--no-progress"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # A job a shell starts in the background (CI's may be one) ignores SIGINT, and so would
+    # this child, as Ctrl-C's convention wants: it is started with SIGINT's default action.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # reset by exec
+    try:
+        process = subprocess.Popen([str(TANDEM), "batch", "--input", str(source), "--output",
+                                    str(output), "--threads", "1", "--no-progress"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         wait_until(lambda: _complete_lines(output) >= 1 or process.poll() is not None,
                    "a first answer", timeout_s=300)
