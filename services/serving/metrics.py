@@ -178,7 +178,8 @@ class RouterCollector(Collector):
 # file paths.
 CONFIG_INFO_FIELDS = ("colocated", "prefill_replicas", "decode_replicas", "routing_policy",
                       "spec", "spec_k", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                      "num_kv_blocks", "kv_cache_memory_gb", "kv_cache_dtype", "kv_transport")
+                      "num_kv_blocks", "kv_cache_memory_gb", "kv_cache_dtype", "host_kv_cache_gb",
+                      "kv_transport")
 
 
 class ConfigCollector(Collector):
