@@ -211,7 +211,9 @@ class DisaggBackend:
         next choice (the same request: P's lease may still hold); one that fails later is
         migrated from (the request goes on elsewhere with ``output_token_ids``)."""
         worker = decision.decode_worker
-        cached = 0 if request.prefill is None else request.prefill.num_cached_tokens
+        # The prompt tokens found cached where the prompt was prefilled: on P, or (no P: the
+        # router skipped it) on this D, from its first output; kept across a migration.
+        cached = None if request.prefill is None else request.prefill.num_cached_tokens
         emitted = [] if request.prefill is None else [request.prefill.first_token]
         failed_at: float | None = None  # when the stream being migrated failed
         failovers = migrations = 0
@@ -234,6 +236,8 @@ class DisaggBackend:
                                 self.migrations.resumed(time.monotonic() - failed_at)
                                 failed_at = None
                             emitted += item.new_token_ids
+                            if cached is None:
+                                cached = item.num_cached_tokens
                             yield _with_cached(item, request.num_prompt_tokens, cached)
                 return
             except (ReplicaGoneError, EngineDeadError, StreamStalledError) as exc:
@@ -342,7 +346,8 @@ def _first_output(request_id: str, first: PrefillResult, num_prompt: int) -> Req
 
 
 def _with_cached(out: RequestOutput, num_prompt: int, cached: int) -> RequestOutput:
-    """D's output as the client sees it: the prompt tokens P found cached (D counts its own)."""
+    """D's output as the client sees it: the prompt's length and its tokens found cached where
+    it was prefilled (D's own count covers only what D computed)."""
     return dataclasses.replace(out, num_prompt_tokens=num_prompt, num_cached_tokens=cached,
                                kv=None)
 

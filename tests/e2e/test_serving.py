@@ -291,6 +291,22 @@ def test_n_choices_prefill_the_prompt_once(cluster: UpProcess, reference) -> Non
     assert on_p + skipped == 3, (queries, hits, skipped)
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(cluster: UpProcess) -> None:
+    """The same prompt twice: the second finds its full blocks cached, on P or (the router
+    skipping P for a prefix cached on D) on D, and its usage says so either way."""
+    block = 16
+    prompt = [3500 + 11 * i for i in range(6 * block + 5)]  # no other test sends these tokens
+    usages = []
+    for _ in range(2):
+        response = httpx.post(f"{cluster.http_url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        usages.append(response.json()["usage"])
+        wait_for(lambda: all_blocks_free(cluster), 30, "every block free after the request")
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 6 * block, usages
+
+
 def test_echo_with_logprobs_through_prefill_and_decode(cluster: UpProcess, client: OpenAI,
                                                       make_engine) -> None:  # type: ignore[no-untyped-def]
     """The prompt's logprobs are computed by the prefill worker and reach the client with the
