@@ -99,6 +99,8 @@ def _load(args: argparse.Namespace) -> Load:
     except OSError as exc:  # urllib's errors, HTTP >= 400 included
         reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
         raise ValueError(f"cannot read {args.url}/metrics: {reason}") from None
+    except observe.NotPrometheus as exc:
+        raise ValueError(f"{args.url}/metrics is {exc}") from None
 
 
 def plan_round(args: argparse.Namespace, slo: SLO, api: Any, now: dt.datetime) -> dict[str, Any]:

@@ -20,6 +20,10 @@ ENDED = "tandem_request_success_total"
 FAILED = "tandem_request_failures_total"
 
 
+class NotPrometheus(ValueError):
+    """A /metrics text that does not parse as Prometheus' exposition format."""
+
+
 class NoTraffic(ValueError):
     """No request ended in the window: the token means are unknown."""
 
@@ -38,7 +42,10 @@ class Counters:
 
 
 def counters(metrics_text: str) -> Counters:
-    values, roles, _ = metric_series(metrics_text)
+    try:
+        values, roles, _ = metric_series(metrics_text)
+    except ValueError as exc:
+        raise NotPrometheus(f"not Prometheus text ({exc})") from None
     prefill = {w for w, role in roles.items() if role == "prefill"}
 
     def total(name: str, workers: set[str] | None = None) -> float:

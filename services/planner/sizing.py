@@ -65,10 +65,17 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(data) - known
+        fields = cls.__dataclass_fields__
+        unknown = set(data) - set(fields)
         if unknown:
             raise ValueError(f"profile: unknown keys {sorted(unknown)}")
+        required = {"prefill_tokens_per_s", "itl_base_s", "itl_per_seq_s"}
+        if missing := required - set(data):
+            raise ValueError(f"profile: missing keys {sorted(missing)}")
+        for name, value in data.items():
+            wanted = str if name == "source" else int if name == "max_num_seqs" else float
+            if isinstance(value, bool) or not isinstance(value, wanted | int):
+                raise ValueError(f"profile: {name} must be a {wanted.__name__}, got {value!r}")
         return cls(**data)
 
 

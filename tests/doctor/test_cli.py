@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -74,3 +75,18 @@ def test_doctor_imports_no_torch_nor_ray() -> None:
     """)
     assert "services" in loaded
     assert not loaded & {"torch", "ray"}
+
+
+def test_garbage_and_a_hung_gateway_are_one_line_each(tmp_path: Path) -> None:
+    """A /metrics that is not Prometheus text, then the server stopped (SIGSTOP): exit 2 with
+    one line each, the hung one within --timeout."""
+    (tmp_path / "metrics").write_text("this is { not prometheus\n")
+    with static_server(tmp_path, "/metrics") as (url, server):
+        garbage = doctor("--url", url, "--window", "0", "--timeout", "1")
+        assert garbage.returncode == 2
+        assert garbage.stderr.startswith(f"tandem: error: {url}/metrics is not Prometheus "
+                                         "text ("), garbage.stderr
+        server.send_signal(signal.SIGSTOP)
+        hung = doctor("--url", url, "--window", "0", "--timeout", "1")
+        assert (hung.returncode, hung.stderr) == (
+            2, f"tandem: error: cannot reach {url}: timed out\n")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +131,38 @@ def test_load_from_a_served_metrics_endpoint(tmp_path: Path) -> None:
     # only the per-request means and the hit rate are exact.
     assert load.prompt_tokens == pytest.approx(200.0) and load.output_tokens == 50.0
     assert load.hit_rate == pytest.approx(0.25) and load.rate > 0
+
+
+def test_a_bad_profile_is_named(tmp_path: Path) -> None:
+    for data, message in (({"itl_base_s": 0.03}, r"missing keys \['itl_per_seq_s', "
+                                                  r"'prefill_tokens_per_s'\]"),
+                          ({"prefill_tokens_per_s": "x", "itl_base_s": 0.03,
+                            "itl_per_seq_s": 0.02}, "prefill_tokens_per_s must be a float")):
+        path = tmp_path / "profile.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=message):
+            load_profile(path)
+
+
+def test_garbage_and_a_hung_gateway_are_one_line_each(tmp_path: Path) -> None:
+    """`tandem plan --url` against a real server process answering garbage, then stopped
+    (SIGSTOP): exit 2 with one line each, the hung one after the read's 5 s timeout."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"prefill_tokens_per_s": 800.0, "itl_base_s": 0.03,
+                                   "itl_per_seq_s": 0.02}))
+    (tmp_path / "metrics").write_text("this is { not prometheus\n")
+
+    def plan(url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "services.cli", "plan", "--url", url,
+                               "--window", "0.1", "--profile", str(profile), "--ttft-ms", "500",
+                               "--tpot-ms", "100"], capture_output=True, text=True, timeout=60)
+
+    with static_server(tmp_path, "/metrics") as (url, server):
+        garbage = plan(url)
+        assert garbage.returncode == 2
+        assert garbage.stderr.startswith(f"tandem: error: {url}/metrics is not Prometheus "
+                                         "text ("), garbage.stderr
+        server.send_signal(signal.SIGSTOP)
+        hung = plan(url)
+        assert (hung.returncode, hung.stderr) == (
+            2, f"tandem: error: cannot read {url}/metrics: timed out\n")
