@@ -27,6 +27,10 @@ DEFAULT_REMOTE_CONCURRENCY = 32
 # In-process: twice the engine's batch, so a finished sequence's place is taken at the next step.
 LOCAL_CONCURRENCY_PER_SEQ = 2
 CONNECT_TIMEOUT_S = 10.0
+# The longest wait for a running cluster's answer to one request (above the gateway's own
+# request deadline, 600 s by default, which ends a request that runs too long with a clear
+# status): a server that hung is not waited on forever; the request is tried again.
+DEFAULT_TIMEOUT_S = 660.0
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -52,6 +56,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default=None, metavar="URL",
                         help="a running server's HTTP URL (default: an engine in this process)")
     _add_client_args(parser, "--base-url with API keys")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help=f"with --base-url: the longest wait for one answer, in seconds "
+                             f"({DEFAULT_TIMEOUT_S:g}); then the request is tried again")
     _add_engine_args(parser)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="in-process engine's device (cpu)")
@@ -68,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     or refuses the key (before any request); 130 when interrupted (run it again to go on)."""
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout:g}")
     requests = batch_file.read_requests(args.input)
     done = (set() if args.restart
             else batch_file.read_done(args.output, {r.custom_id for r in requests}))
@@ -123,7 +132,7 @@ def _remote_client(args: argparse.Namespace) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=args.base_url.rstrip("/").removesuffix("/v1"),
                              headers=bearer(args.api_key or None),
                              verify=ca_context(args.cacert) or True,
-                             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+                             timeout=httpx.Timeout(args.timeout, connect=CONNECT_TIMEOUT_S))
 
 
 def _local_engine(args: argparse.Namespace) -> AsyncEngine:

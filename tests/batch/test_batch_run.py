@@ -20,6 +20,7 @@ from services.cli import main as tandem
 from services.gateway.runner import ServeAddresses
 from tests.batch.conftest import API_KEY
 from tests.batch.requests import batch_lines, read_jsonl, write_jsonl
+from tests.e2e.cluster import static_server
 from tests.gateway.helpers import wait_until
 
 TANDEM = Path(sys.executable).with_name("tandem")
@@ -183,4 +184,20 @@ def test_a_server_that_cannot_be_used_is_refused_before_any_request(
 
     assert code == 2
     assert expected in capsys.readouterr().err
+    assert not output.exists()
+
+
+def test_a_hung_server_is_refused_within_the_timeout(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A server process stopped with SIGSTOP (it accepts connections, answers nothing): the
+    check before any request ends after --timeout, exit 2, nothing written."""
+    source = write_jsonl(tmp_path / "in.jsonl", batch_lines(2))
+    output = tmp_path / "out.jsonl"
+    (tmp_path / "health").write_text("{}")
+    with static_server(tmp_path, "/health") as (url, server):
+        server.send_signal(signal.SIGSTOP)
+        code = tandem(["batch", "--input", str(source), "--output", str(output), "--base-url",
+                       url, "--timeout", "1", "--no-progress"])
+    assert code == 2
+    assert f"{url} does not answer (ReadTimeout" in capsys.readouterr().err
     assert not output.exists()
