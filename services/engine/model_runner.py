@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.attention import build_step_metadata
+from services.engine.attention.decode_rows import DecodeRows
 from services.engine.cuda_graphs import DecodeGraphs
 from services.engine.device import to_device
-from services.engine.kv_cache import KVCache
+from services.engine.kv_cache import KVCache, kv_storage
 from services.engine.model import LlamaModel
 from services.engine.scheduler import ScheduledSequence
 from services.engine.sequence import Sequence
@@ -36,6 +37,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs
+        # The torch backend reads decoding sequences' K/V from rows kept between steps, at
+        # most as many bytes as the cache itself holds (attention/decode_rows.py).
+        self.decode_rows: DecodeRows | None = None
+        if model.attention.name == "torch":
+            c = model.config
+            self.decode_rows = DecodeRows(kv_cache, c.num_layers, c.num_kv_heads, c.head_dim,
+                                          block_size, model.embed.dtype,
+                                          max_bytes=kv_storage(kv_cache).nbytes)
 
     def execute(self, scheduled: list[ScheduledSequence]) -> StepResult:
         # Decoding sequences go first, grouped by query length (1, or 1 + draft tokens): the
@@ -87,10 +96,16 @@ class ModelRunner:
                 logits = logits[self._tensor(logits_rows)]
             return StepResult(logits=logits, sampled=sampled, first_rows=first_rows)
         step = build_step_metadata(query_lens, seq_lens, tables, len(ordered) - len(prefills),
-                                   self.block_size, self.device)
-        plan = self.model.attention.prepare(step)
-        logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache,
-                            plan, self._tensor(logits_rows))
+                                   self.block_size, self.device, self.decode_rows,
+                                   [item.seq.kv_key for item in ordered])
+        try:
+            plan = self.model.attention.prepare(step)
+            logits = self.model(self._tensor(input_ids), self._tensor(positions),
+                                self.kv_cache, plan, self._tensor(logits_rows))
+        except BaseException:
+            if self.decode_rows is not None:  # rows a failed step half-wrote
+                self.decode_rows.clear()
+            raise
         return StepResult(logits=logits, sampled=sampled, first_rows=first_rows,
                           prompt_rows=prompt_rows)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,9 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
+_uids = itertools.count()
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -71,6 +75,12 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # Structured output: the llguidance matcher fed the output so far (engine/grammar.py).
     matcher: Any = None
+    uid: int = field(default_factory=_uids.__next__)  # unique in this process
+
+    @property
+    def kv_key(self) -> tuple[int, int]:
+        """Names this sequence's KV as computed: a preempted one recomputes it anew."""
+        return self.uid, self.num_preemptions
 
     @property
     def prompt_logprob_positions(self) -> range:

@@ -14,10 +14,12 @@ plans its step (grouping, grid sizes) without a device sync.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
+from services.engine.attention.decode_rows import DecodeRows
 from services.engine.device import to_device
 
 
@@ -31,6 +33,10 @@ class StepMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     num_decodes: int  # the leading sequences that decode (grouped by query length)
+    # The runner's contiguous copies of its decoding sequences' K/V, and each sequence's key
+    # there (torch backend; None: gather the blocks every step).
+    decode_rows: DecodeRows | None = None
+    seq_keys: list[Hashable] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -47,7 +53,8 @@ class StepMetadata:
 
 def build_step_metadata(query_lens: list[int], seq_lens: list[int],
                         block_tables: list[list[int]], num_decodes: int, block_size: int,
-                        device: str | torch.device) -> StepMetadata:
+                        device: str | torch.device, decode_rows: DecodeRows | None = None,
+                        seq_keys: list[Hashable] | None = None) -> StepMetadata:
     """The step's metadata from per-sequence host lists (tables cover each ``seq_lens``)."""
     starts = [0]
     slots: list[int] = []
@@ -63,5 +70,6 @@ def build_step_metadata(query_lens: list[int], seq_lens: list[int],
                         block_tables=to_device(padded, torch.int32, device).view(len(padded),
                                                                                  width),
                         block_size=block_size, query_lens_host=list(query_lens),
-                        seq_lens_host=list(seq_lens), num_decodes=num_decodes)
+                        seq_lens_host=list(seq_lens), num_decodes=num_decodes,
+                        decode_rows=decode_rows, seq_keys=seq_keys)
 

@@ -13,11 +13,13 @@ every path reads the same keys whether they came from the cache or not.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from services.engine.attention.decode_rows import DecodeRows, RowPlan
 from services.engine.attention.metadata import StepMetadata
 from services.engine.kv_cache import KVCache, QuantizedKV
 
@@ -37,6 +39,10 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks]
     mask: torch.Tensor | None  # [num_seqs, 1, heads_per_kv_group * query_len | 1, max_keys]
     num_keys: int
+    # Keys and values read in place from the runner's rows (decode_rows.py), mask in row
+    # order; None: gathered from the blocks.
+    rows: RowPlan | None = None
+    source: DecodeRows | None = None
 
     @property
     def end(self) -> int:
@@ -79,7 +85,8 @@ class TorchAttention:
             e = s
             while e < step.num_decodes and step.query_lens_host[e] == step.query_lens_host[s]:
                 e += 1
-            decodes.append(self._decode_batch(step, s, e, starts[s]))
+            decodes.append(self._with_rows(step, s, e, self._decode_batch(step, s, e,
+                                                                           starts[s])))
             s = e
         prefills = []
         for s in range(step.num_decodes, step.num_seqs):
@@ -112,6 +119,18 @@ class TorchAttention:
         mask = mask.reshape(e - s, 1, -1, key_pos.numel())
         return DecodeBatch(row, e - s, length, tables, mask, width * bs)
 
+    def _with_rows(self, step: StepMetadata, s: int, e: int, batch: DecodeBatch
+                   ) -> DecodeBatch:
+        """The batch reading the runner's decode rows, when it has them (one query row each)."""
+        if step.decode_rows is None or step.seq_keys is None or batch.query_len != 1:
+            return batch
+        rows = step.decode_rows.arrange(step.seq_keys[s:e], step.seq_lens_host[s:e],
+                                        batch.block_tables)
+        if rows is None:
+            return batch
+        mask = None if batch.mask is None else batch.mask.index_select(0, rows.order)
+        return dataclasses.replace(batch, mask=mask, rows=rows, source=step.decode_rows)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, plan: TorchPlan) -> torch.Tensor:
         """Write k/v for the step's tokens into the cache, return attention output [T, Hq*D]."""
@@ -126,6 +145,10 @@ class TorchAttention:
         out = torch.empty_like(q)
         group = num_heads // num_kv_heads
         for batch in plan.decodes:
+            if batch.rows is not None and batch.source is not None:
+                out[batch.start:batch.end] = _attend_rows(q, k, v, layer, batch, batch.rows,
+                                                          batch.source)
+                continue
             n, length = batch.num_seqs, batch.query_len
             # Gathering k and v separately leaves each contiguous: the reshape and transpose
             # below are views, and SDPA reads the strided layout without another copy.
@@ -174,3 +197,21 @@ def _gather(kv_cache: KVCache, layer: int, kv: int, blocks: torch.Tensor,
         return kv_cache.gather(layer, kv, blocks, dtype)
     # index_select, not advanced indexing: ~25x faster on this strided view on CPU.
     return kv_cache[:, layer, kv].index_select(0, blocks)
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                 batch: DecodeBatch, rows: RowPlan, source: DecodeRows) -> torch.Tensor:
+    """A one-query-row decode batch against its rows: the new k/v go into the rows, SDPA reads
+    rows ``0 .. n-1`` in place (queries permuted into row order and back)."""
+    n, (num_heads, head_dim) = batch.num_seqs, q.shape[1:]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    span = slice(batch.start, batch.end)
+    source.data[layer, 0, rows.rows, rows.positions] = k[span]
+    source.data[layer, 1, rows.rows, rows.positions] = v[span]
+    keys = source.data[layer, 0, :n, :batch.num_keys]  # [n, keys, Hkv, D]
+    values = source.data[layer, 1, :n, :batch.num_keys]
+    group_q = q[span].index_select(0, rows.order).view(n, num_kv_heads, group, head_dim)
+    attn = F.scaled_dot_product_attention(group_q, keys.transpose(1, 2), values.transpose(1, 2),
+                                          attn_mask=batch.mask)
+    return attn.reshape(n, num_heads, head_dim).index_select(0, rows.rows)
