@@ -298,8 +298,11 @@ class LLMEngine:
             return []
         plain = [i for i, seq in enumerate(result.sampled) if not seq.spec_token_ids]
         plain_seqs = [result.sampled[i] for i in plain]
+        plain_rows = [result.first_rows[i] for i in plain]
+        plain_logits = (result.logits if plain_rows == list(range(len(result.logits)))
+                        else result.logits[plain_rows])  # no copy when every row is one
         plain_tokens = sample(
-            self._controlled(result.logits[[result.first_rows[i] for i in plain]], plain_seqs),
+            self._controlled(plain_logits, plain_seqs),
             [seq.sampling for seq in plain_seqs], [seq.num_output_tokens for seq in plain_seqs])
         emitted: dict[int, list[int]] = dict(zip(plain, ([t] for t in plain_tokens),
                                                  strict=True))
