@@ -14,6 +14,7 @@ from services.engine.kv_cache import KVCache
 from services.engine.model import LlamaModel
 from services.engine.scheduler import ScheduledSequence
 from services.engine.sequence import Sequence
+from services.engine.tensor_parallel import TensorParallelGroup
 
 
 @dataclass
@@ -30,8 +31,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", followers: TensorParallelGroup | None = None) -> None:
+        """``followers``: the other ranks of a tensor-parallel model; they run each step too."""
         self.model = model
+        self.followers = followers
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -86,11 +89,19 @@ class ModelRunner:
             if len(logits_rows) < len(ordered):  # a 1-token prefill chunk short of its end
                 logits = logits[self._tensor(logits_rows)]
             return StepResult(logits=logits, sampled=sampled, first_rows=first_rows)
-        step = build_step_metadata(query_lens, seq_lens, tables, len(ordered) - len(prefills),
-                                   self.block_size, self.device)
+        num_decodes = len(ordered) - len(prefills)
+        step = build_step_metadata(query_lens, seq_lens, tables, num_decodes, self.block_size,
+                                   self.device)
         plan = self.model.attention.prepare(step)
-        logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache,
-                            plan, self._tensor(logits_rows))
+        if self.followers is not None:
+            self.followers.step(input_ids, positions, query_lens, seq_lens, tables, num_decodes)
+        try:
+            logits = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_cache,
+                                plan, self._tensor(logits_rows))
+        except Exception as exc:
+            if self.followers is None:
+                raise
+            raise self.followers.broken(exc) from exc
         return StepResult(logits=logits, sampled=sampled, first_rows=first_rows,
                           prompt_rows=prompt_rows)
 
