@@ -113,6 +113,8 @@ def test_tensor_parallel_size_reaches_decode_engines_and_their_threads():
     cpus = len(os.sched_getaffinity(0))
     assert config.engine_threads() == max(1, (cpus - 1) // 3)  # 1 prefill + 2 decode ranks
     assert config.replace(colocated=True).engine_threads() == max(1, (cpus - 1) // 2)
+    assert ready_line(config.replace(threads_per_worker=1)).endswith(
+        "(1 prefill, 1 decode (2 ranks each); 1 torch thread per engine rank; no API keys)")
 
 
 @pytest.mark.parametrize("settings, message", [
