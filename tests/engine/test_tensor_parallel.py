@@ -18,14 +18,15 @@ from services.engine.config import EngineConfig, SpeculativeConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model import Shard, split_evenly
 from services.engine.model_loader import LoadedModel
-from services.engine.outputs import EngineDeadError
+from services.engine.outputs import EngineDeadError, EngineOverloadedError
 from services.engine.sampling_params import SamplingParams
 from services.engine.tensor_parallel import TensorParallelError
 from tests.engine.helpers import chat
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 # A small chunk, so the long prompt takes several steps (chunked prefill across the ranks).
-ENGINE = {"num_kv_blocks": 160, "max_num_batched_tokens": 64, "num_threads": 1}
+ENGINE = {"num_kv_blocks": 160, "max_num_batched_tokens": 64, "num_threads": 1,
+          "max_model_len": 512}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,24 @@ def test_greedy_tokens_equal_one_rank(two_ranks: LLMEngine, loaded_model: Loaded
     assert two_ranks.generate([shared], GREEDY) == one_rank.generate([shared], GREEDY)
     assert two_ranks.stats.prefix_cache_hits > hits  # its prefix came from both ranks' caches
     assert two_ranks.staging is None  # no KV transfer, no staging blocks
+
+
+def test_a_full_staging_area_refuses_an_import_like_a_full_cache(
+        two_ranks: LLMEngine, prompts: list[list[int]]) -> None:
+    """Staging: a quarter of the 160 blocks (40, more than a 512-token context); imports of
+    15 blocks each fit twice."""
+    prompt = prompts[3][::-1]  # 227 tokens (15 blocks), none of them cached
+    free = two_ranks.stats.num_free_blocks
+    slots = [two_ranks.begin_import(f"import-{i}", prompt, 1) for i in range(2)]
+    assert [len(s.transfer_block_ids) for s in slots] == [15, 15]
+    assert len(two_ranks._free_staging) == 40 - 30
+    with pytest.raises(EngineOverloadedError, match="no room to stage 15 KV blocks for import "
+                                                    r"\(10 staging blocks free\)"):
+        two_ranks.begin_import("import-2", prompt, 1)
+    assert "import-2" not in two_ranks.requests  # nothing held for it
+    two_ranks.recompute_import("import-0")
+    assert two_ranks.abort_request("import-0") and two_ranks.abort_request("import-1")
+    assert len(two_ranks._free_staging) == 40 and two_ranks.stats.num_free_blocks == free
 
 
 def test_int8_kv_greedy_tokens_equal_one_rank(loaded_model: LoadedModel,
