@@ -89,7 +89,7 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "kv_transport": "kv_transport", "kv_cache_dtype": "kv_cache_dtype",
              "host_kv_cache_gb": "host_kv_cache_gb", "block_size": "block_size",
              "routing_policy": "routing_policy",
-             "threads": "threads_per_worker",
+             "threads": "threads_per_worker", "tensor_parallel_size": "tensor_parallel_size",
              "max_num_batched_tokens": "max_num_batched_tokens",
              "spec": "spec", "spec_k": "spec_k", "draft_model": "draft_model",
              "request_timeout": "request_timeout_s", "max_in_flight": "max_in_flight",
@@ -132,6 +132,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--host-kv-cache-gb", type=float, metavar="GB",
                     help="host-memory KV tier per engine: evicted prefix-cache blocks kept in "
                          "this much host RAM and copied back on a hit (default 0: off)")
+    up.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                    help="ranks per decode engine (and the colocated engine): heads and MLP "
+                         "split over N processes, a GPU each on CUDA (default 1)")
     up.add_argument("--routing-policy", choices=ROUTING_POLICIES,
                     help="prefill choice: prefix (cache affinity + load, default) or "
                          "round_robin (in turn; a baseline)")

@@ -112,7 +112,7 @@ class DecodeWorker:
         self.engine = AsyncEngine(engine, on_events)
         self.metrics = DecodeMetrics()
         self.accepting = True
-        self._blocks = block_bytes(kv_storage(engine.kv_cache))
+        self._blocks = block_bytes(kv_storage(engine.transfer_cache))
         self._block_size = engine.config.block_size
         self._peers: dict[str, PeerLink] = {}
         self._phases: dict[str, str] = {}
@@ -121,7 +121,7 @@ class DecodeWorker:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.transport.start(kv_storage(self.engine.llm.kv_cache))
+        await self.transport.start(kv_storage(self.engine.llm.transfer_cache))
         self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
                                             self.transport).signed(self.transport.key)
 
@@ -315,7 +315,7 @@ class DecodeWorker:
             if skip < len(kv.block_ids):
                 start = time.perf_counter()
                 nbytes = await self.transport.read_blocks(
-                    kv.worker_id, kv.block_ids[skip:], slot.block_ids[skip:],
+                    kv.worker_id, kv.block_ids[skip:], slot.transfer_block_ids,
                     self.config.transfer_timeout_s, kv.lease_id)
                 self.metrics.observe_transfer(time.perf_counter() - start)
                 self.metrics.bytes_moved += nbytes
@@ -367,7 +367,7 @@ class DecodeWorker:
 
     def _verify(self, kv: KVHandle, slot: ImportSlot, skip: int) -> None:
         assert kv.checksums is not None
-        got = block_checksums(self._blocks, slot.block_ids[skip:])
+        got = block_checksums(self._blocks, slot.transfer_block_ids)
         for i, (want, have) in enumerate(zip(kv.checksums[skip:], got, strict=True), skip):
             if want != have:
                 raise KVChecksumError(f"block {i} of lease {kv.lease_id}: CRC32 {have:#010x}, "

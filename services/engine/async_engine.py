@@ -31,6 +31,7 @@ from services.engine.kv_events import KVEvent
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import EngineDeadError, EngineError, EngineStats, RequestOutput
 from services.engine.sampling_params import SamplingParams
+from services.engine.tensor_parallel import TensorParallelError
 
 T = TypeVar("T")
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 # This many failed steps in a row stop the engine: the fault is not one request's.
 MAX_STEP_FAILURES = 3
 # Errors that leave the device (and so the engine) in an unknown state.
-_FATAL: tuple[type[BaseException], ...] = (FatalEngineFault, MemoryError,
+_FATAL: tuple[type[BaseException], ...] = (FatalEngineFault, MemoryError, TensorParallelError,
                                            *((torch.AcceleratorError,)
                                              if hasattr(torch, "AcceleratorError") else ()))
 
@@ -150,6 +151,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self.llm.close()
 
     # -- engine thread --------------------------------------------------------------------
 

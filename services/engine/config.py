@@ -106,6 +106,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps as CUDA graphs (on CUDA with triton attention)
     seed: int = 0  # for requests that sample without their own seed
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Ranks the model's attention heads and MLP are split over (engine/tensor_parallel.py):
+    # this process is rank 0 and starts the others; each rank has num_threads threads and a
+    # KV cache of kv_cache_memory_gb for its own heads.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -134,4 +138,22 @@ class EngineConfig:
             raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What a tensor-parallel engine does not do (each would touch the KV cache or the
+        model on rank 0 alone)."""
+        refused = [
+            (self.host_kv_cache_gb > 0, "host_kv_cache_gb (the host KV tier)"),
+            (self.speculative.method in ("draft", "self"),
+             f"speculative method {self.speculative.method!r} (ngram works)"),
+        ]
+        for problem, what in refused:
+            if problem:
+                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not "
+                                 f"support {what}; use tensor_parallel_size 1")
 

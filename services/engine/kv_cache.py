@@ -145,6 +145,12 @@ def allocate_kv_cache(spec: KVCacheSpec, device: str = "cpu") -> KVCache:
                        data[:, split:].view(torch.float32).view(spec.scales_shape))
 
 
+def kv_parts(cache: KVCache) -> tuple[torch.Tensor, ...]:
+    """The cache's tensors with the KV-head axis at dim 4: its values, and an int8 cache's
+    scales (tensor parallelism moves a rank's heads as these slices)."""
+    return (cache.values, cache.scales) if isinstance(cache, QuantizedKV) else (cache,)
+
+
 def kv_storage(cache: KVCache) -> torch.Tensor:
     """The one tensor holding every block's bytes (scales included), for the transports."""
     return cache.data if isinstance(cache, QuantizedKV) else cache

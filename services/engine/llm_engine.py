@@ -24,7 +24,7 @@ from services.engine.host_kv_pool import HostKVPool, host_pool_blocks
 from services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
 from services.engine.kv_events import KVEvent
 from services.engine.logits_controls import Draw, controlled
-from services.engine.model import LlamaModel
+from services.engine.model import LlamaModel, Shard
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.model_runner import ModelRunner
 from services.engine.outputs import (
@@ -40,6 +40,7 @@ from services.engine.scheduler import Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.engine.speculative.policy import SpecPolicy
 from services.engine.speculative.proposer import Proposer, build_proposer
+from services.engine.tensor_parallel import FollowerSettings, TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,15 @@ class ImportSlot:
     """Blocks reserved for a prompt whose KV another worker computed.
 
     ``block_ids[:num_cached_blocks]`` already hold that KV (this engine's prefix cache); the
-    caller fills the rest, block i with the sender's block i, then commits the import.
+    caller fills the rest, block i with the sender's block i, then commits the import: it
+    writes them into ``transfer_block_ids`` of the engine's ``transfer_cache`` (the blocks
+    themselves, or with tensor parallelism staging blocks that the commit scatters).
     """
 
     request_id: str
     block_ids: tuple[int, ...]
     num_cached_blocks: int
+    transfer_block_ids: tuple[int, ...]
 
 
 @dataclass
@@ -62,6 +66,10 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     steps: int = 0
+
+
+# A tensor-parallel engine's staging area: this fraction of its blocks, at least one context.
+STAGING_FRACTION = 4
 
 
 class LLMEngine:
@@ -76,15 +84,23 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, config.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.kv_spec = KVCacheSpec.for_model(loaded.config, config.block_size, config.dtype,
-                                             config.num_kv_blocks, config.kv_cache_memory_gb,
-                                             config.kv_cache_dtype)
+        tp = config.tensor_parallel_size
+        shards = [Shard.of(loaded.config, rank, tp) for rank in range(tp)]
+        local = shards[0].local_config(loaded.config)  # rank 0 has the most KV heads
+        # This rank's cache (its KV heads), and the canonical layout (every KV head: what a
+        # KV transfer moves and pairing describes); the same with one rank.
+        self.local_kv_spec = KVCacheSpec.for_model(local, config.block_size, config.dtype,
+                                                   config.num_kv_blocks,
+                                                   config.kv_cache_memory_gb,
+                                                   config.kv_cache_dtype)
+        self.kv_spec = dataclasses.replace(self.local_kv_spec,
+                                           num_kv_heads=loaded.config.num_kv_heads)
         self.hash_settings = HashSettings(config.block_size, loaded.config.model_id,
                                           kv_cache_dtype=config.kv_cache_dtype)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings,
                                  self.kv_spec.num_blocks * config.block_size)
-        self.kv_cache: KVCache = allocate_kv_cache(self.kv_spec, config.device)
+        self.kv_cache: KVCache = allocate_kv_cache(self.local_kv_spec, config.device)
         self.host_pool = (
             HostKVPool(self.kv_cache, host_pool_blocks(config.host_kv_cache_gb,
                                                        self.kv_spec.bytes_per_block))
@@ -94,15 +110,28 @@ class LLMEngine:
                                           config.enable_prefix_caching, self.host_pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
+        self.tp = None if tp == 1 else TensorParallelGroup(FollowerSettings(
+            model=config.model, model_id=loaded.config.model_id, dtype=config.dtype,
+            device=config.device,
+            block_size=config.block_size, num_blocks=self.kv_spec.num_blocks,
+            kv_cache_dtype=config.kv_cache_dtype, attention_backend=config.attention_backend,
+            num_threads=config.num_threads, max_positions=self.max_model_len, world_size=tp,
+            store_port=0), shards)
+        # KV transfers of a tensor-parallel engine go through canonical staging blocks
+        # (allocated by the first use of ``transfer_cache``).
+        self.staging: KVCache | None = None
+        self._free_staging: list[int] = []
+        self._staged: dict[str, tuple[list[int], list[int]]] = {}  # request: staging, blocks
         model = LlamaModel(loaded.config, loaded.weights,
                            get_attention_backend(config.attention_backend, config.device,
-                                                 loaded.config.num_heads,
-                                                 loaded.config.num_kv_heads,
-                                                 loaded.config.head_dim),
-                           max_positions=self.max_model_len, device=config.device)
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device)
+                                                 local.num_heads, local.num_kv_heads,
+                                                 local.head_dim),
+                           max_positions=self.max_model_len, device=config.device,
+                           shard=shards[0], all_reduce=self.tp and self.tp.all_reduce)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device,
+                                  self.tp)
         if (config.cuda_graphs and torch.device(config.device).type == "cuda"
-                and model.attention.name == "triton"):
+                and model.attention.name == "triton" and self.tp is None):
             began = time.monotonic()
             graphs = DecodeGraphs(model, self.kv_cache, config.block_size, config.max_num_seqs,
                                   self.max_model_len, config.device)
@@ -198,7 +227,48 @@ class LLMEngine:
             num_needed = bm.blocks_needed(seq.num_prompt_tokens) - len(bm.find_cached_prefix(seq))
             raise EngineOverloadedError(
                 f"no room to import {num_needed} KV blocks ({bm.num_free_blocks} free)")
-        return ImportSlot(request_id, tuple(seq.block_ids), num_cached_blocks)
+        filled = seq.block_ids[num_cached_blocks:]
+        if self.transfer_cache is self.kv_cache:
+            transfer_ids = filled
+        elif len(filled) <= len(self._free_staging):
+            transfer_ids = self._stage(request_id, filled)
+        else:
+            self.scheduler.finish(seq)
+            raise EngineOverloadedError(
+                f"no room to stage {len(filled)} KV blocks for import "
+                f"({len(self._free_staging)} staging blocks free)")
+        return ImportSlot(request_id, tuple(seq.block_ids), num_cached_blocks,
+                          tuple(transfer_ids))
+
+    @property
+    def transfer_cache(self) -> KVCache:
+        """The cache KV transfers read and write, in the canonical layout (every KV head):
+        the KV cache itself, or with tensor parallelism the staging blocks (a
+        ``STAGING_FRACTION`` of the blocks, at least one context; allocated on first use, so
+        an engine that never transfers, a colocated one, has none)."""
+        if self.tp is None:
+            return self.kv_cache
+        if self.staging is None:
+            spec = self.kv_spec
+            num_staging = min(spec.num_blocks,
+                              max(self.block_manager.blocks_needed(self.max_model_len),
+                                  spec.num_blocks // STAGING_FRACTION))
+            self.staging = allocate_kv_cache(dataclasses.replace(spec, num_blocks=num_staging),
+                                             self.config.device)
+            self._free_staging = list(range(num_staging - 1, -1, -1))
+        return self.staging
+
+    def _stage(self, request_id: str, block_ids: list[int]) -> list[int]:
+        """Staging blocks for ``block_ids`` of a request, held until ``_unstage``."""
+        staged = [self._free_staging.pop() for _ in block_ids]
+        self._staged[request_id] = (staged, list(block_ids))
+        return staged
+
+    def _unstage(self, request_id: str) -> tuple[list[int], list[int]]:
+        """Free a request's staging blocks; (staging blocks, the blocks they stand for)."""
+        staged, block_ids = self._staged.pop(request_id, ([], []))
+        self._free_staging.extend(reversed(staged))
+        return staged, block_ids
 
     def _imported_sequence(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
                            params: SamplingParams | None, cache_salt: str | None) -> Sequence:
@@ -208,12 +278,24 @@ class LLMEngine:
         return seq
 
     def commit_import(self, request_id: str) -> None:
-        """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding."""
-        self.scheduler.commit_import(self._importing(request_id))
+        """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding.
+        With tensor parallelism the staging blocks go to every rank's cache first."""
+        seq = self._importing(request_id)
+        staged, block_ids = self._unstage(request_id)
+        if self.tp is not None and staged:
+            self.tp.scatter(self.transfer_cache, staged, self.kv_cache, block_ids)
+        self.scheduler.commit_import(seq)
 
     def recompute_import(self, request_id: str) -> None:
         """Give up on the transfer: drop its blocks and prefill the prompt here instead."""
-        self.scheduler.recompute_import(self._importing(request_id))
+        seq = self._importing(request_id)
+        self._unstage(request_id)
+        self.scheduler.recompute_import(seq)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do with one rank)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # -- internals: requests --------------------------------------------------------------
 
@@ -484,6 +566,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        self._unstage(seq.request_id)
         self._forget(seq)
 
     def _forget(self, seq: Sequence) -> None:

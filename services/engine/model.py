@@ -3,6 +3,13 @@
 Covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
 (q/k norm). Numerics follow Hugging Face's implementation (RMSNorm in float32, rotate-half RoPE)
 so greedy output matches transformers on the same weights.
+
+Tensor parallelism (``Shard``): a rank keeps a contiguous run of KV heads with their query
+heads (q/k/v rows and the o columns of those heads, biases with their rows) and a contiguous
+run of the MLP's intermediate columns (gate and up rows, down columns); o and down give partial
+sums that ``all_reduce`` adds up across the ranks. Embedding, norms (Qwen3's q/k norms are per
+head dim) and the head are replicated; only rank 0 runs the head. Splits may be uneven (3 KV
+heads over 2 ranks: 2 and 1).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +71,65 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def split_evenly(n: int, parts: int, index: int) -> range:
+    """Part ``index`` of ``range(n)`` cut into ``parts`` contiguous runs, the first ``n % parts``
+    one longer."""
+    size, extra = divmod(n, parts)
+    start = index * size + min(index, extra)
+    return range(start, start + size + (index < extra))
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's part of a tensor-parallel model."""
+
+    rank: int
+    world_size: int
+    kv_heads: range  # its KV heads; query heads kv * group .. travel with them
+    mlp: range  # its intermediate columns
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, world_size: int) -> Shard:
+        if world_size > config.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size {world_size} is more than the model's "
+                             f"{config.num_kv_heads} KV heads (each rank needs one)")
+        return cls(rank, world_size, split_evenly(config.num_kv_heads, world_size, rank),
+                   split_evenly(config.intermediate_size, world_size, rank))
+
+    @classmethod
+    def whole(cls, config: ModelConfig) -> Shard:
+        return cls.of(config, 0, 1)
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """``config`` as this rank sees it: its heads and intermediate columns only."""
+        group = config.num_heads // config.num_kv_heads
+        return dataclasses.replace(config, num_kv_heads=len(self.kv_heads),
+                                   num_heads=len(self.kv_heads) * group,
+                                   intermediate_size=len(self.mlp))
+
+
+def _shard_weights(w: dict[str, torch.Tensor], config: ModelConfig, shard: Shard
+                   ) -> dict[str, torch.Tensor]:
+    """The layer weights cut to ``shard`` (rows of q/k/v/gate/up, columns of o/down)."""
+    if shard.world_size == 1:
+        return w
+    d, group = config.head_dim, config.num_heads // config.num_kv_heads
+    kv = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
+    q = slice(kv.start * group, kv.stop * group)
+    mlp = slice(shard.mlp.start, shard.mlp.stop)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+    columns = {"o_proj": q, "down_proj": mlp}
+    out = {}
+    for name, tensor in w.items():
+        kind = name.split(".")[-2] if name.startswith("model.layers.") else ""
+        if kind in rows:  # weight [out, in] or bias [out]
+            tensor = tensor[rows[kind]]
+        elif kind in columns:
+            tensor = tensor[:, columns[kind]]
+        out[name] = tensor.contiguous()
+    return out
+
+
 @dataclass(frozen=True)
 class Layer:
     """One decoder layer's weights: q/k/v and gate/up fused into one projection each."""
@@ -85,11 +152,22 @@ class Layer:
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 attention: AttentionBackend, max_positions: int, device: str = "cpu") -> None:
+                 attention: AttentionBackend, max_positions: int, device: str = "cpu",
+                 shard: Shard | None = None,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+        """``shard``: this rank's part (None: the whole model); ``all_reduce`` sums a tensor
+        in place across the ranks (needed when the shard is not the whole model)."""
         super().__init__()
         self.config = config
+        self.shard = shard or Shard.whole(config)
+        if self.shard.world_size > 1 and all_reduce is None:
+            raise ValueError("a sharded model needs an all_reduce")
+        self.all_reduce = all_reduce
+        local = self.shard.local_config(config)
+        self.num_heads, self.num_kv_heads = local.num_heads, local.num_kv_heads
         self.attention = attention
-        w = {name: t.to(device) for name, t in weights.items()}
+        w = {name: t.to(device)
+             for name, t in _shard_weights(weights, config, self.shard).items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
@@ -133,26 +211,41 @@ class LlamaModel(nn.Module):
                 plan: Any, logits_indices: torch.Tensor) -> torch.Tensor:
         """Run the step's flat token batch; return float32 logits for ``logits_indices`` rows.
         ``plan``: the attention backend's ``prepare`` of the step's metadata."""
+        x = self.hidden(input_ids, positions, kv_cache, plan)
+        h = rms_norm(x[logits_indices], self.norm, self.config.rms_norm_eps)
+        return self.head(h).float()
+
+    @torch.inference_mode()
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+               plan: Any) -> torch.Tensor:
+        """Every layer over the step's tokens (storing their K/V): the last hidden states.
+        A tensor-parallel follower runs only this."""
         c = self.config
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(h)
-            q = qkv[:, :q_size].view(-1, c.num_heads, c.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(-1, c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size:].view(-1, c.num_kv_heads, c.head_dim)
+            q = qkv[:, :q_size].view(-1, heads, c.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(-1, kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size:].view(-1, kv_heads, c.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             attn = self.attention.forward(index, q, k, v, kv_cache, plan)
-            x = x + layer.o(attn)
+            x = x + self._reduced(layer.o(attn))
             h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        h = rms_norm(x[logits_indices], self.norm, c.rms_norm_eps)
-        return self.head(h).float()
+            x = x + self._reduced(layer.down(F.silu(gate) * up))
+        return x
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-sharded projection's output summed over the ranks (as is on one rank)."""
+        if self.all_reduce is not None:
+            self.all_reduce(partial)
+        return partial

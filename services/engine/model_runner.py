@@ -15,6 +15,7 @@ from services.engine.kv_cache import KVCache, kv_storage
 from services.engine.model import LlamaModel
 from services.engine.scheduler import ScheduledSequence
 from services.engine.sequence import Sequence
+from services.engine.tensor_parallel import TensorParallelGroup
 
 
 @dataclass
@@ -31,8 +32,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", followers: TensorParallelGroup | None = None) -> None:
+        """``followers``: the other ranks of a tensor-parallel model; they run each step too."""
         self.model = model
+        self.followers = followers
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
@@ -95,19 +98,33 @@ class ModelRunner:
             if len(logits_rows) < len(ordered):  # a 1-token prefill chunk short of its end
                 logits = logits[self._tensor(logits_rows)]
             return StepResult(logits=logits, sampled=sampled, first_rows=first_rows)
-        step = build_step_metadata(query_lens, seq_lens, tables, len(ordered) - len(prefills),
-                                   self.block_size, self.device, self.decode_rows,
+        num_decodes = len(ordered) - len(prefills)
+        step = build_step_metadata(query_lens, seq_lens, tables, num_decodes, self.block_size,
+                                   self.device, self.decode_rows,
                                    [item.seq.kv_key for item in ordered])
         try:
             plan = self.model.attention.prepare(step)
+            if self.followers is not None:
+                self.followers.step(input_ids, positions, query_lens, seq_lens, tables,
+                                    num_decodes)
+        except BaseException:
+            self._drop_rows()
+            raise
+        try:
             logits = self.model(self._tensor(input_ids), self._tensor(positions),
                                 self.kv_cache, plan, self._tensor(logits_rows))
-        except BaseException:
-            if self.decode_rows is not None:  # rows a failed step half-wrote
-                self.decode_rows.clear()
-            raise
+        except BaseException as exc:
+            self._drop_rows()
+            if self.followers is None or not isinstance(exc, Exception):
+                raise
+            raise self.followers.broken(exc) from exc
         return StepResult(logits=logits, sampled=sampled, first_rows=first_rows,
                           prompt_rows=prompt_rows)
+
+    def _drop_rows(self) -> None:
+        """After a failed step: its decode rows may be half-written."""
+        if self.decode_rows is not None:
+            self.decode_rows.clear()
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

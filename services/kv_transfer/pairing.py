@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from services.kv_transfer.transport import KVTransport
 
 PROTOCOL_VERSION = 1
-# The engine's cache layout (services/engine/kv_cache.py), named so a change is noticed.
+# The engine's cache layout (services/engine/kv_cache.py), named so a change is noticed. Blocks
+# cross the wire in it with every KV head, whatever either side's tensor_parallel_size (a
+# tensor-parallel engine's kv_spec is this canonical layout; it stages blocks in it).
 KV_LAYOUT = "block-major[block,layer,k|v,slot,kv_head,head_dim]"
 
 

@@ -41,6 +41,10 @@ class PrefillWorker:
                  clock: Clock = time.monotonic,
                  on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
         """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``)."""
+        if engine.tp is not None:
+            raise ValueError(f"a prefill worker needs tensor_parallel_size 1 (got "
+                             f"{engine.config.tensor_parallel_size}); decode workers may "
+                             f"use more")
         self.worker_id = worker_id
         self.config = config or PrefillConfig()
         self.transport = transport

@@ -58,9 +58,13 @@ class AppConfig:
     # RAM (pinned on CUDA) and copied back on a hit instead of recomputed; 0: off
     host_kv_cache_gb: float = 0.0
     max_model_len: int | None = None
-    # torch intra-op threads per engine; None: from the CPUs of the machine the engine runs on,
-    # (cpus - 1) // engines on it, at least 1 (``engine_threads``)
+    # torch intra-op threads per engine rank; None: from the CPUs of the machine the engine
+    # runs on, (cpus - 1) // ranks on it, at least 1 (``engine_threads``)
     threads_per_worker: int | None = None
+    # Ranks per decode engine (and the colocated engine): its attention heads and MLP split
+    # over this many processes, one GPU each on CUDA (engine/tensor_parallel.py); prefill
+    # engines run one rank, and their KV blocks are scattered to the ranks on arrival.
+    tensor_parallel_size: int = 1
     host: str = "127.0.0.1"  # HTTP and gRPC listen address
     port: int = 8000
     grpc_port: int = 50051
@@ -132,7 +136,8 @@ class AppConfig:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
         for name in ("block_size", "prefill_replicas", "decode_replicas",
-                     "max_num_batched_tokens", "max_num_seqs", "max_waiting"):
+                     "max_num_batched_tokens", "max_num_seqs", "max_waiting",
+                     "tensor_parallel_size"):
             _at_least(name, getattr(self, name), 1)
         for name in ("num_kv_blocks", "max_model_len", "threads_per_worker"):
             if getattr(self, name) is not None:
@@ -174,6 +179,13 @@ class AppConfig:
             raise ConfigError(f"draft_model: {self.draft_model} does not exist")
         if self.model is not None and not Path(self.model).exists():
             raise ConfigError(f"model: {self.model} does not exist")
+        if self.tensor_parallel_size > 1:
+            refused = [(self.host_kv_cache_gb > 0, "host_kv_cache_gb (the host KV tier)"),
+                       (self.spec in ("draft", "self"), f"spec {self.spec!r} (ngram works)")]
+            for problem, what in refused:
+                if problem:
+                    raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} does "
+                                      f"not support {what}; use tensor_parallel_size 1")
         if self.redis_url is not None and not self.redis_url.startswith(
                 ("redis://", "rediss://", "unix://")):
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, "
@@ -191,7 +203,8 @@ class AppConfig:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.engine_threads(), attention_backend=self.attention_backend,
-            cuda_graphs=self.cuda_graphs)
+            cuda_graphs=self.cuda_graphs,
+            tensor_parallel_size=self.tensor_parallel_size if decodes else 1)
 
     def http_url(self) -> str:
         """Where the gateway's HTTP front end answers (https with TLS)."""
@@ -213,14 +226,15 @@ class AppConfig:
         return self.max_num_seqs * (1 if self.colocated else self.decode_replicas)
 
     def engine_threads(self) -> int:
-        """``threads_per_worker``, or from the CPUs here: every engine of the shape on this
-        machine gets an equal share, one CPU left for the gateway, Ray and the OS (a torch
-        engine with as many threads as cores collapses when anything else runs). On
+        """``threads_per_worker``, or from the CPUs here: every engine rank of the shape on
+        this machine gets an equal share, one CPU left for the gateway, Ray and the OS (a
+        torch engine with as many threads as cores collapses when anything else runs). On
         Kubernetes each worker pod is its own machine: the chart sets the pod's CPUs."""
         if self.threads_per_worker is not None:
             return self.threads_per_worker
-        engines = 1 if self.colocated else self.prefill_replicas + self.decode_replicas
-        return max(1, (len(os.sched_getaffinity(0)) - 1) // engines)
+        tp = self.tensor_parallel_size
+        ranks = tp if self.colocated else self.prefill_replicas + self.decode_replicas * tp
+        return max(1, (len(os.sched_getaffinity(0)) - 1) // ranks)
 
     def engine_device(self) -> str:
         """Resolved where the engine is built (a GPU worker pod, not the machine that wrote

@@ -56,8 +56,12 @@ def setup_replica_logging() -> None:
 def ready_line(config: AppConfig) -> str:
     shape = ("colocated" if config.colocated
              else f"{config.prefill_replicas} prefill, {config.decode_replicas} decode")
+    tp = config.tensor_parallel_size
+    if tp > 1:
+        shape += f" ({tp} ranks{'' if config.colocated else ' each'})"
     threads = config.engine_threads()
-    shape += f"; {threads} torch thread{'s' if threads > 1 else ''} per engine"
+    shape += (f"; {threads} torch thread{'s' if threads > 1 else ''} per engine"
+              f"{' rank' if tp > 1 else ''}")
     if config.threads_per_worker is None:
         shape += f", from {len(os.sched_getaffinity(0))} CPUs"
     keys = "API keys on" if config.api_keys_file else "no API keys"

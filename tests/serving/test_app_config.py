@@ -104,3 +104,40 @@ def test_keys_settings_and_tandem_ups_private_files(tmp_path) -> None:  # type: 
         pass
     with pytest.raises(ValueError, match="tenant:key"), secret_files({}, ["acme:"]):
         pass
+
+
+def test_tensor_parallel_size_reaches_decode_engines_and_their_threads():
+    config = AppConfig.from_dict({"tensor_parallel_size": 2}, "test")
+    assert config.engine_config(decodes=True).tensor_parallel_size == 2
+    assert config.engine_config(decodes=False).tensor_parallel_size == 1  # prefill: one rank
+    cpus = len(os.sched_getaffinity(0))
+    assert config.engine_threads() == max(1, (cpus - 1) // 3)  # 1 prefill + 2 decode ranks
+    assert config.replace(colocated=True).engine_threads() == max(1, (cpus - 1) // 2)
+    assert ready_line(config.replace(threads_per_worker=1)).endswith(
+        "(1 prefill, 1 decode (2 ranks each); 1 torch thread per engine rank; no API keys)")
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
+    ({"tensor_parallel_size": "2"}, "tensor_parallel_size must be int"),
+    ({"tensor_parallel_size": 2, "host_kv_cache_gb": 1},
+     "tensor_parallel_size 2 does not support host_kv_cache_gb"),
+    ({"tensor_parallel_size": 2, "spec": "self"},
+     "tensor_parallel_size 2 does not support spec 'self'"),
+])
+def test_bad_tensor_parallel_settings_name_the_field(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        AppConfig.from_dict(settings, "test")
+
+
+def test_tensor_parallel_up_flag_reaches_the_config():
+    import argparse
+
+    from services.cli import _add_up_parser, up_settings
+
+    parser = argparse.ArgumentParser(prog="tandem")
+    _add_up_parser(parser.add_subparsers())
+    settings = up_settings(parser.parse_args(["up", "--tensor-parallel-size", "2"]))
+    assert AppConfig.from_dict(settings, "command line").tensor_parallel_size == 2
+    default = AppConfig.from_dict(up_settings(parser.parse_args(["up"])), "-")
+    assert default.tensor_parallel_size == 1

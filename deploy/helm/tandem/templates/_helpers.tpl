@@ -109,11 +109,20 @@ settings `tandem up --config` reads from its YAML file.
 {{- if .autoscaling.enabled }}{{ .autoscaling.maxReplicas }}{{ else }}{{ .replicas }}{{ end }}
 {{- end }}
 
-{{/* Serve deployment options for a worker role: (dict "role" "prefill" "values" .Values.prefill) */}}
+{{/* GPUs of one engine of a role: (dict "role" "decode" "ctx" $). A decode engine has
+app.tensor_parallel_size ranks, gpusPerReplica GPUs each; a prefill engine one rank. */}}
+{{- define "tandem.engineGpus" -}}
+{{- $v := index .ctx.Values .role }}
+{{- $ranks := ternary (int (.ctx.Values.app.tensor_parallel_size | default 1)) 1 (eq .role "decode") }}
+{{- mul (int $v.gpusPerReplica) $ranks }}
+{{- end }}
+
+{{/* Serve deployment options for a worker role: (dict "role" "prefill" "values" .Values.prefill "ctx" .) */}}
 {{- define "tandem.workerDeployment" -}}
 {{- $v := .values }}
 {{- $resources := dict (include "tandem.rayResource" .role) 1 }}
-{{- $actor := dict "num_cpus" 0 "num_gpus" $v.gpusPerReplica "resources" $resources }}
+{{- $gpus := include "tandem.engineGpus" (dict "role" .role "ctx" .ctx) | int }}
+{{- $actor := dict "num_cpus" 0 "num_gpus" $gpus "resources" $resources }}
 {{- $d := dict "name" .role "ray_actor_options" $actor }}
 {{- if $v.autoscaling.enabled }}
 {{- $_ := set $d "num_replicas" "auto" }}
@@ -124,7 +133,7 @@ settings `tandem up --config` reads from its YAML file.
 
 {{- define "tandem.serveConfig" -}}
 {{- $gateway := dict "name" "gateway" "ray_actor_options" (dict "num_cpus" 0 "resources" (dict (include "tandem.rayResource" "gateway") 1)) }}
-{{- $deployments := list $gateway (include "tandem.workerDeployment" (dict "role" "prefill" "values" .Values.prefill) | fromYaml) (include "tandem.workerDeployment" (dict "role" "decode" "values" .Values.decode) | fromYaml) }}
+{{- $deployments := list $gateway (include "tandem.workerDeployment" (dict "role" "prefill" "values" .Values.prefill "ctx" .) | fromYaml) (include "tandem.workerDeployment" (dict "role" "decode" "values" .Values.decode "ctx" .) | fromYaml) }}
 {{- $application := dict "name" "tandem" "route_prefix" nil "import_path" "services.app:app_builder" "args" (include "tandem.appArgs" . | fromYaml) "deployments" $deployments }}
 {{- /* No Serve HTTP proxy: the gateway replica serves HTTP (and gRPC) on the head itself. */}}
 {{- $config := dict "proxy_location" "Disabled" "applications" (list $application) }}
@@ -313,12 +322,13 @@ Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody wr
 {{- end }}
 {{- end }}
 
-{{/* Container resources of a worker group, with its GPUs. */}}
+{{/* Container resources of a worker group, with its engine's GPUs: (dict "role" "decode" "ctx" $). */}}
 {{- define "tandem.workerResources" -}}
-{{- $r := deepCopy .resources }}
-{{- if gt (int .gpusPerReplica) 0 }}
-{{- $_ := set $r "requests" (merge (dict "nvidia.com/gpu" (int .gpusPerReplica)) ($r.requests | default dict)) }}
-{{- $_ = set $r "limits" (merge (dict "nvidia.com/gpu" (int .gpusPerReplica)) ($r.limits | default dict)) }}
+{{- $r := deepCopy (index .ctx.Values .role).resources }}
+{{- $gpus := include "tandem.engineGpus" . | int }}
+{{- if gt $gpus 0 }}
+{{- $_ := set $r "requests" (merge (dict "nvidia.com/gpu" $gpus) ($r.requests | default dict)) }}
+{{- $_ = set $r "limits" (merge (dict "nvidia.com/gpu" $gpus) ($r.limits | default dict)) }}
 {{- end }}
 {{- toYaml $r }}
 {{- end }}

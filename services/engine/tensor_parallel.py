@@ -1,0 +1,375 @@
+"""Tensor parallelism: one engine over ``tensor_parallel_size`` processes, one per rank.
+
+The engine's own process is rank 0: it keeps the scheduler, the block manager and the sampler,
+and starts the other ranks, the *followers* (``python -m services.engine.tensor_parallel``).
+Every rank loads the weights and keeps its ``Shard`` of them (model.py) and a KV cache of its
+own KV heads only, with the same block ids as rank 0's. Each step, rank 0 sends each follower
+the step's integers (token ids, positions, query and sequence lengths, block tables) as one
+int64 message on the follower's stdin; every rank then runs the layers, and the partial sums of
+o and down are added up by ``all_reduce`` over a torch.distributed process group (gloo on a
+CPU, NCCL on CUDA; built on its own ``TCPStore`` on 127.0.0.1, not as the default group, so
+several engines can live in one process). Only rank 0 runs the head and samples.
+
+KV blocks cross ranks in the canonical layout (all KV heads, as one rank holds them): rank 0
+``scatter``s canonical blocks (a KV import's staging blocks) into every rank's cache, each rank
+its heads' slice, the followers over the process group.
+
+Deadlines and failures: a follower has ``START_TIMEOUT_S`` to load and say it is ready; every
+collective times out after ``COLLECTIVE_TIMEOUT_S``; a follower exits when its stdin closes
+(rank 0 is gone) or a collective fails. When a follower dies, rank 0's next collective fails at
+once (its connection closes); the group is then broken, its followers are stopped, and this and
+every later call raise ``TensorParallelError``, which stops the engine (as a device error does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from services.engine.attention import build_step_metadata, get_attention_backend
+from services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache, kv_parts
+from services.engine.model import LlamaModel, Shard
+from services.engine.model_loader import load_model
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # a follower loads the weights and reports ready within this
+COLLECTIVE_TIMEOUT_S = 60.0  # one all_reduce, send or recv
+STOP_TIMEOUT_S = 10.0  # a stopped follower exits within this, else it is killed
+
+# Message kinds (the first int64 of a message).
+_STOP, _STEP, _SCATTER = range(3)
+_LENGTH = struct.Struct("<Q")  # a message's byte count, before it
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of a tensor-parallel engine failed: the engine cannot step any more."""
+
+
+@dataclass(frozen=True)
+class FollowerSettings:
+    """What a follower builds its rank from (JSON on its command line)."""
+
+    model: str | None  # what the follower loads: rank 0's model ...
+    model_id: str  # ... which must be this one
+    dtype: str
+    device: str  # rank 0's device; a CUDA follower takes the device ``rank`` places after it
+    block_size: int
+    num_blocks: int
+    kv_cache_dtype: str
+    attention_backend: str
+    num_threads: int | None
+    max_positions: int
+    world_size: int
+    store_port: int
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
+
+
+def rank_device(device: str, rank: int) -> str:
+    on = torch.device(device)
+    return f"cuda:{(on.index or 0) + rank}" if on.type == "cuda" else device
+
+
+def _process_group(store: dist.Store, rank: int, world_size: int, device: str,
+                   timeout_s: float) -> Any:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.device(device).type == "cuda":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, nccl)
+    gloo = dist.ProcessGroupGloo._Options()
+    gloo._timeout = timeout
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, world_size, gloo)
+
+
+def head_slices(cache: KVCache, block_ids: Sequence[int], heads: slice) -> list[torch.Tensor]:
+    """Blocks ``block_ids`` of the cache, KV heads ``heads`` only, as new tensors (one per
+    ``kv_parts``)."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_parts(cache)[0].device)
+    return [part.index_select(0, index)[:, :, :, :, heads].contiguous()
+            for part in kv_parts(cache)]
+
+
+def put_head_slices(cache: KVCache, block_ids: Sequence[int], heads: slice,
+                    slices: Sequence[torch.Tensor]) -> None:
+    """The inverse of ``head_slices``: write them into blocks ``block_ids``, heads ``heads``."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_parts(cache)[0].device)
+    for part, values in zip(kv_parts(cache), slices, strict=True):
+        part[index, :, :, :, heads] = values
+
+
+def slice_buffers(cache: KVCache, num_blocks: int, num_heads: int) -> list[torch.Tensor]:
+    """Empty tensors shaped like ``head_slices`` of ``num_blocks`` blocks, ``num_heads`` heads."""
+    return [torch.empty((num_blocks, *part.shape[1:4], num_heads, *part.shape[5:]),
+                        dtype=part.dtype, device=part.device) for part in kv_parts(cache)]
+
+
+def pack_step(input_ids: list[int], positions: list[int], query_lens: list[int],
+              seq_lens: list[int], tables: list[list[int]], num_decodes: int) -> torch.Tensor:
+    """One step's integers as one int64 tensor (``unpack_step`` reads it back)."""
+    header = [_STEP, len(input_ids), len(query_lens), num_decodes]
+    flat = [b for table in tables for b in table]
+    return torch.tensor(header + input_ids + positions + query_lens + seq_lens + flat,
+                        dtype=torch.int64)
+
+
+def unpack_step(message: list[int], block_size: int
+                ) -> tuple[list[int], list[int], list[int], list[int], list[list[int]], int]:
+    """``pack_step``'s lists (a table covers its sequence's keys, so its length is implied)."""
+    _, num_tokens, num_seqs, num_decodes = message[:4]
+    at = 4
+    input_ids, at = message[at:at + num_tokens], at + num_tokens
+    positions, at = message[at:at + num_tokens], at + num_tokens
+    query_lens, at = message[at:at + num_seqs], at + num_seqs
+    seq_lens, at = message[at:at + num_seqs], at + num_seqs
+    tables = []
+    for n in seq_lens:
+        width = -(-n // block_size)
+        tables.append(message[at:at + width])
+        at += width
+    return input_ids, positions, query_lens, seq_lens, tables, num_decodes
+
+
+class TensorParallelGroup:
+    """Rank 0's side: starts the followers, sends them each step, reduces with them."""
+
+    def __init__(self, settings: FollowerSettings, shards: Sequence[Shard]) -> None:
+        """``settings``: every follower's (``store_port`` is filled in here); ``shards``: the
+        ranks' ``Shard``s, rank 0's first."""
+        self.world_size = settings.world_size
+        self.timeout_s = settings.timeout_s
+        self.kv_heads = [slice(s.kv_heads.start, s.kv_heads.stop) for s in shards]
+        self._broken: str | None = None
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True,
+                                    timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                                    wait_for_workers=False)
+        settings = dataclasses.replace(settings, store_port=self._store.port)
+        root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        self.followers = [
+            subprocess.Popen([sys.executable, "-m", __name__, str(rank),
+                              json.dumps(dataclasses.asdict(settings))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            for rank in range(1, self.world_size)]
+        self._finalizer = weakref.finalize(self, _stop_all, list(self.followers))
+        try:
+            self._wait_ready()
+            self._group = _process_group(self._store, 0, self.world_size, settings.device,
+                                         START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        self._group_timeout = datetime.timedelta(seconds=self.timeout_s)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = {p.stdout.fileno(): (rank, p) for rank, p in enumerate(self.followers, 1)
+                   if p.stdout is not None}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TensorParallelError(
+                    f"tensor-parallel ranks {sorted(r for r, _ in waiting.values())} were not "
+                    f"ready within {START_TIMEOUT_S:g}s")
+            readable, _, _ = select.select(list(waiting), [], [], min(left, 1.0))
+            for fd in readable:
+                rank, process = waiting.pop(fd)
+                assert process.stdout is not None
+                if process.stdout.readline() != b"ready\n":
+                    raise TensorParallelError(
+                        f"tensor-parallel rank {rank} (pid {process.pid}) failed to start "
+                        f"(exit code {process.wait(STOP_TIMEOUT_S)}; its error is in this "
+                        f"process's stderr)")
+
+    # -- rank 0's operations ---------------------------------------------------------------
+
+    def step(self, input_ids: list[int], positions: list[int], query_lens: list[int],
+             seq_lens: list[int], tables: list[list[int]], num_decodes: int) -> None:
+        """Have every follower run this step's layers alongside rank 0."""
+        self._send(pack_step(input_ids, positions, query_lens, seq_lens, tables, num_decodes))
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum ``x`` in place over the ranks."""
+        self._wait(lambda: self._group.allreduce([x]), "all_reduce")
+
+    def scatter(self, source: KVCache, source_ids: Sequence[int], cache: KVCache,
+                block_ids: Sequence[int]) -> None:
+        """Canonical blocks ``source_ids`` of ``source`` into blocks ``block_ids`` of every
+        rank's cache: rank 0's heads into ``cache``, the others' to their followers."""
+        self._send(torch.tensor([_SCATTER, *block_ids], dtype=torch.int64))
+        for rank, heads in enumerate(self.kv_heads):
+            slices = head_slices(source, source_ids, heads)
+            if rank == 0:
+                put_head_slices(cache, block_ids, slice(None), slices)
+                continue
+            for part in slices:
+                self._wait(lambda p=part, r=rank: self._group.send([p], r, 0), "send")
+
+    def broken(self, error: BaseException) -> TensorParallelError:
+        """Stop the group after ``error`` on rank 0 mid-step (the followers cannot be trusted
+        to be where rank 0 is): the error to raise."""
+        if isinstance(error, TensorParallelError):
+            return error
+        return self._fail(f"rank 0 failed mid-step: {error!r}")
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _send(self, message: torch.Tensor) -> None:
+        self._check()
+        frame = _LENGTH.pack(message.numel() * 8) + message.numpy().tobytes()
+        for rank, process in enumerate(self.followers, 1):
+            try:
+                assert process.stdin is not None
+                process.stdin.write(frame)
+                process.stdin.flush()
+            except (BrokenPipeError, OSError) as exc:
+                raise self._fail(f"cannot reach rank {rank}: {exc!r}") from None
+
+    def _wait(self, start: Any, what: str) -> None:
+        self._check()
+        try:
+            start().wait(self._group_timeout)
+        except RuntimeError as exc:
+            raise self._fail(f"{what} failed: {exc}") from None
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise TensorParallelError(self._broken)
+
+    def _fail(self, problem: str) -> TensorParallelError:
+        """Break the group: note why (with the followers' exit codes) and stop them."""
+        if self._broken is None:
+            codes = ", ".join(f"rank {rank} pid {p.pid}: "
+                              f"{'running' if p.poll() is None else f'exit code {p.returncode}'}"
+                              for rank, p in enumerate(self.followers, 1))
+            self._broken = f"tensor-parallel group broken: {problem} ({codes})"
+            log.error("%s", self._broken)
+            self.close()
+        return TensorParallelError(self._broken)
+
+
+def _stop_all(followers: list[subprocess.Popen[bytes]]) -> None:
+    """Ask every follower to stop (its stdin closes), then kill those still running."""
+    for process in followers:
+        try:
+            assert process.stdin is not None
+            process.stdin.write(_LENGTH.pack(8) + struct.pack("<q", _STOP))
+            process.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in followers:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+# -- a follower ---------------------------------------------------------------------------------
+
+
+def _read_message(stream: IO[bytes]) -> list[int] | None:
+    """The next message from rank 0; None once rank 0 closed the stream (or died)."""
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        return None
+    (size,) = _LENGTH.unpack(head)
+    body = stream.read(size)
+    if len(body) < size:
+        return None
+    return torch.frombuffer(bytearray(body), dtype=torch.int64).tolist()
+
+
+def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
+    """Run rank ``rank`` until rank 0 says stop or goes away; say ``ready`` once loaded."""
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    device = rank_device(settings.device, rank)
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    loaded = load_model(settings.model, settings.dtype, progress=False)
+    if loaded.config.model_id != settings.model_id:
+        raise TensorParallelError(f"rank {rank} loaded {loaded.config.model_id!r} from "
+                                  f"{settings.model!r}; rank 0 runs {settings.model_id!r}")
+    shard = Shard.of(loaded.config, rank, settings.world_size)
+    local = shard.local_config(loaded.config)
+    cache = allocate_kv_cache(KVCacheSpec.for_model(local, settings.block_size, settings.dtype,
+                                                    settings.num_blocks, 0.0,
+                                                    settings.kv_cache_dtype), device)
+    timeout = datetime.timedelta(seconds=settings.timeout_s)
+    ready.write(b"ready\n")
+    ready.flush()
+    store = dist.TCPStore("127.0.0.1", settings.store_port, settings.world_size, False,
+                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    group = _process_group(store, rank, settings.world_size, device, START_TIMEOUT_S)
+
+    def all_reduce(x: torch.Tensor) -> None:
+        group.allreduce([x]).wait(timeout)
+
+    model = LlamaModel(loaded.config, loaded.weights,
+                       get_attention_backend(settings.attention_backend, device, local.num_heads,
+                                             local.num_kv_heads, local.head_dim),
+                       settings.max_positions, device, shard, all_reduce)
+    del loaded
+    everything = slice(None)
+    while (message := _read_message(sys.stdin.buffer)) is not None:
+        kind, body = message[0], message[1:]
+        if kind == _STOP:
+            return
+        if kind == _STEP:
+            input_ids, positions, query_lens, seq_lens, tables, num_decodes = unpack_step(
+                message, settings.block_size)
+            step = build_step_metadata(query_lens, seq_lens, tables, num_decodes,
+                                       settings.block_size, device)
+            model.hidden(torch.tensor(input_ids, device=device),
+                         torch.tensor(positions, device=device), cache,
+                         model.attention.prepare(step))
+        elif kind == _SCATTER:
+            slices = slice_buffers(cache, len(body), local.num_kv_heads)
+            for part in slices:
+                group.recv([part], 0, 0).wait(timeout)
+            put_head_slices(cache, body, everything, slices)
+        else:
+            raise TensorParallelError(f"rank {rank}: unknown message kind {kind}")
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format=f"rank {argv[0]}: %(message)s")
+    rank = int(argv[0])
+    # stdout is rank 0's pipe for the ready line alone: anything else printed goes to stderr.
+    ready = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    try:
+        follow(rank, FollowerSettings(**json.loads(argv[1])), ready)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", rank)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

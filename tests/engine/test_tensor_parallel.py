@@ -1,0 +1,158 @@
+"""Tensor parallelism on a CPU: two real processes over gloo give one rank's greedy tokens (the
+built-in model's 3 KV heads split 2 + 1, so the split is uneven); a follower killed mid-life
+stops the engine with a clear error, within the collective timeout; settings it cannot serve
+are refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from services.engine.async_engine import AsyncEngine
+from services.engine.config import EngineConfig, SpeculativeConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.model import Shard, split_evenly
+from services.engine.model_loader import LoadedModel
+from services.engine.outputs import EngineDeadError, EngineOverloadedError
+from services.engine.sampling_params import SamplingParams
+from services.engine.tensor_parallel import TensorParallelError
+from tests.engine.helpers import chat
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+# A small chunk, so the long prompt takes several steps (chunked prefill across the ranks).
+ENGINE = {"num_kv_blocks": 160, "max_num_batched_tokens": 64, "num_threads": 1,
+          "max_model_len": 512}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(loaded_model: LoadedModel) -> Iterator[LLMEngine]:
+    engine = LLMEngine(EngineConfig(**ENGINE, tensor_parallel_size=2), loaded_model)
+    yield engine
+    engine.close()
+    assert engine.tp is not None
+    assert [p.returncode for p in engine.tp.followers] == [0]  # stopped, cleanly
+
+
+def test_uneven_split() -> None:
+    assert [split_evenly(3, 2, r) for r in range(2)] == [range(0, 2), range(2, 3)]
+    assert [split_evenly(1536, 2, r) for r in range(2)] == [range(0, 768), range(768, 1536)]
+
+
+def test_greedy_tokens_equal_one_rank(two_ranks: LLMEngine, loaded_model: LoadedModel,
+                                      prompts: list[list[int]]) -> None:
+    one_rank = LLMEngine(EngineConfig(**ENGINE), loaded_model)
+    short, long = chat(one_rank, "What is the capital of France?"), prompts[3]  # 227 tokens
+    shared = long[:160] + chat(one_rank, "Now say it in French.")
+    assert two_ranks.model_config.num_kv_heads == 3
+    assert two_ranks.kv_cache.shape[4] == 2  # rank 0's heads; rank 1 holds the third
+    batch = [short, long, shared]
+    assert two_ranks.generate(batch, GREEDY) == one_rank.generate(batch, GREEDY)
+    hits = two_ranks.stats.prefix_cache_hits
+    assert two_ranks.generate([shared], GREEDY) == one_rank.generate([shared], GREEDY)
+    assert two_ranks.stats.prefix_cache_hits > hits  # its prefix came from both ranks' caches
+    assert two_ranks.staging is None  # no KV transfer, no staging blocks
+
+
+def test_a_full_staging_area_refuses_an_import_like_a_full_cache(
+        two_ranks: LLMEngine, prompts: list[list[int]]) -> None:
+    """Staging: a quarter of the 160 blocks (40, more than a 512-token context); imports of
+    15 blocks each fit twice."""
+    prompt = prompts[3][::-1]  # 227 tokens (15 blocks), none of them cached
+    free = two_ranks.stats.num_free_blocks
+    slots = [two_ranks.begin_import(f"import-{i}", prompt, 1) for i in range(2)]
+    assert [len(s.transfer_block_ids) for s in slots] == [15, 15]
+    assert len(two_ranks._free_staging) == 40 - 30
+    with pytest.raises(EngineOverloadedError, match="no room to stage 15 KV blocks for import "
+                                                    r"\(10 staging blocks free\)"):
+        two_ranks.begin_import("import-2", prompt, 1)
+    assert "import-2" not in two_ranks.requests  # nothing held for it
+    two_ranks.recompute_import("import-0")
+    assert two_ranks.abort_request("import-0") and two_ranks.abort_request("import-1")
+    assert len(two_ranks._free_staging) == 40 and two_ranks.stats.num_free_blocks == free
+
+
+def test_int8_kv_greedy_tokens_equal_one_rank(loaded_model: LoadedModel,
+                                              prompts: list[list[int]]) -> None:
+    config = {**ENGINE, "kv_cache_dtype": "int8"}
+    two = LLMEngine(EngineConfig(**config, tensor_parallel_size=2), loaded_model)
+    try:
+        one = LLMEngine(EngineConfig(**config), loaded_model)
+        batch = [prompts[0], prompts[3]]
+        assert two.generate(batch, GREEDY) == one.generate(batch, GREEDY)
+    finally:
+        two.close()
+
+
+def test_ngram_drafts_verify_across_ranks(loaded_model: LoadedModel) -> None:
+    """Verification steps (decodes of 1 + k query rows) run on both ranks alike."""
+    ngram = SpeculativeConfig(method="ngram", k=3)
+    two = LLMEngine(EngineConfig(**ENGINE, tensor_parallel_size=2, speculative=ngram),
+                    loaded_model)
+    try:
+        one = LLMEngine(EngineConfig(**ENGINE), loaded_model)
+        prompt = chat(one, "Repeat after me: one two three four, one two three four, one two")
+        assert two.generate([prompt], GREEDY) == one.generate([prompt], GREEDY)
+        assert two.spec_stats.accepted_tokens > 0
+    finally:
+        two.close()
+
+
+def test_killed_follower_stops_the_engine_with_a_clear_error(loaded_model: LoadedModel,
+                                                             prompts: list[list[int]]) -> None:
+    engine = LLMEngine(EngineConfig(**ENGINE, tensor_parallel_size=2), loaded_model)
+    assert engine.tp is not None
+    follower = engine.tp.followers[0]
+
+    async def scenario() -> None:
+        runner = AsyncEngine(engine)
+        try:
+            tokens = [o async for o in runner.generate("before", prompts[0], GREEDY)]
+            assert tokens[-1].finished
+            os.kill(follower.pid, signal.SIGKILL)
+            follower.wait(10)
+            began = time.monotonic()
+            with pytest.raises(EngineDeadError, match=r"tensor-parallel group broken: .*"
+                                                      r"rank 1 pid \d+: exit code -9"):
+                async for _ in runner.generate("after", prompts[0], GREEDY):
+                    pass
+            assert time.monotonic() - began < 10  # at once, not after the 60 s timeout
+            with pytest.raises(EngineDeadError, match="tensor-parallel"):
+                runner.check_health()
+        finally:
+            await asyncio.to_thread(runner.shutdown)
+
+    asyncio.run(scenario())
+    with pytest.raises(TensorParallelError, match="exit code -9"):
+        engine.tp.all_reduce(engine.kv_cache)  # broken for good
+
+
+def test_a_follower_that_cannot_start_is_named(loaded_model: LoadedModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 runs the weights it was handed; rank 1 must load them from config.model, which
+    here does not exist: the engine does not start, and says which rank failed."""
+    missing = str(tmp_path / "missing.gguf")
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) failed to start "
+                                                  r"\(exit code 1"):
+        LLMEngine(EngineConfig(**ENGINE, model=missing, tensor_parallel_size=2), loaded_model)
+
+
+@pytest.mark.parametrize(("settings", "problem"), [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
+    ({"tensor_parallel_size": 2, "host_kv_cache_gb": 0.5},
+     "tensor_parallel_size 2 does not support host_kv_cache_gb"),
+    ({"tensor_parallel_size": 2, "speculative": SpeculativeConfig(method="self")},
+     "tensor_parallel_size 2 does not support speculative method 'self'"),
+])
+def test_settings_it_cannot_serve_are_named(settings: dict[str, object], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        EngineConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_more_ranks_than_kv_heads_is_refused(loaded_model: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 is more than the model's 3 "
+                                         "KV heads"):
+        Shard.of(loaded_model.config, 0, 4)
