@@ -45,8 +45,8 @@ class ModelRunner:
         self.decode_rows: DecodeRows | None = None
         if model.attention.name == "torch":
             c = model.config
-            self.decode_rows = DecodeRows(kv_cache, c.num_layers, c.num_kv_heads, c.head_dim,
-                                          block_size, model.embed.dtype,
+            self.decode_rows = DecodeRows(kv_cache, c.num_layers, model.num_kv_heads,
+                                          c.head_dim, block_size, model.embed.dtype,
                                           max_bytes=kv_storage(kv_cache).nbytes)
 
     def execute(self, scheduled: list[ScheduledSequence]) -> StepResult:
