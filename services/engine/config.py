@@ -110,6 +110,9 @@ class EngineConfig:
     # this process is rank 0 and starts the others; each rank has num_threads threads and a
     # KV cache of kv_cache_memory_gb for its own heads.
     tensor_parallel_size: int = 1
+    # Each collective between the ranks (and each step message to one), at most; a rank that
+    # takes longer (hung) stops the engine.
+    tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -141,6 +144,9 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be > 0, got "
+                             f"{self.tensor_parallel_timeout_s}")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
 

@@ -116,7 +116,7 @@ class LLMEngine:
             block_size=config.block_size, num_blocks=self.kv_spec.num_blocks,
             kv_cache_dtype=config.kv_cache_dtype, attention_backend=config.attention_backend,
             num_threads=config.num_threads, max_positions=self.max_model_len, world_size=tp,
-            store_port=0), shards)
+            store_port=0, timeout_s=config.tensor_parallel_timeout_s), shards)
         # KV transfers of a tensor-parallel engine go through canonical staging blocks
         # (allocated by the first use of ``transfer_cache``).
         self.staging: KVCache | None = None

@@ -15,14 +15,16 @@ KV blocks cross ranks in the canonical layout (all KV heads, as one rank holds t
 its heads' slice, the followers over the process group.
 
 Deadlines and failures: a follower has ``START_TIMEOUT_S`` to load and say it is ready; every
-collective times out after ``COLLECTIVE_TIMEOUT_S``; a follower exits when its stdin closes
-(rank 0 is gone) or a collective fails. When a follower dies, rank 0's next collective fails at
-once (its connection closes); the group is then broken, its followers are stopped, and this and
-every later call raise ``TensorParallelError``, which stops the engine (as a device error does).
+collective, and every message to a follower, times out after ``tensor_parallel_timeout_s``; a
+follower exits when its stdin closes (rank 0 is gone) or a collective fails. When a follower
+dies, rank 0's next collective fails at once (its connection closes); one that hangs, at the
+timeout. The group is then broken, its followers are stopped, and this and every later call
+raise ``TensorParallelError``, which stops the engine (as a device error does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -50,7 +52,6 @@ from services.engine.model_loader import load_model
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # a follower loads the weights and reports ready within this
-COLLECTIVE_TIMEOUT_S = 60.0  # one all_reduce, send or recv
 STOP_TIMEOUT_S = 10.0  # a stopped follower exits within this, else it is killed
 
 # Message kinds (the first int64 of a message).
@@ -78,7 +79,7 @@ class FollowerSettings:
     max_positions: int
     world_size: int
     store_port: int
-    timeout_s: float = COLLECTIVE_TIMEOUT_S
+    timeout_s: float  # each collective, and each message to a follower
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -169,6 +170,9 @@ class TensorParallelGroup:
                               json.dumps(dataclasses.asdict(settings))],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             for rank in range(1, self.world_size)]
+        for process in self.followers:  # written with a deadline (``_send``)
+            assert process.stdin is not None
+            os.set_blocking(process.stdin.fileno(), False)
         self._finalizer = weakref.finalize(self, _stop_all, list(self.followers))
         try:
             self._wait_ready()
@@ -236,14 +240,21 @@ class TensorParallelGroup:
     # -- internals -------------------------------------------------------------------------
 
     def _send(self, message: torch.Tensor) -> None:
+        """Write a message to every follower, each within the collective timeout (a follower
+        that stopped reading, e.g. hung, must not hold rank 0 once its pipe is full)."""
         self._check()
-        frame = _LENGTH.pack(message.numel() * 8) + message.numpy().tobytes()
+        frame = memoryview(_LENGTH.pack(message.numel() * 8) + message.numpy().tobytes())
         for rank, process in enumerate(self.followers, 1):
+            assert process.stdin is not None
+            fd, sent = process.stdin.fileno(), 0
+            deadline = time.monotonic() + self.timeout_s
             try:
-                assert process.stdin is not None
-                process.stdin.write(frame)
-                process.stdin.flush()
-            except (BrokenPipeError, OSError) as exc:
+                while sent < len(frame):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([], [fd], [], left)[1]:
+                        raise TimeoutError(f"its pipe stayed full for {self.timeout_s:g}s")
+                    sent += os.write(fd, frame[sent:])
+            except OSError as exc:  # BrokenPipeError, TimeoutError
                 raise self._fail(f"cannot reach rank {rank}: {exc!r}") from None
 
     def _wait(self, start: Any, what: str) -> None:
@@ -258,13 +269,17 @@ class TensorParallelGroup:
             raise TensorParallelError(self._broken)
 
     def _fail(self, problem: str) -> TensorParallelError:
-        """Break the group: note why (with the followers' exit codes) and stop them."""
+        """Break the group: note why (with the followers' exit codes) and kill them (they are
+        in no known state, and one may be hung)."""
         if self._broken is None:
             codes = ", ".join(f"rank {rank} pid {p.pid}: "
                               f"{'running' if p.poll() is None else f'exit code {p.returncode}'}"
                               for rank, p in enumerate(self.followers, 1))
             self._broken = f"tensor-parallel group broken: {problem} ({codes})"
             log.error("%s", self._broken)
+            for process in self.followers:
+                if process.poll() is None:
+                    process.kill()
             self.close()
         return TensorParallelError(self._broken)
 
@@ -272,12 +287,11 @@ class TensorParallelGroup:
 def _stop_all(followers: list[subprocess.Popen[bytes]]) -> None:
     """Ask every follower to stop (its stdin closes), then kill those still running."""
     for process in followers:
-        try:
-            assert process.stdin is not None
-            process.stdin.write(_LENGTH.pack(8) + struct.pack("<q", _STOP))
+        assert process.stdin is not None
+        with contextlib.suppress(OSError):  # gone, or not reading: the kill below stops it
+            os.write(process.stdin.fileno(), _LENGTH.pack(8) + struct.pack("<q", _STOP))
+        with contextlib.suppress(OSError):
             process.stdin.close()
-        except (BrokenPipeError, OSError, ValueError):
-            pass
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for process in followers:
         try:
@@ -321,11 +335,6 @@ def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
                                                     settings.num_blocks, 0.0,
                                                     settings.kv_cache_dtype), device)
     timeout = datetime.timedelta(seconds=settings.timeout_s)
-    ready.write(b"ready\n")
-    ready.flush()
-    store = dist.TCPStore("127.0.0.1", settings.store_port, settings.world_size, False,
-                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-    group = _process_group(store, rank, settings.world_size, device, START_TIMEOUT_S)
 
     def all_reduce(x: torch.Tensor) -> None:
         group.allreduce([x]).wait(timeout)
@@ -335,6 +344,11 @@ def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
                                              local.num_kv_heads, local.head_dim),
                        settings.max_positions, device, shard, all_reduce)
     del loaded
+    ready.write(b"ready\n")  # loaded and built: the first step's collectives will not wait
+    ready.flush()
+    store = dist.TCPStore("127.0.0.1", settings.store_port, settings.world_size, False,
+                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    group = _process_group(store, rank, settings.world_size, device, START_TIMEOUT_S)
     everything = slice(None)
     while (message := _read_message(sys.stdin.buffer)) is not None:
         kind, body = message[0], message[1:]

@@ -140,8 +140,27 @@ def test_a_follower_that_cannot_start_is_named(loaded_model: LoadedModel, tmp_pa
         LLMEngine(EngineConfig(**ENGINE, model=missing, tensor_parallel_size=2), loaded_model)
 
 
+def test_a_hung_follower_fails_the_step_at_the_timeout(loaded_model: LoadedModel,
+                                                       prompts: list[list[int]]) -> None:
+    engine = LLMEngine(EngineConfig(**ENGINE, tensor_parallel_size=2,
+                                    tensor_parallel_timeout_s=2.0), loaded_model)
+    assert engine.tp is not None
+    follower = engine.tp.followers[0]
+    try:
+        os.kill(follower.pid, signal.SIGSTOP)
+        engine.add_request("r", prompts[0], GREEDY)
+        began = time.monotonic()
+        with pytest.raises(TensorParallelError, match="all_reduce failed: .*rank 1 pid"):
+            engine.step()
+        assert 2.0 <= time.monotonic() - began < 6
+        assert follower.returncode == -signal.SIGKILL  # the broken group killed it
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize(("settings", "problem"), [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1, got 0"),
+    ({"tensor_parallel_timeout_s": 0}, "tensor_parallel_timeout_s must be > 0, got 0"),
     ({"tensor_parallel_size": 2, "host_kv_cache_gb": 0.5},
      "tensor_parallel_size 2 does not support host_kv_cache_gb"),
     ({"tensor_parallel_size": 2, "speculative": SpeculativeConfig(method="self")},
