@@ -212,9 +212,16 @@ class DecodeWorker:
         if resumed:
             raise RequestError("a resumed request carries no prefill result")
         kv = prefill.kv
-        if kv is None:
+        if kv is None and prefill.finish_reason is not None:
             raise RequestError(f"request {request_id!r} finished at its first token "
                                f"({prefill.finish_reason}); there is nothing to decode")
+        if kv is None:  # the prefill worker held no KV for it (its staging was full; it logs)
+            if not self.accepting:
+                raise DecodeRejectedError(f"decode worker {self.worker_id} is shutting down")
+            self.metrics.recomputes += 1
+            first = prefill.first_token
+            return self._stream(request_id, KVSource.RECOMPUTE, lambda e: e.add_request(
+                request_id, prompt, params, cache_salt, output_token_ids=[first]), trace)
         self.metrics.imports += 1
         link = self._peers.get(kv.worker_id)
         if not self.accepting:

@@ -162,7 +162,8 @@ class LLMEngine:
                     params: SamplingParams | None = None, cache_salt: str | None = None,
                     prefill_only: bool = False, output_token_ids: Seq[int] = ()) -> None:
         """Queue a request. ``prefill_only`` (the prefill role) stops it after the first token
-        and pins the prompt's blocks: that output carries a ``PinnedKV``; see ``release_kv``.
+        and pins the prompt's blocks: that output carries a ``PinnedKV`` (none when a
+        tensor-parallel engine's staging is full: see ``_pin``); see ``release_kv``.
         ``output_token_ids``: tokens it already generated elsewhere (a resumed request: they
         are recomputed, or found in the prefix cache, and it goes on from the next one, with
         ``max_tokens`` counting them)."""
@@ -200,11 +201,13 @@ class LLMEngine:
     # -- disaggregation: prefill side -----------------------------------------------------
 
     def release_kv(self, request_id: str) -> bool:
-        """Free a pinned prefill's blocks (its full blocks stay in the prefix cache)."""
+        """Free a pinned prefill's blocks (its full blocks stay in the prefix cache) and, with
+        tensor parallelism, its staging blocks."""
         seq = self.scheduler.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PINNED:
             return False
         self.scheduler.finish(seq)
+        self._unstage(request_id)
         return True
 
     # -- disaggregation: decode side ------------------------------------------------------
@@ -463,14 +466,14 @@ class LLMEngine:
         kv = None
         if seq.finish_reason is not None:
             self._finish(seq)
-        elif seq.prefill_only:
+        elif seq.prefill_only:  # done here: pinned, or (staging full) without its KV
             kv = self._pin(seq)
         prompt_logprobs = None
         if seq.sampling.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
             prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return RequestOutput(
             request_id=seq.request_id, new_token_ids=emitted, new_logprobs=new_logprobs,
-            finished=seq.finish_reason is not None or kv is not None,  # pinned: done too
+            finished=seq.finish_reason is not None or seq.prefill_only,  # pinned: done too
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens, kv=kv, prompt_logprobs=prompt_logprobs,
@@ -576,8 +579,22 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.forget(seq.request_id)
 
-    def _pin(self, seq: Sequence) -> PinnedKV:
-        self.scheduler.pin(seq)
+    def _pin(self, seq: Sequence) -> PinnedKV | None:
+        """Pin a prefill-only request's prompt blocks for a KV transfer. With tensor
+        parallelism the transfer reads canonical staging blocks, gathered from every rank
+        now; when too few are free the request ends here without its KV (None: the decode
+        worker prefills the prompt itself; its full blocks stay in the prefix cache)."""
         self._forget(seq)
+        block_ids = list(seq.block_ids)
+        if self.tp is not None:
+            staging = self.transfer_cache
+            if len(block_ids) > len(self._free_staging):
+                self.scheduler.finish(seq)
+                return None
+            self.scheduler.pin(seq)
+            block_ids = self._stage(seq.request_id, block_ids)
+            self.tp.gather(self.kv_cache, seq.block_ids, staging, block_ids)
+        else:
+            self.scheduler.pin(seq)
         wait_for_writes(self.config.device)  # its blocks are read from outside our stream
-        return PinnedKV(seq.request_id, tuple(seq.block_ids), seq.num_computed_tokens)
+        return PinnedKV(seq.request_id, tuple(block_ids), seq.num_computed_tokens)

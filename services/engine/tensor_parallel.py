@@ -12,7 +12,9 @@ several engines can live in one process). Only rank 0 runs the head and samples.
 
 KV blocks cross ranks in the canonical layout (all KV heads, as one rank holds them): rank 0
 ``scatter``s canonical blocks (a KV import's staging blocks) into every rank's cache, each rank
-its heads' slice, the followers over the process group.
+its heads' slice, the followers over the process group; and ``gather``s, the mirror, every
+rank's heads of blocks into canonical blocks (a pinned prefill's staging blocks, which a KV
+transfer serves).
 
 Deadlines and failures: a follower has ``START_TIMEOUT_S`` to load and say it is ready; every
 collective, and every message to a follower, times out after ``tensor_parallel_timeout_s``; a
@@ -55,7 +57,7 @@ START_TIMEOUT_S = 300.0  # a follower loads the weights and reports ready within
 STOP_TIMEOUT_S = 10.0  # a stopped follower exits within this, else it is killed
 
 # Message kinds (the first int64 of a message).
-_STOP, _STEP, _SCATTER = range(3)
+_STOP, _STEP, _SCATTER, _GATHER = range(4)
 _LENGTH = struct.Struct("<Q")  # a message's byte count, before it
 
 
@@ -227,6 +229,21 @@ class TensorParallelGroup:
             for part in slices:
                 self._wait(lambda p=part, r=rank: self._group.send([p], r, 0), "send")
 
+    def gather(self, cache: KVCache, block_ids: Sequence[int], target: KVCache,
+               target_ids: Sequence[int]) -> None:
+        """The mirror of ``scatter``: blocks ``block_ids`` of every rank's cache into canonical
+        blocks ``target_ids`` of ``target``: rank 0's heads from ``cache``, the others' from
+        their followers."""
+        self._send(torch.tensor([_GATHER, *block_ids], dtype=torch.int64))
+        for rank, heads in enumerate(self.kv_heads):
+            if rank == 0:
+                slices = head_slices(cache, block_ids, slice(None))
+            else:
+                slices = slice_buffers(target, len(block_ids), heads.stop - heads.start)
+                for part in slices:
+                    self._wait(lambda p=part, r=rank: self._group.recv([p], r, 0), "recv")
+            put_head_slices(target, target_ids, heads, slices)
+
     def broken(self, error: BaseException) -> TensorParallelError:
         """Stop the group after ``error`` on rank 0 mid-step (the followers cannot be trusted
         to be where rank 0 is): the error to raise."""
@@ -367,6 +384,9 @@ def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
             for part in slices:
                 group.recv([part], 0, 0).wait(timeout)
             put_head_slices(cache, body, everything, slices)
+        elif kind == _GATHER:
+            for part in head_slices(cache, body, everything):
+                group.send([part], 0, 0).wait(timeout)
         else:
             raise TensorParallelError(f"rank {rank}: unknown message kind {kind}")
 

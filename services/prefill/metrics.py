@@ -15,6 +15,9 @@ class PrefillMetrics:
     leases_released: int = 0
     leases_rejected: int = 0
     leases_expired: int = 0
+    # Prefills that ended without a lease: tensor parallelism, every staging block held
+    # (the decode worker recomputes the prompt)
+    unstaged: int = 0
     late_messages: int = 0  # release/reject for a lease that had already ended
     # Refused as unauthenticated or not meant for the sender: an unsigned pairing, a release by
     # a worker the lease was not offered to (the KV transport counts its own refusals).

@@ -40,11 +40,9 @@ class PrefillWorker:
                  config: PrefillConfig | None = None, worker_id: str = "prefill-0",
                  clock: Clock = time.monotonic,
                  on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
-        """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``)."""
-        if engine.tp is not None:
-            raise ValueError(f"a prefill worker needs tensor_parallel_size 1 (got "
-                             f"{engine.config.tensor_parallel_size}); decode workers may "
-                             f"use more")
+        """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``). With
+        tensor parallelism the transport serves the engine's staging blocks (``transfer_cache``),
+        into which each pinned prompt's blocks are gathered from every rank."""
         self.worker_id = worker_id
         self.config = config or PrefillConfig()
         self.transport = transport
@@ -53,14 +51,14 @@ class PrefillWorker:
         self.transport.reads_allowed = self.leases.covers  # a read needs a live lease
         self.metrics = PrefillMetrics()
         self.peers: dict[str, PairingInfo] = {}  # decode workers met so far
-        self._blocks = block_bytes(kv_storage(engine.kv_cache))
+        self._blocks = block_bytes(kv_storage(engine.transfer_cache))
         self._info: PairingInfo | None = None
         self._reaper: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.transport.start(kv_storage(self.engine.llm.kv_cache))
+        await self.transport.start(kv_storage(self.engine.llm.transfer_cache))
         self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
                                             self.transport).signed(self.transport.key)
         self._reaper = asyncio.create_task(self._reap(), name=f"{self.worker_id}-leases")
@@ -137,6 +135,13 @@ class PrefillWorker:
         trace.first_token(last, self.engine.llm.config.max_num_batched_tokens)
         self.metrics.prefills += 1
         handle = None
+        if last.kv is None and last.finish_reason is None:
+            # Tensor parallelism with every staging block held by other leases: no KV to
+            # offer; the decode worker prefills the prompt itself.
+            self.metrics.unstaged += 1
+            log.warning("%s: request %s: no free staging blocks for its %d prompt blocks; "
+                        "the decode worker will recompute its prefill", self.worker_id,
+                        request_id, -(-len(prompt) // self.engine.llm.config.block_size))
         if last.kv is not None:
             lease = self.leases.grant(request_id, last.kv.block_ids, reader)
             self.metrics.leases_granted += 1
