@@ -133,7 +133,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     help="host-memory KV tier per engine: evicted prefix-cache blocks kept in "
                          "this much host RAM and copied back on a hit (default 0: off)")
     up.add_argument("--tensor-parallel-size", type=int, metavar="N",
-                    help="ranks per decode engine (and the colocated engine): heads and MLP "
+                    help="ranks per engine (prefill, decode, colocated): heads and MLP "
                          "split over N processes, a GPU each on CUDA (default 1)")
     up.add_argument("--routing-policy", choices=ROUTING_POLICIES,
                     help="prefill choice: prefix (cache affinity + load, default) or "

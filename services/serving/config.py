@@ -61,9 +61,10 @@ class AppConfig:
     # torch intra-op threads per engine rank; None: from the CPUs of the machine the engine
     # runs on, (cpus - 1) // ranks on it, at least 1 (``engine_threads``)
     threads_per_worker: int | None = None
-    # Ranks per decode engine (and the colocated engine): its attention heads and MLP split
-    # over this many processes, one GPU each on CUDA (engine/tensor_parallel.py); prefill
-    # engines run one rank, and their KV blocks are scattered to the ranks on arrival.
+    # Ranks per engine, every role (prefill, decode, colocated): its attention heads and MLP
+    # split over this many processes, one GPU each on CUDA (engine/tensor_parallel.py); KV
+    # transfers move canonical blocks, gathered from / scattered to the ranks, so a prefill
+    # and a decode engine need not agree on it.
     tensor_parallel_size: int = 1
     host: str = "127.0.0.1"  # HTTP and gRPC listen address
     port: int = 8000
@@ -204,7 +205,7 @@ class AppConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.engine_threads(), attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs,
-            tensor_parallel_size=self.tensor_parallel_size if decodes else 1)
+            tensor_parallel_size=self.tensor_parallel_size)
 
     def http_url(self) -> str:
         """Where the gateway's HTTP front end answers (https with TLS)."""
@@ -233,7 +234,7 @@ class AppConfig:
         if self.threads_per_worker is not None:
             return self.threads_per_worker
         tp = self.tensor_parallel_size
-        ranks = tp if self.colocated else self.prefill_replicas + self.decode_replicas * tp
+        ranks = tp * (1 if self.colocated else self.prefill_replicas + self.decode_replicas)
         return max(1, (len(os.sched_getaffinity(0)) - 1) // ranks)
 
     def engine_device(self) -> str:

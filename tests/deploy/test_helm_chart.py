@@ -336,20 +336,20 @@ def test_deployments_land_on_their_groups(rendered: Rendered) -> None:
         gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         assert actor.get("num_gpus", 0) == gpus
         if component != "head":
-            ranks = (rendered.values["app"].get("tensor_parallel_size", 1)
-                     if component == "decode" else 1)
+            ranks = rendered.values["app"].get("tensor_parallel_size", 1)
             assert gpus == rendered.values[component]["gpusPerReplica"] * ranks
     assert rendered.group("head")["rayStartParams"]["num-cpus"] == "0"
 
 
-def test_tensor_parallel_decode_pods_get_a_gpu_per_rank(helm: Helm) -> None:
-    """app.tensor_parallel_size 2: each decode pod (and its Serve replica) has 2 x
-    gpusPerReplica GPUs; prefill pods keep one rank's."""
-    settings = ("--set", "app.tensor_parallel_size=2", "--set", "decode.gpusPerReplica=1")
+def test_tensor_parallel_worker_pods_get_a_gpu_per_rank(helm: Helm) -> None:
+    """app.tensor_parallel_size 2: each decode and prefill pod (and its Serve replica) has
+    2 x gpusPerReplica GPUs."""
+    settings = ("--set", "app.tensor_parallel_size=2", "--set", "decode.gpusPerReplica=1",
+                "--set", "prefill.gpusPerReplica=2")
     rendered = Rendered("tp2", values_for("small-1p1d-values"),
                         helm.template(*render_args("small-1p1d-values"), *settings))
     assert rendered.application["args"]["tensor_parallel_size"] == 2
-    for role, gpus in (("decode", 2), ("prefill", rendered.values["prefill"]["gpusPerReplica"])):
+    for role, gpus in (("decode", 2), ("prefill", 4)):
         container = rendered.group(role)["template"]["spec"]["containers"][0]
         assert container["resources"]["limits"].get("nvidia.com/gpu", 0) == gpus, role
         assert rendered.deployment_options(role)["ray_actor_options"]["num_gpus"] == gpus, role

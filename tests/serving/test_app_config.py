@@ -106,12 +106,12 @@ def test_keys_settings_and_tandem_ups_private_files(tmp_path) -> None:  # type: 
         pass
 
 
-def test_tensor_parallel_size_reaches_decode_engines_and_their_threads():
+def test_tensor_parallel_size_reaches_every_engine_and_their_threads():
     config = AppConfig.from_dict({"tensor_parallel_size": 2}, "test")
     assert config.engine_config(decodes=True).tensor_parallel_size == 2
-    assert config.engine_config(decodes=False).tensor_parallel_size == 1  # prefill: one rank
+    assert config.engine_config(decodes=False).tensor_parallel_size == 2  # prefill too
     cpus = len(os.sched_getaffinity(0))
-    assert config.engine_threads() == max(1, (cpus - 1) // 3)  # 1 prefill + 2 decode ranks
+    assert config.engine_threads() == max(1, (cpus - 1) // 4)  # 2 prefill + 2 decode ranks
     assert config.replace(colocated=True).engine_threads() == max(1, (cpus - 1) // 2)
     assert ready_line(config.replace(threads_per_worker=1)).endswith(
         "(1 prefill, 1 decode (2 ranks each); 1 torch thread per engine rank; no API keys)")

@@ -109,11 +109,11 @@ settings `tandem up --config` reads from its YAML file.
 {{- if .autoscaling.enabled }}{{ .autoscaling.maxReplicas }}{{ else }}{{ .replicas }}{{ end }}
 {{- end }}
 
-{{/* GPUs of one engine of a role: (dict "role" "decode" "ctx" $). A decode engine has
-app.tensor_parallel_size ranks, gpusPerReplica GPUs each; a prefill engine one rank. */}}
+{{/* GPUs of one engine of a role: (dict "role" "decode" "ctx" $). An engine (prefill or
+decode) has app.tensor_parallel_size ranks, gpusPerReplica GPUs each. */}}
 {{- define "tandem.engineGpus" -}}
 {{- $v := index .ctx.Values .role }}
-{{- $ranks := ternary (int (.ctx.Values.app.tensor_parallel_size | default 1)) 1 (eq .role "decode") }}
+{{- $ranks := int (.ctx.Values.app.tensor_parallel_size | default 1) }}
 {{- mul (int $v.gpusPerReplica) $ranks }}
 {{- end }}
 
