@@ -61,6 +61,21 @@ def test_rows_equal_gathering_bit_for_bit(make_engine, mixed_prompts, settings):
     assert with_rows.block_manager.num_free_blocks == with_rows.block_manager.num_blocks
 
 
+def test_rows_never_read_uninitialized_memory(make_engine, mixed_prompts):
+    """SDPA multiplies a shorter row's masked tail by 0: garbage there (NaN) would poison it.
+    torch fills every uninitialized tensor with NaN in this mode, so a row grown from empty
+    memory fails this test at once."""
+    import torch
+
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+    try:
+        got = run(make_engine(), mixed_prompts)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert got == run(gathering(make_engine()), mixed_prompts)
+
+
 def test_a_batch_over_the_byte_bound_gathers_instead(make_engine, mixed_prompts):
     engine = make_engine()
     rows = engine.runner.decode_rows

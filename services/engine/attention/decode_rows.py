@@ -128,7 +128,10 @@ class DecodeRows:
             self._keys += [None] * (rows - len(self._keys))
             self._filled += [0] * (rows - len(self._filled))
             return
-        grown = self.data.new_empty((self._layers, 2, max(rows, have_rows),
+        # Zeros, not empty memory: SDPA multiplies the masked positions past a row's length
+        # by a weight of 0, and 0 x NaN (a garbage bit pattern) is NaN. Every position holds
+        # zeros or some owner's k/v from then on, so masked ones are always finite.
+        grown = self.data.new_zeros((self._layers, 2, max(rows, have_rows),
                                      max(capacity, have_cap), *self._dims))
         for row, length in enumerate(self._filled):
             if length:
