@@ -120,7 +120,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--prefill", type=int, metavar="N", help="prefill worker replicas (1)")
     up.add_argument("--decode", type=int, metavar="M", help="decode worker replicas (1)")
     up.add_argument("--colocated", action="store_true",
-                    help="one engine in the gateway does prefill and decode")
+                    help="one engine in the gateway does prefill and decode (the default on "
+                         "a CPU machine of fewer than 5 CPUs, where a prefill and a decode "
+                         "engine cannot get 2 threads each; --prefill/--decode split anyway)")
     up.add_argument("--host", help="HTTP and gRPC listen address (127.0.0.1)")
     up.add_argument("--port", type=int, help="HTTP port (8000)")
     up.add_argument("--grpc-port", type=int, help="gRPC port (50051)")
@@ -202,12 +204,14 @@ def _up(args: argparse.Namespace) -> int:
     keys = [*getattr(args, "api_key", []),
             *(k for k in os.environ.get("TANDEM_API_KEYS", "").split(",") if k.strip())]
     source = getattr(args, "config", None)
-    with up.secret_files(up_settings(args), keys) as settings:
+    settings, shape_reason = up.default_shape(up_settings(args))
+    with up.secret_files(settings, keys) as settings:
         config = AppConfig.from_dict(settings, source or "command line")
         config.server_tls()  # a bad TLS file fails here, not in the gateway Ray starts
         try:
             return up.run(config, log_level=getattr(args, "log_level", "info"),
-                          stats_interval_s=getattr(args, "stats_interval", 10.0))
+                          stats_interval_s=getattr(args, "stats_interval", 10.0),
+                          shape_reason=shape_reason)
         except up.StartupError as exc:
             print(f"tandem: error: {exc}", file=sys.stderr, flush=True)
             return 1

@@ -53,6 +53,36 @@ def setup_replica_logging() -> None:
     configure_logging(os.environ.get("TANDEM_LOG_LEVEL", "info"))
 
 
+# ``tandem up`` without a shape (--colocated, --prefill, --decode, or the same in --config)
+# splits prefill and decode into two engines only where each can get this many torch
+# threads beside a CPU left for the gateway and Ray; below that one colocated engine serves
+# faster (2 CPUs, bfloat16, against vLLM at concurrency 1 / 8 / 32: 1P+1D with a thread
+# each 0.83x / 0.62x / 0.59x, colocated 0.88x / 0.66x / 0.64x; docs/loadtest.md).
+SPLIT_MIN_THREADS = 2
+SHAPE_FIELDS = ("colocated", "prefill_replicas", "decode_replicas")
+
+
+def default_shape(settings: dict[str, Any], cpus: int | None = None,
+                  gpu: bool | None = None) -> tuple[dict[str, Any], str | None]:
+    """``settings`` with the shape ``tandem up`` picks when none is given, and why (None when
+    the settings name one). On a GPU machine, or with enough CPUs, the default 1 prefill +
+    1 decode; otherwise colocated."""
+    if any(field in settings for field in SHAPE_FIELDS):
+        return settings, None
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    device = settings.get("device", "auto")
+    if gpu is None:  # what the engines will see (no torch import in this process)
+        gpu = device == "cuda" or (device == "auto" and Path("/dev/nvidiactl").exists())
+    tp = int(settings.get("tensor_parallel_size", 1))
+    if gpu or (cpus - 1) // (2 * tp) >= SPLIT_MIN_THREADS:
+        return settings, (f"shape: 1 prefill + 1 decode worker (the default; "
+                          f"{'GPUs' if gpu else f'{cpus} CPUs'})")
+    return {**settings, "colocated": True}, (
+        f"shape: colocated, one engine for prefill and decode: {cpus} CPUs cannot give a "
+        f"prefill and a decode engine {SPLIT_MIN_THREADS} threads each (--prefill/--decode "
+        f"to split anyway)")
+
+
 def ready_line(config: AppConfig) -> str:
     shape = ("colocated" if config.colocated
              else f"{config.prefill_replicas} prefill, {config.decode_replicas} decode")
@@ -98,12 +128,15 @@ def _private_file(directory: str, name: str, text: str) -> str:
 
 
 def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
-        stats_interval_s: float = 10.0) -> int:
+        stats_interval_s: float = 10.0, shape_reason: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM; every Ray process started here is stopped on the way out.
-    The ready line goes to ``out``; progress, the replicas' logs and stats go to stderr."""
+    The ready line goes to ``out``; progress, the replicas' logs and stats go to stderr.
+    ``shape_reason``: why the shape (``default_shape``), logged first."""
     stop = threading.Event()
     _on_signals(stop)
     configure_logging(log_level)
+    if shape_reason is not None:
+        log.info("%s", shape_reason)
     os.environ["TANDEM_LOG_LEVEL"] = log_level  # the replicas inherit it
     ray_level = "DEBUG" if log_level == "debug" else "WARNING"
     if log_level != "debug":

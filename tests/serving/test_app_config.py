@@ -141,3 +141,47 @@ def test_tensor_parallel_up_flag_reaches_the_config():
     assert AppConfig.from_dict(settings, "command line").tensor_parallel_size == 2
     default = AppConfig.from_dict(up_settings(parser.parse_args(["up"])), "-")
     assert default.tensor_parallel_size == 1
+
+
+def _up_settings(*argv: str) -> dict:
+    import argparse
+
+    from services.cli import _add_up_parser, up_settings
+
+    parser = argparse.ArgumentParser(prog="tandem")
+    _add_up_parser(parser.add_subparsers())
+    return up_settings(parser.parse_args(["up", *argv]))
+
+
+def test_tandem_up_without_a_shape_colocates_on_a_small_cpu_machine():
+    from services.serving.up import default_shape
+
+    settings, why = default_shape(_up_settings("--dtype", "bfloat16"), cpus=2, gpu=False)
+    config = AppConfig.from_dict(settings, "command line")
+    assert config.colocated and config.dtype == "bfloat16"
+    assert why is not None and "colocated" in why and "2 CPUs" in why
+    # 4 CPUs: 1 thread each for a split pair; 5: 2 each, so the default split.
+    assert default_shape({}, cpus=4, gpu=False)[0] == {"colocated": True}
+    settings, why = default_shape({}, cpus=5, gpu=False)
+    assert settings == {} and not AppConfig.from_dict(settings, "-").colocated
+    assert why is not None and "1 prefill + 1 decode" in why
+    # Tensor parallelism counts every rank: 2 ranks each need 2 x 2 threads + 1.
+    assert default_shape({"tensor_parallel_size": 2}, cpus=8, gpu=False)[0]["colocated"]
+    assert "colocated" not in default_shape({}, cpus=2, gpu=True)[0]  # GPUs: the split
+
+
+@pytest.mark.parametrize("argv", [("--prefill", "1"), ("--decode", "2"), ("--colocated",)])
+def test_a_shape_given_is_kept(argv):
+    from services.serving.up import default_shape
+
+    settings = _up_settings(*argv)
+    assert default_shape(settings, cpus=2, gpu=False) == (settings, None)
+
+
+def test_a_shape_in_the_config_file_is_kept(tmp_path: Path):
+    from services.serving.up import default_shape
+
+    config = tmp_path / "app.yaml"
+    config.write_text("colocated: false\n")
+    settings = _up_settings("--config", str(config))
+    assert default_shape(settings, cpus=2, gpu=False) == (settings, None)
