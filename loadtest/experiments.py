@@ -17,18 +17,23 @@ of the figures the experiment is about (each against the first configuration) on
   long/short mix; ITL, TTFT and goodput of the short requests.
 - ``prefix-vs-roundrobin``: 2 prefill + 1 decode worker under ``routing_policy`` round_robin
   and prefix; the multi-tenant shared-prefix workload; prefix-cache hit rate and TTFT.
-- ``tandem-vs-vllm``: vLLM's CPU backend (``--vllm``: its own venv) against ``tandem up`` as
-  1P+1D and colocated, on the same weights (``loadtest.export_hf``) and prompts; output tok/s,
-  TTFT and ITL at concurrency 1, 8 and 32.
-- ``tandem-vs-vllm-prefix``: the same three servers on the multi-tenant shared-prefix workload
+- ``tandem-vs-vllm``: vLLM's CPU backend (``--vllm``: its own venv), and llama.cpp's
+  ``llama-server`` with ``--llama-server``, against ``tandem up`` in the shapes ``--tandem``
+  names (1P+1D and colocated; ``default``: no shape, ``tandem up``'s own choice), on the same
+  weights (``loadtest.export_hf``; llama.cpp: the GGUF itself) and prompts; output tok/s, TTFT
+  and ITL at concurrency 1, 8 and 32.
+- ``tandem-vs-vllm-prefix``: the same servers on the multi-tenant shared-prefix workload
   (every tenant's system prompt cached by all of them after its first request); TTFT and the
   prefix-cache hit rate the responses report.
+
+``python -m loadtest.peer_compare`` runs the last two and checks issue 16's targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -45,9 +50,10 @@ from loadtest.bench.metrics import Summary
 from loadtest.bench.results import Cell
 from loadtest.bench.server_metrics import RoleCounters
 from loadtest.export_hf import export
-from loadtest.peers import VllmServer
+from loadtest.peers import LlamaCppServer, VllmServer
 from loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
 from services.engine.model_loader import load_model
+from services.engine.tokenizer_loader import builtin_model_path
 
 PROG = "python -m loadtest.experiments"
 
@@ -56,7 +62,8 @@ PROG = "python -m loadtest.experiments"
 class Configuration:
     label: str
     settings: dict[str, Any]  # AppConfig fields: the YAML `tandem up --config` reads
-    peer: str | None = None  # "vllm": a peer server (loadtest/peers.py) instead of tandem up
+    # "vllm" or "llama.cpp": a peer server (loadtest/peers.py) instead of tandem up
+    peer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,16 +145,34 @@ def disagg_vs_colocated(args: argparse.Namespace) -> list[Configuration]:
     ]
 
 
+# `--tandem` shapes of the peer experiments: AppConfig settings beyond the common ones.
+TANDEM_SHAPES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "default": lambda args: {},  # no shape, no threads: what `tandem up` picks on this machine
+    "1p1d": lambda args: {"prefill_replicas": 1, "decode_replicas": 1,
+                          "threads_per_worker": 1, "kv_transport": args.kv_transport},
+    "colocated": lambda args: {"colocated": True, "threads_per_worker": 2},
+}
+
+
+def tandem_shapes(text: str) -> list[str]:
+    shapes = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in TANDEM_SHAPES]
+    if unknown or not shapes:
+        raise argparse.ArgumentTypeError(f"--tandem takes shapes among "
+                                         f"{', '.join(TANDEM_SHAPES)}, got {text!r}")
+    return shapes
+
+
 def tandem_vs_vllm(args: argparse.Namespace) -> list[Configuration]:
     common = _common(args)
     vllm = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens}
-    return [Configuration("vllm-cpu", vllm, peer="vllm"),
-            Configuration("tandem-1p1d", {**common, "prefill_replicas": 1,
-                                          "decode_replicas": 1, "threads_per_worker": 1,
-                                          "kv_transport": args.kv_transport}),
-            Configuration("tandem-colocated", {**common, "colocated": True,
-                                               "threads_per_worker": 2})]
+    peers = [Configuration("vllm-cpu", vllm, peer="vllm")]
+    if args.llama_server is not None:
+        peers.append(Configuration("llama.cpp", {"max_num_seqs": args.max_num_seqs},
+                                   peer="llama.cpp"))
+    return peers + [Configuration(f"tandem-{shape}", {**common, **TANDEM_SHAPES[shape](args)})
+                    for shape in args.tandem]
 
 
 def prefix_vs_roundrobin(args: argparse.Namespace) -> list[Configuration]:
@@ -193,8 +218,10 @@ EXPERIMENTS = {e.name: e for e in (
          "num_kv_blocks": 160, "slo_ttft_ms": 2000.0, "slo_tpot_ms": 150.0}),
     Experiment(
         "tandem-vs-vllm",
-        "vLLM's CPU backend (its own venv: --vllm) against `tandem up` as 1 prefill + 1 decode "
-        "worker and colocated, on the same weights (exported by our loader) and prompts",
+        "vLLM's CPU backend (its own venv: --vllm), and llama.cpp's llama-server with "
+        "--llama-server, against `tandem up` in the --tandem shapes (1 prefill + 1 decode "
+        "worker and colocated), on the same weights (exported by our loader; llama.cpp: the "
+        "GGUF) and prompts",
         "random", tandem_vs_vllm,
         (Headline("output tok/s", "output_throughput", "all", True, "tok/s"),
          Headline("TTFT p50", "ttft.p50"),
@@ -206,8 +233,9 @@ EXPERIMENTS = {e.name: e for e in (
          "rounds": 2}),
     Experiment(
         "tandem-vs-vllm-prefix",
-        "vLLM's CPU backend against `tandem up` (1P+1D and colocated) on the multi-tenant "
-        "shared-prefix workload: what prefix caching buys each",
+        "vLLM's CPU backend (and llama.cpp's with --llama-server) against `tandem up` (the "
+        "--tandem shapes) on the multi-tenant shared-prefix workload: what prefix caching "
+        "buys each",
         "prefix", tandem_vs_vllm,
         (Headline("TTFT p50", "ttft.p50"),
          Headline("TTFT p99", "ttft.p99"),
@@ -249,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
         if experiment.configurations is tandem_vs_vllm:
             servers.add_argument("--vllm", type=Path, required=True,
                                  help="the Python of a venv with vllm-cpu (docs/loadtest.md)")
+            servers.add_argument("--llama-server", type=Path, default=None,
+                                 help="llama.cpp's llama-server binary: a peer too, on the "
+                                      "GGUF file itself (docs/loadtest.md)")
+            servers.add_argument("--tandem", type=tandem_shapes, default=["1p1d", "colocated"],
+                                 help="Tandem's shapes, comma-separated, among "
+                                      f"{', '.join(TANDEM_SHAPES)} (default: 1p1d,colocated)")
         servers.add_argument("--ready-timeout", type=float, default=600.0,
                              help="seconds to wait for each `tandem up` ready line")
         servers.add_argument("--metrics-settle", type=float, default=1.0, metavar="S",
@@ -291,8 +325,13 @@ def prepare(args: argparse.Namespace) -> Prepared:
     for conf in configurations:
         if conf.peer is None:
             AppConfig.from_dict(conf.settings, f"configuration {conf.label}")
-        elif not Path(args.vllm).is_file():
+        elif conf.peer == "vllm" and not Path(args.vllm).is_file():
             raise ValueError(f"--vllm {args.vllm}: no such file")
+        elif conf.peer == "llama.cpp":
+            if not Path(args.llama_server).is_file():
+                raise ValueError(f"--llama-server {args.llama_server}: no such file")
+            if not str(args.model or ".gguf").endswith(".gguf"):
+                raise ValueError("--llama-server serves a .gguf --model only")
     bench.prompt_maker(args.model)  # the tokenizer loads (and is cached for the run)
     placeholders = [Target(c.label, "http", "http://127.0.0.1:1/v1") for c in configurations]
     plan = replace(bench.plan_for(args, placeholders, tokenizer=args.model, server_metrics=True),
@@ -361,6 +400,12 @@ def launch_tandem_up(conf: Configuration, out: Path, args: argparse.Namespace) -
                           max_num_seqs=conf.settings["max_num_seqs"],
                           max_num_batched_tokens=conf.settings["max_num_batched_tokens"],
                           cpus=args.cpus, ready_timeout_s=args.ready_timeout).start()
+    if conf.peer == "llama.cpp":  # its own weights: the GGUF as llama.cpp users run it
+        gguf = Path(args.model) if args.model is not None else builtin_model_path()
+        return LlamaCppServer(Path(args.llama_server), gguf, log, served_model_name=conf.label,
+                              threads=len(os.sched_getaffinity(0)),
+                              parallel=conf.settings["max_num_seqs"], cpus=args.cpus,
+                              ready_timeout_s=args.ready_timeout).start()
     return TandemUp(out / "configs" / f"{conf.label}.yaml", log, cpus=args.cpus,
                     ready_timeout_s=args.ready_timeout).start()
 

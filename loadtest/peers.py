@@ -1,13 +1,16 @@
-"""Peer servers for side-by-side runs: vLLM's OpenAI server (its CPU backend, from its own venv).
+"""Peer servers for side-by-side runs: vLLM's OpenAI server (its CPU backend, from its own venv)
+and llama.cpp's ``llama-server``.
 
 ``VllmServer`` starts vLLM's OpenAI API server on a Hugging Face directory
 (``loadtest.export_hf`` writes one from our loader, so both servers serve the same weights and
-tokenizer) on a free loopback port, waits for ``/health``, and stops its whole process group.
-It has the interface the experiments' launcher needs (``http_url``, ``stop()``), like
-``TandemUp``.
+tokenizer); ``LlamaCppServer`` starts ``llama-server`` on the GGUF file itself (its own
+quantized weights, as llama.cpp users run it). Each listens on a free loopback port, is waited
+for on ``/health``, and is stopped with its whole process group. They have the interface the
+experiments' launcher needs (``http_url``, ``stop()``), like ``TandemUp``.
 
-vLLM is not a dependency of Tandem: install it in a venv of its own (docs/loadtest.md) and
-pass that venv's Python (``--vllm``).
+Neither is a dependency of Tandem: install vLLM in a venv of its own and build
+``llama-server`` from the llama.cpp sources in PyPI's ``llama-cpp-python`` sdist
+(docs/loadtest.md); pass the venv's Python (``--vllm``) and the binary (``--llama-server``).
 """
 
 from __future__ import annotations
@@ -56,25 +59,72 @@ class VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gb),
                "VLLM_CPU_OMP_THREADS_BIND": self.threads, "VLLM_NO_USAGE_STATS": "1",
                "HF_HUB_OFFLINE": "1"}
-        started = time.monotonic()
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                            text=True, env=env, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        while time.monotonic() - started < self.ready_timeout_s:
-            if self.process.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    self.http_url, self.ready_s = url, time.monotonic() - started
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        tail = self.log_path.read_text(errors="replace")[-3000:]
-        raise LaunchError(f"vLLM did not become healthy within {self.ready_timeout_s:.0f} s "
-                          f"({' '.join(argv)}); log {self.log_path}:\n{tail}")
+        self.process = _spawn(argv, env, self.log_path)
+        self.http_url, self.ready_s = _healthy(self.process, port, self.log_path,
+                                               self.ready_timeout_s, "vLLM")
+        return self
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
         return stop_group(self.process, timeout_s)
+
+
+@dataclass
+class LlamaCppServer:
+    binary: Path  # llama.cpp's llama-server
+    gguf: Path
+    log_path: Path
+    served_model_name: str
+    threads: int = 2
+    parallel: int = 32  # slots: requests decoded together (continuous batching)
+    ctx_per_slot: int = 512  # prompt + output tokens of one request, at most
+    cpus: str | None = None
+    ready_timeout_s: float = 300.0
+    http_url: str = ""
+    ready_s: float = 0.0
+    process: subprocess.Popen[str] | None = field(default=None, repr=False)
+
+    def start(self) -> LlamaCppServer:
+        port = free_port()
+        argv = [str(self.binary), "--model", str(self.gguf), "--host", "127.0.0.1",
+                "--port", str(port), "--alias", self.served_model_name,
+                "--threads", str(self.threads), "--threads-batch", str(self.threads),
+                "--parallel", str(self.parallel), "--cont-batching",
+                "--ctx-size", str(self.parallel * self.ctx_per_slot), "--no-webui"]
+        if self.cpus is not None:
+            argv = ["taskset", "-c", self.cpus, *argv]
+        self.process = _spawn(argv, dict(os.environ), self.log_path)
+        self.http_url, self.ready_s = _healthy(self.process, port, self.log_path,
+                                               self.ready_timeout_s, "llama-server")
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        return stop_group(self.process, timeout_s)
+
+
+def _spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[str]:
+    """A server in a session of its own (its group is what ``stop_group`` stops), logging to
+    ``log_path``."""
+    with log_path.open("w") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+
+
+def _healthy(process: subprocess.Popen[str], port: int, log_path: Path, timeout_s: float,
+             name: str) -> tuple[str, float]:
+    """(URL, seconds to ready) once the server's /health answers 200. Exits or stays
+    unhealthy: ``LaunchError`` with the end of its log, its process group stopped."""
+    started = time.monotonic()
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() - started < timeout_s:
+        if process.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url, time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)  # polling another program's readiness: it signals nothing
+    stop_group(process, 60.0)
+    tail = log_path.read_text(errors="replace")[-3000:]
+    raise LaunchError(f"{name} did not become healthy within {timeout_s:.0f} s "
+                      f"({' '.join(str(a) for a in process.args)}); log {log_path}:\n{tail}")

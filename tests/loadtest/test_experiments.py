@@ -266,3 +266,14 @@ def test_a_vllm_server_that_exits_is_a_launch_error(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="did not become healthy"):
         server.start()
     assert server.process is not None and server.process.poll() is not None
+
+
+def test_a_llama_server_that_exits_is_a_launch_error(tmp_path: Path) -> None:
+    from loadtest.peers import LlamaCppServer
+    from loadtest.tandem_up import LaunchError
+
+    server = LlamaCppServer(Path("/bin/false"), tmp_path / "m.gguf", tmp_path / "llama.log",
+                            "m", ready_timeout_s=30)
+    with pytest.raises(LaunchError, match="llama-server did not become healthy"):
+        server.start()
+    assert server.process is not None and server.process.poll() is not None
