@@ -189,12 +189,21 @@ class AsyncEngine:
                 self._step_failures = 0
                 self._stats = self.llm.stats
                 self._hand_out_events()
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
-                    if stream is not None:
-                        stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+                self._hand_out(outputs)
+
+    def _hand_out(self, outputs: Sequence[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up of each event loop per step, not
+        one per output (each is a write to the loop's self-pipe and a turn of it, which at
+        batch 32 costs the loop's thread more than the outputs themselves)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Start, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, delivered in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, delivered)
 
     def _apply(self, command: _Start | _Call | _Abort) -> None:
         if isinstance(command, _Abort):
@@ -281,6 +290,11 @@ class AsyncEngine:
             self._on_events(events)
         except Exception:  # never let a consumer's bug stop the engine thread
             log.exception("on_events raised; %d KV events lost", len(events))
+
+
+def _deliver(delivered: list[tuple[_Start, RequestOutput]]) -> None:
+    for stream, out in delivered:
+        stream.outputs.put_nowait(out)
 
 
 def _resolve(future: asyncio.Future[Any], result: object, exc: BaseException | None) -> None:
