@@ -141,3 +141,20 @@ def test_tensor_parallel_up_flag_reaches_the_config():
     assert AppConfig.from_dict(settings, "command line").tensor_parallel_size == 2
     default = AppConfig.from_dict(up_settings(parser.parse_args(["up"])), "-")
     assert default.tensor_parallel_size == 1
+
+
+def test_weight_format_up_flag_reaches_the_engine_config():
+    import argparse
+
+    from services.cli import _add_up_parser, up_settings
+
+    parser = argparse.ArgumentParser(prog="tandem")
+    _add_up_parser(parser.add_subparsers())
+    args = ["up", "--weight-format", "int4", "--dtype", "bfloat16", "--device", "cpu"]
+    config = AppConfig.from_dict(up_settings(parser.parse_args(args)), "command line")
+    assert config.weight_format == "int4" and config.engine_config().weight_format == "int4"
+    default = AppConfig.from_dict(up_settings(parser.parse_args(["up"])), "-")
+    assert default.weight_format == "dense" and default.engine_config().weight_format == "dense"
+    with pytest.raises(ConfigError, match="weight_format int4 does not support dtype 'float32'"):
+        AppConfig.from_dict(up_settings(parser.parse_args(["up", "--weight-format", "int4"])),
+                            "command line")
