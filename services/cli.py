@@ -29,6 +29,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="a .gguf file or a Hugging Face directory (default: built-in "
                              "SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weight-format", default="dense", choices=list(WEIGHT_FORMATS),
+                        help="int4: a GGUF's Q4_1 weights kept 4-bit (CPU, --dtype bfloat16)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -57,6 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                    weight_format=args.weight_format,
                                     block_size=args.block_size,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     speculative=spec))
