@@ -4,6 +4,12 @@
 
 Reports output tokens/s for both and their ratio, decode step time at batch 1 and 32 against the
 model forward alone (engine overhead), and prefill tokens/s for a 1,000-token prompt.
+
+    python -m loadtest.engine_bench --weight-formats dense int4 [--batches 1 8 32] [--rounds 5]
+
+instead compares weight formats (bfloat16, the built-in model loaded once with int4, so dense
+runs the very same weights, dequantized from the packs): decode tok/s per batch size, rounds
+interleaved, medians, and each step's time in the head (lm_head) against the whole forward.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.config import EngineConfig
+from services.engine.config import WEIGHT_FORMATS, EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.sampling_params import SamplingParams
@@ -79,6 +85,7 @@ class StepTiming:
     batch: int
     step_ms: float
     forward_ms: float
+    head_ms: float = 0.0  # of forward_ms: the final projection to the vocabulary
 
     @property
     def overhead_pct(self) -> float:
@@ -86,11 +93,13 @@ class StepTiming:
 
 
 def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
-                      steps: int = 20, kv_cache_dtype: str = "auto") -> StepTiming:
-    """Time engine.step() in steady decode, and the model forward inside it alone."""
+                      steps: int = 20, kv_cache_dtype: str = "auto",
+                      weight_format: str = "dense") -> StepTiming:
+    """Time engine.step() in steady decode, and the model forward (and its head) inside it."""
     engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=batch, num_kv_blocks=4096,
                                     max_num_batched_tokens=max(512, batch),
-                                    kv_cache_dtype=kv_cache_dtype), loaded)
+                                    kv_cache_dtype=kv_cache_dtype,
+                                    weight_format=weight_format), loaded)
     work = make_workload(batch, context, 1, loaded.config.vocab_size, seed=batch)
     params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(work.prompts):
@@ -107,7 +116,17 @@ def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
         forward_times.append(time.perf_counter() - t)
         return result
 
+    head_times: list[float] = []
+    head = model.head
+
+    def timed_head(x: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
+        result = head(x)
+        head_times.append(time.perf_counter() - t)
+        return result
+
     model.forward = timed_forward  # type: ignore[method-assign]
+    model.head = timed_head  # type: ignore[assignment]
     step_times = []
     for _ in range(steps):
         t = time.perf_counter()
@@ -115,7 +134,8 @@ def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
         step_times.append(time.perf_counter() - t)
         assert len(outs) == batch
     return StepTiming(batch, 1000 * statistics.median(step_times),
-                      1000 * statistics.median(forward_times))
+                      1000 * statistics.median(forward_times),
+                      1000 * statistics.median(head_times))
 
 
 def bench_prefill(loaded: LoadedModel, dtype: str, prompt_len: int = 1000) -> float:
@@ -132,6 +152,34 @@ def bench_prefill(loaded: LoadedModel, dtype: str, prompt_len: int = 1000) -> fl
     return len(prompt) / min(times)
 
 
+def compare_weight_formats(formats: list[str], batches: list[int], rounds: int,
+                           context: int) -> None:
+    """Decode steps per weight format and batch size, interleaved rounds, medians."""
+    loaded = load_model(None, "bfloat16", progress=False, weight_format="int4")
+    runs: dict[tuple[int, str], list[StepTiming]] = {}
+    for round_ in range(rounds):
+        for batch in batches:
+            for fmt in formats if round_ % 2 == 0 else formats[::-1]:
+                timing = bench_decode_step(loaded, "bfloat16", batch, context,
+                                           weight_format=fmt)
+                runs.setdefault((batch, fmt), []).append(timing)
+                print(f"round {round_} batch {batch} {fmt}: step {timing.step_ms:.1f} ms "
+                      f"(forward {timing.forward_ms:.1f}, head {timing.head_ms:.1f})",
+                      flush=True)
+    print(f"\n| batch | {' | '.join(f'{f} tok/s (step, fwd, head ms)' for f in formats)} "
+          f"| {formats[-1]} / {formats[0]} |")
+    print(f"|---|{'---|' * len(formats)}---|")
+    for batch in batches:
+        cells, rates = [], []
+        for fmt in formats:
+            timings = runs[(batch, fmt)]
+            step, fwd, head = (statistics.median(getattr(t, name) for t in timings)
+                               for name in ("step_ms", "forward_ms", "head_ms"))
+            rates.append(1000 * batch / step)
+            cells.append(f"{rates[-1]:.1f} ({step:.1f}, {fwd:.1f}, {head:.1f})")
+        print(f"| {batch} | {' | '.join(cells)} | {rates[-1] / rates[0]:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -141,8 +189,17 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--weight-formats", nargs="+", choices=WEIGHT_FORMATS,
+                        help="compare these weight formats' decode steps instead (bfloat16)")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32],
+                        help="--weight-formats: decode batch sizes")
+    parser.add_argument("--rounds", type=int, default=3, help="--weight-formats: rounds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.weight_formats:
+        print(f"threads={args.threads} context~{args.input_len} rounds={args.rounds}")
+        compare_weight_formats(args.weight_formats, args.batches, args.rounds, args.input_len)
+        return
 
     print(f"threads={args.threads} requests={args.num_requests} input~{args.input_len} "
           f"output={args.output_len} max_batch={args.max_batch}\n")

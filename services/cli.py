@@ -13,7 +13,12 @@ import time
 from typing import Any
 
 from router.config import POLICIES as ROUTING_POLICIES
-from services.engine.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, SPEC_METHODS
+from services.engine.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    SPEC_METHODS,
+    WEIGHT_FORMATS,
+)
 from services.version import version
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -24,6 +29,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="a .gguf file or a Hugging Face directory (default: built-in "
                              "SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weight-format", default="dense", choices=list(WEIGHT_FORMATS),
+                        help="int4: a GGUF's Q4_1 weights kept 4-bit (CPU, --dtype bfloat16)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -52,6 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                    weight_format=args.weight_format,
                                     block_size=args.block_size,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
                                     speculative=spec))
@@ -87,6 +95,7 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "decode": "decode_replicas", "colocated": "colocated", "host": "host",
              "port": "port", "grpc_port": "grpc_port", "redis_url": "redis_url",
              "kv_transport": "kv_transport", "kv_cache_dtype": "kv_cache_dtype",
+             "weight_format": "weight_format",
              "host_kv_cache_gb": "host_kv_cache_gb", "block_size": "block_size",
              "routing_policy": "routing_policy",
              "threads": "threads_per_worker", "tensor_parallel_size": "tensor_parallel_size",
@@ -131,6 +140,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
                     help="KV cache: auto (the model's dtype) or int8 (a scale per token and KV "
                          "head; ~1.9x the blocks of bfloat16; not with flash_attn)")
+    up.add_argument("--weight-format", choices=list(WEIGHT_FORMATS),
+                    help="dense (default) or int4: a GGUF's Q4_1 weights kept 4-bit for "
+                         "decode steps of a few tokens (CPU, --dtype bfloat16; faster at low "
+                         "concurrency)")
     up.add_argument("--host-kv-cache-gb", type=float, metavar="GB",
                     help="host-memory KV tier per engine: evicted prefix-cache blocks kept in "
                          "this much host RAM and copied back on a hit (default 0: off)")

@@ -40,6 +40,7 @@ SPEC_METHODS = ("none", "ngram", "draft", "self")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")  # engine/attention
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 pages KV in multiples of 256 tokens
 KV_CACHE_DTYPES = ("auto", "int8")  # engine/kv_cache.py
+WEIGHT_FORMATS = ("dense", "int4")  # engine/int4_linear.py
 
 
 @dataclass
@@ -105,6 +106,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton | flash_attn (engine/attention)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (on CUDA with triton attention)
     seed: int = 0  # for requests that sample without their own seed
+    # dense: every weight in `dtype`; int4: a GGUF's Q4_1 weights kept 4-bit for decode steps
+    # of a few tokens (CPU, bfloat16, one rank; engine/int4_linear.py)
+    weight_format: str = "dense"
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Ranks the model's attention heads and MLP are split over (engine/tensor_parallel.py):
     # this process is rank 0 and starts the others; each rank has num_threads threads and a
@@ -134,6 +138,11 @@ class EngineConfig:
                              "(flash_attn reads only a bfloat16/float16 cache)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, "
+                             f"got {self.weight_format!r}")
+        if self.weight_format == "int4":
+            self._check_int4()
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -149,6 +158,15 @@ class EngineConfig:
                              f"{self.tensor_parallel_timeout_s}")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+
+    def _check_int4(self) -> None:
+        refused = [(self.dtype != "bfloat16", f"dtype {self.dtype!r} (use bfloat16)"),
+                   (self.device != "cpu", f"device {self.device!r} (use cpu)"),
+                   (self.tensor_parallel_size != 1,
+                    f"tensor_parallel_size {self.tensor_parallel_size} (use 1)")]
+        for problem, what in refused:
+            if problem:
+                raise ValueError(f"weight_format int4 does not support {what}")
 
     def _check_tensor_parallel(self) -> None:
         """What a tensor-parallel engine does not do (each would touch the KV cache or the

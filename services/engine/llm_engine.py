@@ -81,7 +81,11 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         check_device(config.device)
-        loaded = loaded or load_model(config.model, config.dtype)
+        loaded = loaded or load_model(config.model, config.dtype,
+                                       weight_format=config.weight_format)
+        if config.weight_format == "int4" and not loaded.quantized:
+            raise ValueError("weight_format int4 needs the model loaded with weight_format int4 "
+                             "(a GGUF with Q4_1 weights)")
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         tp = config.tensor_parallel_size
@@ -127,7 +131,9 @@ class LLMEngine:
                                                  local.num_heads, local.num_kv_heads,
                                                  local.head_dim),
                            max_positions=self.max_model_len, device=config.device,
-                           shard=shards[0], all_reduce=self.tp and self.tp.all_reduce)
+                           shard=shards[0], all_reduce=self.tp and self.tp.all_reduce,
+                           quantized=loaded.quantized if config.weight_format == "int4"
+                           else None)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device,
                                   self.tp)
         if (config.cuda_graphs and torch.device(config.device).type == "cuda"

@@ -28,6 +28,7 @@ from torch import nn
 from services.engine.attention import AttentionBackend
 from services.engine.config import ModelConfig
 from services.engine.cpu_linear import Linear, packing_available
+from services.engine.int4_linear import Int4Linear, Q4Weight
 from services.engine.kv_cache import KVCache
 
 
@@ -136,12 +137,12 @@ class Layer:
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
+    qkv: Linear | Int4Linear
+    o: Linear | Int4Linear
     q_norm: torch.Tensor | None  # Qwen3
     k_norm: torch.Tensor | None
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | Int4Linear
+    down: Linear | Int4Linear
 
     def weight_bytes(self) -> int:
         tensors = [self.input_norm, self.post_norm, self.q_norm, self.k_norm]
@@ -154,9 +155,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  attention: AttentionBackend, max_positions: int, device: str = "cpu",
                  shard: Shard | None = None,
-                 all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+                 all_reduce: Callable[[torch.Tensor], None] | None = None,
+                 quantized: dict[str, Q4Weight] | None = None) -> None:
         """``shard``: this rank's part (None: the whole model); ``all_reduce`` sums a tensor
-        in place across the ranks (needed when the shard is not the whole model)."""
+        in place across the ranks (needed when the shard is not the whole model).
+        ``quantized``: Q4_1 weights by name (weight_format int4; a projection all of whose
+        parts are there runs as an ``Int4Linear``, the others dense from ``weights``)."""
         super().__init__()
         self.config = config
         self.shard = shard or Shard.whole(config)
@@ -173,6 +177,18 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
         pack = packing_available(device, self.embed.dtype)  # oneDNN-ordered weights on a CPU
         self.head = Linear.of(self.lm_head, pack=pack)
+        quantized = quantized or {}
+        if quantized and (self.shard.world_size > 1 or torch.device(device).type != "cpu"):
+            raise ValueError("int4 weights run on one CPU rank only")
+
+        def linear(names: list[str], bias: torch.Tensor | None = None
+                   ) -> Linear | Int4Linear:
+            """The fused projection of ``names`` (stacked along their outputs)."""
+            if all(name in quantized for name in names):
+                return Int4Linear.of(Q4Weight.cat([quantized[n] for n in names]), bias, pack)
+            return Linear.of(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]],
+                             bias, pack)
+
         self.layers: list[Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -182,14 +198,12 @@ class LlamaModel(nn.Module):
             self.layers.append(Layer(
                 input_norm=w[p + "input_layernorm.weight"],
                 post_norm=w[p + "post_attention_layernorm.weight"],
-                qkv=Linear.of(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]),
-                              attn_bias, pack),
-                o=Linear.of(w[p + "self_attn.o_proj.weight"], pack=pack),
+                qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], attn_bias),
+                o=linear([p + "self_attn.o_proj.weight"]),
                 q_norm=w.get(p + "self_attn.q_norm.weight"),
                 k_norm=w.get(p + "self_attn.k_norm.weight"),
-                gate_up=Linear.of(torch.cat([w[p + "mlp.gate_proj.weight"],
-                                             w[p + "mlp.up_proj.weight"]]), pack=pack),
-                down=Linear.of(w[p + "mlp.down_proj.weight"], pack=pack),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=linear([p + "mlp.down_proj.weight"]),
             ))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
                             rope_inv_freq(config))

@@ -7,6 +7,7 @@ tensors in the requested dtype; the model module fuses what it wants from there.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from services.engine.config import ModelConfig
+from services.engine.config import WEIGHT_FORMATS, ModelConfig
+from services.engine.int4_linear import Q4Weight
 from services.engine.tokenizer import Tokenizer
 from services.engine.tokenizer_loader import (
     ModelLoadError,
@@ -38,17 +40,30 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
+    # weight_format int4: the GGUF's Q4_1 weights as they are (``weights`` holds the same
+    # values in ``dtype``), by Hugging Face name
+    quantized: dict[str, Q4Weight] = dataclasses.field(default_factory=dict)
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", progress: bool = True
-               ) -> LoadedModel:
-    """Load from a .gguf file or a Hugging Face directory; None loads the built-in model."""
+def load_model(path: str | Path | None = None, dtype: str = "float32", progress: bool = True,
+               weight_format: str = "dense") -> LoadedModel:
+    """Load from a .gguf file or a Hugging Face directory; None loads the built-in model.
+    ``weight_format`` int4 keeps a GGUF's Q4_1 weights 4-bit (bfloat16 only)."""
     if dtype not in _DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"unsupported weight_format {weight_format!r}; use one of "
+                             f"{', '.join(WEIGHT_FORMATS)}")
+    int4 = weight_format == "int4"
+    if int4 and dtype != "bfloat16":
+        raise ModelLoadError(f"weight_format int4 needs dtype bfloat16, got {dtype!r}")
     source = model_source(path)
     if source.is_dir():
+        if int4:
+            raise ModelLoadError(f"weight_format int4 needs a GGUF file with Q4_1 weights; "
+                                 f"{source} is a Hugging Face (safetensors) directory")
         return _load_hf_dir(source, _DTYPES[dtype], progress)
-    return _load_gguf(source, _DTYPES[dtype], progress)
+    return _load_gguf(source, _DTYPES[dtype], progress, int4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +108,8 @@ def _undo_gguf_qk_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, int4: bool = False
+               ) -> LoadedModel:
     import gguf
 
     meta = read_gguf_metadata(path)
@@ -111,10 +127,16 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
         raise ModelLoadError(f"not a valid GGUF file: {path} ({exc})") from exc
 
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, Q4Weight] = {}
     for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", disable=not progress,
                        unit="tensor", leave=False):
         hf_name = _gguf_name_to_hf(tensor.name)
         if hf_name is None:
+            continue
+        if int4 and tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            q4 = _q4_weight(tensor, hf_name, num_heads, num_kv_heads)
+            quantized[hf_name] = q4
+            weights[hf_name] = q4.dequantize().to(dtype)
             continue
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -129,6 +151,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
             array = _undo_gguf_qk_permute(array, num_kv_heads)
         weights[hf_name] = torch.from_numpy(array).to(dtype)
 
+    if int4 and not quantized:
+        raise ModelLoadError(f"weight_format int4 needs Q4_1 weights; {path} has none "
+                             f"(use weight_format dense)")
     rope_dim = field(f"{arch}.rope.dimension_count")
     head_dim = int(field(f"{arch}.attention.key_length", rope_dim or hidden // num_heads))  # type: ignore[arg-type]
     tokenizer = metadata.tokenizer
@@ -152,7 +177,19 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
         qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
     )
     _check_weights(config, weights, path)
-    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path,
+                       quantized=quantized)
+
+
+def _q4_weight(tensor, hf_name: str, num_heads: int, num_kv_heads: int  # type: ignore[no-untyped-def]
+               ) -> Q4Weight:
+    """A Q4_1 GGUF tensor as it is, its rows in Hugging Face's order."""
+    out, inp = (int(d) for d in reversed(tensor.shape))
+    q4 = Q4Weight.from_q4_1(tensor.data, (out, inp))
+    for proj, heads in ((".q_proj.", num_heads), (".k_proj.", num_kv_heads)):
+        if proj in hf_name:
+            q4 = q4.rows(_undo_gguf_qk_permute(np.arange(out), heads))
+    return q4
 
 
 def _gguf_rope_scaling(field, arch: str) -> dict[str, object] | None:  # type: ignore[no-untyped-def]

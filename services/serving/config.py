@@ -16,6 +16,7 @@ from services.engine.config import (
     FLASH_ATTN_BLOCK_MULTIPLE,
     KV_CACHE_DTYPES,
     SPEC_METHODS,
+    WEIGHT_FORMATS,
     EngineConfig,
     SpeculativeConfig,
 )
@@ -57,6 +58,10 @@ class AppConfig:
     # The host-memory KV tier per engine: evicted prefix-cache blocks kept in this much host
     # RAM (pinned on CUDA) and copied back on a hit instead of recomputed; 0: off
     host_kv_cache_gb: float = 0.0
+    # dense: every weight in `dtype`; int4: a GGUF's Q4_1 weights kept 4-bit, run by torch's
+    # int4 kernel for decode steps of a few tokens (CPU, dtype bfloat16, tensor_parallel_size
+    # 1; the scales rounded to bfloat16; docs/architecture.md "Linear layers")
+    weight_format: str = "dense"
     max_model_len: int | None = None
     # torch intra-op threads per engine rank; None: from the CPUs of the machine the engine
     # runs on, (cpus - 1) // ranks on it, at least 1 (``engine_threads``)
@@ -133,6 +138,11 @@ class AppConfig:
             raise ConfigError("kv_cache_dtype int8 needs attention_backend auto, triton or "
                               "torch (flash_attn reads only a bfloat16/float16 cache)")
         _at_least("host_kv_cache_gb", self.host_kv_cache_gb, 0)
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ConfigError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, "
+                              f"got {self.weight_format!r}")
+        if self.weight_format == "int4":
+            self._check_int4()
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
@@ -192,6 +202,18 @@ class AppConfig:
             raise ConfigError(f"redis_url must start with redis://, rediss:// or unix://, "
                               f"got {self.redis_url!r}")
 
+    def _check_int4(self) -> None:
+        refused = [(self.dtype != "bfloat16", f"dtype {self.dtype!r} (use bfloat16)"),
+                   (self.device == "cuda", "device 'cuda' (use cpu or auto on a CPU)"),
+                   (self.tensor_parallel_size != 1,
+                    f"tensor_parallel_size {self.tensor_parallel_size} (use 1)"),
+                   (self.model is not None and Path(self.model).is_dir(),
+                    f"model {self.model} (a Hugging Face directory; int4 needs a GGUF file "
+                    f"with Q4_1 weights)")]
+        for problem, what in refused:
+            if problem:
+                raise ConfigError(f"weight_format int4 does not support {what}")
+
     def engine_config(self, decodes: bool = True) -> EngineConfig:
         """``decodes``: the engine generates past the first token (decode role, colocated),
         so it runs speculative decoding if configured; prefill engines never do."""
@@ -204,7 +226,7 @@ class AppConfig:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.engine_threads(), attention_backend=self.attention_backend,
-            cuda_graphs=self.cuda_graphs,
+            cuda_graphs=self.cuda_graphs, weight_format=self.weight_format,
             tensor_parallel_size=self.tensor_parallel_size)
 
     def http_url(self) -> str:

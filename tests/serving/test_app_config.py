@@ -153,6 +153,16 @@ def _up_settings(*argv: str) -> dict:
     return up_settings(parser.parse_args(["up", *argv]))
 
 
+def test_weight_format_up_flag_reaches_the_engine_config():
+    args = ["--weight-format", "int4", "--dtype", "bfloat16", "--device", "cpu"]
+    config = AppConfig.from_dict(_up_settings(*args), "command line")
+    assert config.weight_format == "int4" and config.engine_config().weight_format == "int4"
+    default = AppConfig.from_dict(_up_settings(), "-")
+    assert default.weight_format == "dense" and default.engine_config().weight_format == "dense"
+    with pytest.raises(ConfigError, match="weight_format int4 does not support dtype 'float32'"):
+        AppConfig.from_dict(_up_settings("--weight-format", "int4"), "command line")
+
+
 def test_tandem_up_without_a_shape_colocates_on_a_small_cpu_machine():
     from services.serving.up import default_shape
 

@@ -1,0 +1,109 @@
+"""Linear layers on the CPU over a GGUF's Q4_1 weights as they are (``weight_format: int4``).
+
+A Q4_1 block is 32 consecutive values of a weight row: a float16 scale ``d``, a float16 minimum
+``m`` and 32 four-bit ``q`` (value ``j`` in the low nibble of byte ``j``, value ``16 + j`` in
+its high nibble), ``w = d * q + m`` (``gguf.quants.Q4_1``). torch's groupwise int4 matmul on the
+CPU (``aten._weight_int4pack_mm_for_cpu``) computes ``w = (q - 8) * scale + zero`` per group of
+32 along the input dimension, so the same ``q`` serve with ``scale = d`` and
+``zero = m + 8 * d``, no re-quantization. Its fast path wants ``scale`` and ``zero`` in bfloat16:
+the weights are the GGUF's with ``d`` and ``m + 8d`` rounded to bfloat16.
+
+The int4 kernel wins only at a few tokens (measured on this machine's CPU, one thread: a whole
+batch-1 decode step of the built-in model, see docs/loadtest.md); from ``INT4_MAX_TOKENS`` up
+(prefill chunks, decode batches) ``Int4Linear`` runs a dense bfloat16 copy of the same weights,
+dequantized from the pack (prepacked for oneDNN like every ``cpu_linear.Linear``), so both paths
+multiply by identical weight values and only the kernel's accumulation differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.engine.cpu_linear import Linear
+
+GROUP = 32  # values per Q4_1 block = torch's int4 group size here
+_Q4_1_BLOCK_BYTES = 2 + 2 + GROUP // 2
+# Token counts up to this run the int4 kernel; more run the dense copy.
+INT4_MAX_TOKENS = 4
+
+
+def int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A weight ``[out, in]`` as ``(q - 8) * scale + zero``, one scale and zero per 32 inputs."""
+
+    q: torch.Tensor  # [out, in] uint8, 0..15
+    scale: torch.Tensor  # [out, in / 32] bfloat16
+    zero: torch.Tensor  # [out, in / 32] bfloat16
+
+    @classmethod
+    def from_q4_1(cls, blocks: np.ndarray, shape: tuple[int, int]) -> Q4Weight:
+        """``blocks``: a GGUF Q4_1 tensor's bytes, ``shape``: its ``[out, in]``."""
+        out, inp = shape
+        raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(out, inp // GROUP,
+                                                                   _Q4_1_BLOCK_BYTES)
+        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = raw[..., 4:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, inp)
+        return cls(torch.from_numpy(q.copy()),
+                   torch.from_numpy(d).to(torch.bfloat16),
+                   torch.from_numpy(m + 8 * d).to(torch.bfloat16))
+
+    @classmethod
+    def cat(cls, parts: Sequence[Q4Weight]) -> Q4Weight:
+        """Stacked along ``out`` (fused projections)."""
+        return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                   torch.cat([p.zero for p in parts]))
+
+    def rows(self, order: np.ndarray) -> Q4Weight:
+        """Rows reordered (``order[i]``: the row that becomes row ``i``)."""
+        index = torch.from_numpy(np.ascontiguousarray(order))
+        return Q4Weight(self.q[index], self.scale[index], self.zero[index])
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32, exactly ``(q - 8) * scale + zero``."""
+        scale = self.scale.float().repeat_interleave(GROUP, dim=1)
+        zero = self.zero.float().repeat_interleave(GROUP, dim=1)
+        return (self.q.float() - 8) * scale + zero
+
+
+@dataclass(frozen=True)
+class Int4Linear:
+    """``x @ weight.T + bias`` like ``cpu_linear.Linear``: the int4 kernel for up to
+    ``max_tokens`` tokens, else ``dense`` (the same weights in bfloat16)."""
+
+    packed: torch.Tensor  # torch's int4 pack of q
+    scales_zeros: torch.Tensor  # [in / 32, out, 2] bfloat16
+    dense: Linear
+    max_tokens: int = INT4_MAX_TOKENS
+
+    @classmethod
+    def of(cls, weight: Q4Weight, bias: torch.Tensor | None = None, pack: bool = True,
+           max_tokens: int = INT4_MAX_TOKENS) -> Int4Linear:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
+        scales_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).contiguous()
+        dense = Linear.of(weight.dequantize().to(torch.bfloat16), bias, pack)
+        return cls(packed, scales_zeros, dense, max_tokens)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.dense.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_tokens or x.dim() != 2:
+            return self.dense(x)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP,
+                                                         self.scales_zeros)
+        return out if self.bias is None else out + self.bias
