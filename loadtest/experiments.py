@@ -155,12 +155,23 @@ TANDEM_SHAPES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
 
 
 def tandem_shapes(text: str) -> list[str]:
+    """``--tandem``: shapes, each optionally ``:int4`` (``weight_format: int4``, bfloat16)."""
     shapes = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in shapes if s not in TANDEM_SHAPES]
+    unknown = [s for s in shapes
+               if s.removesuffix(":int4") not in TANDEM_SHAPES]
     if unknown or not shapes:
         raise argparse.ArgumentTypeError(f"--tandem takes shapes among "
-                                         f"{', '.join(TANDEM_SHAPES)}, got {text!r}")
+                                         f"{', '.join(TANDEM_SHAPES)}, each optionally "
+                                         f"with :int4, got {text!r}")
     return shapes
+
+
+def _tandem(shape: str, common: dict[str, Any], args: argparse.Namespace) -> Configuration:
+    base = shape.removesuffix(":int4")
+    settings = {**common, **TANDEM_SHAPES[base](args)}
+    if shape != base:
+        settings["weight_format"] = "int4"
+    return Configuration(f"tandem-{base}" + ("-int4" if shape != base else ""), settings)
 
 
 def tandem_vs_vllm(args: argparse.Namespace) -> list[Configuration]:
@@ -171,8 +182,7 @@ def tandem_vs_vllm(args: argparse.Namespace) -> list[Configuration]:
     if args.llama_server is not None:
         peers.append(Configuration("llama.cpp", {"max_num_seqs": args.max_num_seqs},
                                    peer="llama.cpp"))
-    return peers + [Configuration(f"tandem-{shape}", {**common, **TANDEM_SHAPES[shape](args)})
-                    for shape in args.tandem]
+    return peers + [_tandem(shape, common, args) for shape in args.tandem]
 
 
 def prefix_vs_roundrobin(args: argparse.Namespace) -> list[Configuration]:
@@ -282,7 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "GGUF file itself (docs/loadtest.md)")
             servers.add_argument("--tandem", type=tandem_shapes, default=["1p1d", "colocated"],
                                  help="Tandem's shapes, comma-separated, among "
-                                      f"{', '.join(TANDEM_SHAPES)} (default: 1p1d,colocated)")
+                                      f"{', '.join(TANDEM_SHAPES)}, each optionally with "
+                                      ":int4 (int4 weights; --dtype bfloat16) (default: "
+                                      "1p1d,colocated)")
         servers.add_argument("--ready-timeout", type=float, default=600.0,
                              help="seconds to wait for each `tandem up` ready line")
         servers.add_argument("--metrics-settle", type=float, default=1.0, metavar="S",

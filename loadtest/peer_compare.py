@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="llama.cpp's llama-server binary (optional; docs/loadtest.md)")
     parser.add_argument("--tandem", type=experiments.tandem_shapes, default=["default"],
                         help="Tandem's shapes, comma-separated, among "
-                             f"{', '.join(experiments.TANDEM_SHAPES)} (default: default)")
+                             f"{', '.join(experiments.TANDEM_SHAPES)}, each optionally "
+                             "with :int4 (int4 weights) (default: default)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--num-requests", type=int, default=16,
                         help="requests per run of the random workload (16)")

@@ -16,11 +16,13 @@ from tests.loadtest.test_experiments import RecordingLauncher, parse
 
 def test_the_peer_experiments_take_llama_cpp_and_tandems_default_shape() -> None:
     args = parse(["tandem-vs-vllm", "--vllm", "/bin/true", "--llama-server", "/bin/true",
-                  "--tandem", "default,colocated"])
+                  "--tandem", "default,colocated,default:int4", "--dtype", "bfloat16"])
     confs = experiments.tandem_vs_vllm(args)
     assert [(c.label, c.peer) for c in confs] == [
         ("vllm-cpu", "vllm"), ("llama.cpp", "llama.cpp"), ("tandem-default", None),
-        ("tandem-colocated", None)]
+        ("tandem-colocated", None), ("tandem-default-int4", None)]
+    assert AppConfig.from_dict(confs[4].settings, "int4").weight_format == "int4"
+    assert "weight_format" not in confs[2].settings
     default = confs[2].settings
     assert not {"colocated", "prefill_replicas", "decode_replicas",
                 "threads_per_worker"} & set(default)  # `tandem up` chooses
