@@ -2,8 +2,9 @@
 
     python -m loadtest.serve_streams [--streams 16] [--ticks 60] [--tick-s 0.05] [--rounds 2]
 
-How a decode replica hands tokens to the gateway today: one Serve stream per request, one item
-per engine step (``DecodeReplica.decode``). This starts a private Ray with two deployments, a
+Why a decode replica hands every request's tokens to a gateway on one channel
+(services/serving/decode_channel.py) rather than on one Serve stream per request (as it did
+until 2026-12-02), one item per engine step. This starts a private Ray with two deployments, a
 producer and a consumer (as the decode replica and the gateway), and times two ways of moving
 ``streams`` x ``ticks`` outputs, one tick every ``tick_s`` (an engine step):
 
