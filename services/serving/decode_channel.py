@@ -56,6 +56,7 @@ class DecodeChannel:
         self.worker_id = worker_id
         self.channel_id = uuid.uuid4().hex
         self.failure: BaseException | None = None
+        self.lists = 0  # received from the replica, the hello included
         self._decode = decode
         self._ingest = ingest
         self._on_close = on_close
@@ -159,6 +160,7 @@ class DecodeChannel:
 
     def _dispatch(self, batch: list[RequestOutput | RequestDone | WorkerReport]) -> None:
         self._heard = time.monotonic()
+        self.lists += 1
         # Reports first: a request's caller stops reading at its finished output, and the list
         # that ends a request carries the worker's report (its load and KV events).
         for item in batch:
