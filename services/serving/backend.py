@@ -45,6 +45,7 @@ from services.request import GenerationRequest
 from services.serving.cluster_view import ClusterView, WorkerSnapshot
 from services.serving.decode_channel import DecodeChannel, StreamStalledError
 from services.serving.messages import ReplicaGoneError
+from services.serving.replica_ids import known_replicas
 from services.serving.serve_calls import call
 
 log = logging.getLogger(__name__)
@@ -255,14 +256,25 @@ class DisaggBackend:
                         params=dataclasses.replace(request.params, prompt_logprobs=None))
                 else:
                     failovers += 1
+            finally:
+                self._close_stopping_channels()
 
     def _channel(self, worker: str) -> DecodeChannel:
         """The decode worker's channel, opened now if it has none (or its last one failed)."""
+        self._close_stopping_channels()
         channel = self._channels.get(worker)
         if channel is None:
             channel = self._channels[worker] = DecodeChannel(
                 self.decode, worker, self.view.ingest, self._channel_closed)
         return channel
+
+    def _close_stopping_channels(self) -> None:
+        """Close the idle channels to decode replicas Serve no longer has: a replica being
+        stopped waits for its calls (a channel is one) up to ``drain_timeout_s``."""
+        live = known_replicas(self.decode.deployment_name)
+        for channel in list(self._channels.values()):
+            if live and channel.worker_id not in live and channel.idle:
+                channel.close(ReplicaGoneError(f"decode replica {channel.worker_id} is gone"))
 
     def _channel_closed(self, channel: DecodeChannel) -> None:
         if self._channels.get(channel.worker_id) is channel:

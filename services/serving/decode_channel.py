@@ -109,6 +109,11 @@ class DecodeChannel:
             if not ended and self.failure is None:
                 self._abort_later(request_id)
 
+    @property
+    def idle(self) -> bool:
+        """No request is on the channel."""
+        return not self._queues
+
     def close(self, error: BaseException) -> None:
         """Fail every request on the channel with ``error`` and end its stream (the replica
         then aborts whatever of them it still runs)."""

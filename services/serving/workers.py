@@ -3,10 +3,10 @@
 A replica's worker id is its Serve replica id, so the router's choice names a replica. Every
 call between processes goes through Serve handles (one control plane, docs/architecture.md):
 the gateway's ``prefill`` / ``reject`` / ``status``, its decode ``channel`` (one stream per
-gateway, services/serving/channel_outbox.py) / ``submit`` / ``abort``, and the decode replica's
-``pair`` / ``release`` / ``reject`` on the prefill replica. Each call names its replica with
-``route_to``; a replica that is not the one named raises ``ReplicaGoneError`` (see
-request_router.py). KV blocks move over the configured transport (NIXL or TCP).
+gateway and decode replica, services/serving/channel_outbox.py) / ``submit`` / ``abort``, and
+the decode replica's ``pair`` / ``release`` / ``reject`` on the prefill replica. Each call names
+its replica with ``route_to``; a replica that is not the one named raises ``ReplicaGoneError``
+(see request_router.py). KV blocks move over the configured transport (NIXL or TCP).
 """
 
 from __future__ import annotations
