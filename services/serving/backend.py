@@ -1,11 +1,13 @@
 """The disaggregated ``GenerationBackend``: route, prefill on P, first token at once, decode on D.
 
-Token ids in, ``RequestOutput``s out, like the colocated ``EngineBackend``. The decode worker
-streams lists of outputs (whatever its engine produced since the previous list), so a request
-costs one streaming call to D, not one remote call per token.
+Token ids in, ``RequestOutput``s out, like the colocated ``EngineBackend``. Each decode worker
+streams this gateway the outputs of all its requests on one channel (``DecodeChannel``, opened
+on the first request routed there), so a request costs one unary submit to D, not a stream of
+its own (Serve's streams deliver a limited number of spaced items a second in all) nor one
+remote call per token.
 
-A decode stream whose worker fails (its replica died, its engine stopped, it went silent for
-``stream_idle_s``) migrates: the request goes to the router's next decode worker with the
+A request whose decode worker fails (its replica died, its engine stopped, it sent the request
+nothing for ``stream_idle_s``) migrates: it goes to the router's next decode worker with the
 tokens it already produced (``GenerationRequest.output_token_ids``); that worker recomputes
 them with the prompt (or finds them in its prefix cache) and continues. Sampling draws depend
 only on the request's seed and the token's position (engine/sampler.py), so the caller sees one
@@ -26,19 +28,14 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry.context import Context
-from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from router import NoHealthyWorkers, Router, RoutingDecision
 from services import tracing
-from services.decode.errors import DecodeRejectedError
 from services.engine.outputs import (
     DeadlineExceededError,
     EngineDeadError,
-    EngineError,
-    EngineOverloadedError,
     EngineStats,
-    RequestError,
     RequestOutput,
     UnavailableError,
 )
@@ -46,7 +43,10 @@ from services.engine.sequence import FinishReason
 from services.prefill.result import PrefillResult
 from services.request import GenerationRequest
 from services.serving.cluster_view import ClusterView, WorkerSnapshot
-from services.serving.messages import ReplicaGoneError, WorkerReport
+from services.serving.decode_channel import DecodeChannel, StreamStalledError
+from services.serving.messages import ReplicaGoneError
+from services.serving.replica_ids import known_replicas
+from services.serving.serve_calls import call
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,6 @@ log = logging.getLogger(__name__)
 MAX_FAILOVERS = 2
 # Time from a decode worker's failure to the migrated stream's next token.
 RESUME_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-class StreamStalledError(DeadlineExceededError):
-    """A decode worker sent nothing for ``stream_idle_s``."""
 
 
 @dataclass
@@ -83,7 +79,7 @@ class BackendTimeouts:
     """Per-hop limits (the request's own deadline is the gateway's to enforce)."""
 
     prefill_s: float = 60.0  # a prefill call; then the router's next choice (or D) prefills
-    stream_idle_s: float = 60.0  # the longest a decode stream may go without a batch
+    stream_idle_s: float = 60.0  # the longest a request may wait for D's next output
     max_migrations: int = 3  # decode worker failures one request survives; then its error
 
 
@@ -95,7 +91,8 @@ class DisaggBackend:
         self.router = router
         self.view = view
         self.prefill = prefill
-        self.decode = decode.options(stream=True)
+        self.decode = decode
+        self._channels: dict[str, DecodeChannel] = {}  # by decode worker id
         self._model_id = model_id
         self._max_model_len = max_model_len
         self._background: set[asyncio.Task[Any]] = set()
@@ -179,7 +176,7 @@ class DisaggBackend:
             assert worker is not None
             try:
                 async with asyncio.timeout(self.timeouts.prefill_s):
-                    result, report = await _call(self.prefill.prefill.remote(
+                    result, report = await call(self.prefill.prefill.remote(
                         request, route_to=worker, reader=decision.decode_worker))
             except (ReplicaGoneError, EngineDeadError, TimeoutError) as exc:
                 if isinstance(exc, TimeoutError):
@@ -218,34 +215,27 @@ class DisaggBackend:
         failed_at: float | None = None  # when the stream being migrated failed
         failovers = migrations = 0
         while True:
-            stream = self.decode.decode.remote(request, route_to=worker)
-            finished = False
+            assert worker is not None  # _route raises without a decode worker
             started = False
             try:
-                async for batch in self._batches(stream, worker):
-                    # Reports first: the caller stops reading at the finished output, and the
-                    # last batch carries the worker's report (its load and KV events) after it.
-                    for item in batch:
-                        if isinstance(item, WorkerReport):
-                            self.view.ingest(item)
-                    for item in batch:
-                        if isinstance(item, RequestOutput):
-                            started = True
-                            finished = item.finished
-                            if failed_at is not None:
-                                self.migrations.resumed(time.monotonic() - failed_at)
-                                failed_at = None
-                            emitted += item.new_token_ids
-                            if cached is None:
-                                cached = item.num_cached_tokens
-                            yield _with_cached(item, request.num_prompt_tokens, cached)
+                # Closed at once when the caller leaves: D aborts the request.
+                async with contextlib.aclosing(self._channel(worker).generate(
+                        request, self.timeouts.stream_idle_s)) as outputs:
+                    async for item in outputs:
+                        started = True
+                        if failed_at is not None:
+                            self.migrations.resumed(time.monotonic() - failed_at)
+                            failed_at = None
+                        emitted += item.new_token_ids
+                        if cached is None:
+                            cached = item.num_cached_tokens
+                        yield _with_cached(item, request.num_prompt_tokens, cached)
                 return
             except (ReplicaGoneError, EngineDeadError, StreamStalledError) as exc:
                 reason = _failover_reason(exc)
-                if worker is not None:
-                    self.router.mark_down(worker, reason)
+                self.router.mark_down(worker, reason)
                 migrate = started or request.output_token_ids != ()
-                if worker is None or (migrations if migrate else failovers) >= (
+                if (migrations if migrate else failovers) >= (
                         self.timeouts.max_migrations if migrate else MAX_FAILOVERS):
                     raise
                 try:
@@ -267,27 +257,28 @@ class DisaggBackend:
                 else:
                     failovers += 1
             finally:
-                if not finished:
-                    stream.cancel()
+                self._close_stopping_channels()
 
-    async def _batches(self, stream: Any, worker: str | None) -> AsyncIterator[Any]:
-        """D's batches; a stream that sends nothing for ``stream_idle_s`` (a hung worker)
-        ends with ``DeadlineExceededError`` and the router routes around the worker."""
-        batches = _stream(stream)
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(self.timeouts.stream_idle_s):
-                        batch = await anext(batches)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    raise StreamStalledError(
-                        f"decode worker {worker} sent nothing for "
-                        f"{self.timeouts.stream_idle_s:.0f} s") from None
-                yield batch
-        finally:
-            await batches.aclose()
+    def _channel(self, worker: str) -> DecodeChannel:
+        """The decode worker's channel, opened now if it has none (or its last one failed)."""
+        self._close_stopping_channels()
+        channel = self._channels.get(worker)
+        if channel is None:
+            channel = self._channels[worker] = DecodeChannel(
+                self.decode, worker, self.view.ingest, self._channel_closed)
+        return channel
+
+    def _close_stopping_channels(self) -> None:
+        """Close the idle channels to decode replicas Serve no longer has: a replica being
+        stopped waits for its calls (a channel is one) up to ``drain_timeout_s``."""
+        live = known_replicas(self.decode.deployment_name)
+        for channel in list(self._channels.values()):
+            if live and channel.worker_id not in live and channel.idle:
+                channel.close(ReplicaGoneError(f"decode replica {channel.worker_id} is gone"))
+
+    def _channel_closed(self, channel: DecodeChannel) -> None:
+        if self._channels.get(channel.worker_id) is channel:
+            del self._channels[channel.worker_id]
 
     def _reject_later(self, worker_id: str, lease_id: str, request_id: str) -> None:
         async def reject() -> None:
@@ -302,6 +293,8 @@ class DisaggBackend:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
+        for channel in list(self._channels.values()):
+            await channel.aclose()
         for task in list(self._background):
             with contextlib.suppress(Exception):
                 await task
@@ -350,47 +343,6 @@ def _with_cached(out: RequestOutput, num_prompt: int, cached: int) -> RequestOut
     it was prefilled (D's own count covers only what D computed)."""
     return dataclasses.replace(out, num_prompt_tokens=num_prompt, num_cached_tokens=cached,
                                kv=None)
-
-
-def _clean(exc: BaseException) -> BaseException:
-    """Replica errors arrive wrapped in RayTaskError; give the gateway the plain error."""
-    if isinstance(exc, RayActorError):  # the replica's process died during the call
-        return ReplicaGoneError("the worker's replica died during the call")
-    cause = exc.cause if isinstance(exc, RayTaskError) else exc
-    if isinstance(cause, ReplicaGoneError):
-        return ReplicaGoneError(str(cause))
-    if isinstance(cause, RequestError):
-        return RequestError(str(cause))
-    for kind in (EngineDeadError, EngineError, DeadlineExceededError, UnavailableError):
-        if isinstance(cause, kind):  # the most specific first: EngineDeadError is an EngineError
-            return kind(str(cause))
-    if isinstance(cause, EngineOverloadedError | DecodeRejectedError):
-        return EngineOverloadedError(str(cause))
-    return exc
-
-
-async def _call(response: Any) -> Any:
-    try:
-        return await response
-    except asyncio.CancelledError:
-        response.cancel()
-        raise
-    except Exception as exc:
-        cleaned = _clean(exc)
-        if cleaned is exc:
-            raise
-        raise cleaned from None
-
-
-async def _stream(stream: Any) -> AsyncIterator[Any]:
-    try:
-        async for batch in stream:
-            yield batch
-    except Exception as exc:
-        cleaned = _clean(exc)
-        if cleaned is exc:
-            raise
-        raise cleaned from None
 
 
 def sum_stats(stats: Sequence[EngineStats]) -> EngineStats:

@@ -91,7 +91,7 @@ class AppConfig:
     prefill_timeout_s: float = 60.0  # a prefill call; then another worker (or D) prefills
     control_timeout_s: float = 5.0  # pair / release / reject between workers
     kv_transfer_timeout_s: float = 10.0  # one KV pull; then D recomputes the prompt
-    stream_idle_timeout_s: float = 60.0  # the longest gap in a decode worker's stream
+    stream_idle_timeout_s: float = 60.0  # the longest a request waits for its next decode output
     client_read_timeout_s: float = 60.0  # a streaming client that reads nothing this long: cut
     max_migrations: int = 3  # decode worker failures a stream survives (it moves on, exactly)
     # A worker Serve stops (scale-down, upgrade, a draining node) finishes its calls for this

@@ -157,12 +157,14 @@ class GatewayIngress:
         if fronts is not None:
             with contextlib.suppress(Exception):
                 await fronts.stop()
+        gateway: Gateway | None = getattr(self, "gateway", None)
+        backend = None if gateway is None else gateway.backend
+        if isinstance(backend, DisaggBackend):  # its decode channels: the replicas drain
+            await backend.close()
         if self.view is not None:
             await self.view.close()
         if self.router is not None:
             self.router.close()
-        gateway: Gateway | None = getattr(self, "gateway", None)
-        backend = None if gateway is None else gateway.backend
         if isinstance(backend, EngineBackend):
             await asyncio.to_thread(backend.engine.shutdown)
         tracing.flush()

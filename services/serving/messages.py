@@ -4,7 +4,9 @@
   ``PrefillResult`` (services/prefill/result.py) rides in it to D.
 - ``WorkerReport``: a worker's load and its queued KV events (in-process mode), sent with every
   response and status poll.
-- ``RequestOutput`` (services/engine/outputs.py) carries the tokens.
+- ``RequestOutput`` (services/engine/outputs.py) carries the tokens; on a decode channel (one
+  stream per gateway and decode replica, services/serving/decode_channel.py) each names its
+  request, and ``RequestDone`` ends one request's part of the channel.
 
 Ray serializes these between our own processes; no client input reaches them unvalidated (the
 gateway builds them from parsed, checked fields). No torch, no Ray here.
@@ -22,6 +24,21 @@ class ReplicaGoneError(UnavailableError):
     """The replica the router named is not the one the call reached (it is gone or being
     replaced). The caller fails over explicitly; see services/serving/request_router.py.
     With nowhere left to fail over to, the client gets 503 + Retry-After."""
+
+
+class ChannelClosedError(ReplicaGoneError):
+    """A call named a decode channel the replica does not have (never opened, or closed): the
+    gateway drops its side of the channel, reopens it and fails the request over."""
+
+
+@dataclass(frozen=True)
+class RequestDone:
+    """The end of one request's outputs on a decode channel: its engine stream ended (after its
+    finished output, or aborted), or failed with ``error`` (one of our own exceptions, e.g.
+    ``EngineDeadError``, ``RequestError``)."""
+
+    request_id: str
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,16 @@
 
 A replica's worker id is its Serve replica id, so the router's choice names a replica. Every
 call between processes goes through Serve handles (one control plane, docs/architecture.md):
-the gateway's ``prefill`` / ``decode`` / ``reject`` / ``status`` and the decode replica's
-``pair`` / ``release`` / ``reject`` on the prefill replica. Each call names its replica with
-``route_to``; a replica that is not the one named raises ``ReplicaGoneError`` (see
-request_router.py). KV blocks move over the configured transport (NIXL or TCP).
+the gateway's ``prefill`` / ``reject`` / ``status``, its decode ``channel`` (one stream per
+gateway and decode replica, services/serving/channel_outbox.py) / ``submit`` / ``abort``, and
+the decode replica's ``pair`` / ``release`` / ``reject`` on the prefill replica. Each call names
+its replica with ``route_to``; a replica that is not the one named raises ``ReplicaGoneError``
+(see request_router.py). KV blocks move over the configured transport (NIXL or TCP).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -31,15 +31,15 @@ from services.decode.config import DecodeConfig
 from services.decode.worker import DecodeWorker
 from services.engine.faults import fault_hook_from_env, planned_faults
 from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import RequestOutput
 from services.kv_transfer.factory import make_transport
 from services.kv_transfer.pairing import PairingError, PairingInfo
 from services.prefill.config import PrefillConfig
 from services.prefill.result import PrefillResult
 from services.prefill.worker import PrefillWorker
 from services.request import GenerationRequest
+from services.serving.channel_outbox import ChannelItem, ChannelOutbox
 from services.serving.config import AppConfig
-from services.serving.messages import ReplicaGoneError, WorkerReport
+from services.serving.messages import ChannelClosedError, ReplicaGoneError, WorkerReport
 from services.serving.worker_events import WorkerEvents
 
 Worker = PrefillWorker | DecodeWorker
@@ -233,14 +233,32 @@ class DecodeReplica(_Replica):
         self.prefill = prefill
         self._pairing: dict[str, asyncio.Lock] = {}  # one lock per prefill worker
         self._paired: set[str] = set()
+        self._channels: dict[str, ChannelOutbox] = {}  # the gateways' decode channels
         self.events.start(self.info(), self.load, lambda: self.worker.engine.healthy)
 
-    async def decode(self, request: GenerationRequest, route_to: str | None = None
-                     ) -> AsyncIterator[list[RequestOutput | WorkerReport]]:
-        """Stream the request's outputs after the first token, one list per batch of engine
-        steps (whatever accumulated while the previous list was in flight); the last list
-        ends with this worker's report."""
+    async def channel(self, channel_id: str, route_to: str | None = None
+                      ) -> AsyncIterator[list[ChannelItem]]:
+        """A gateway's decode channel (services/serving/channel_outbox.py): a hello, then one
+        list whenever any of its requests produced output. Ends only when the gateway cancels
+        it (or goes away); then every request still on it is aborted."""
         self._check_route(route_to)
+        outbox = self._channels[channel_id] = ChannelOutbox(channel_id, self.report)
+        try:
+            async for batch in outbox.batches():
+                yield batch
+        finally:
+            del self._channels[channel_id]
+            await outbox.close()
+
+    async def submit(self, request: GenerationRequest, channel_id: str,
+                     route_to: str | None = None) -> None:
+        """Start decoding the request after its first token (pairing with its prefill worker
+        and pulling its KV first); its outputs go to the channel ``channel_id``."""
+        self._check_route(route_to)
+        outbox = self._channels.get(channel_id)
+        if outbox is None:
+            raise ChannelClosedError(f"decode replica {self.worker_id} has no channel "
+                                     f"{channel_id}")
         first = request.prefill
         with tracing.attached(request.trace):  # the gateway's request span parents this one
             if first is not None and first.kv is not None:
@@ -248,30 +266,16 @@ class DecodeReplica(_Replica):
             stream = await self.worker.submit(request.request_id, request.prompt_token_ids,
                                               request.params, first, request.cache_salt,
                                               request.output_token_ids)
-        queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
-        pump = asyncio.create_task(_pump(stream, queue))
-        try:
-            done = False
-            while not done:
-                batch: list[RequestOutput | WorkerReport] = []
-                item = await queue.get()
-                while item is not None:
-                    batch.append(item)
-                    if queue.empty():
-                        break
-                    item = queue.get_nowait()
-                done = item is None
-                if done:
-                    pump.result()  # re-raises a failure of the stream
-                    yield [*batch, self.report()]
-                elif batch:
-                    yield batch
-        finally:
-            if not pump.done():
-                pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await pump
-            await stream.aclose()
+        await outbox.add(stream)
+
+    async def abort(self, channel_id: str, request_id: str, route_to: str | None = None
+                    ) -> None:
+        """Stop a request on a channel (nothing if it ended, or the channel did): its engine
+        stream closes and its KV is freed."""
+        self._check_route(route_to)
+        outbox = self._channels.get(channel_id)
+        if outbox is not None:
+            await outbox.abort(request_id)
 
     async def _pair(self, prefill_id: str) -> None:
         """Meet the prefill worker once (a lock per peer: a hung one holds up only the requests
@@ -300,11 +304,3 @@ class DecodeReplica(_Replica):
         await self.worker.close()
         tracing.flush()
 
-
-async def _pump(stream: AsyncIterator[RequestOutput],
-                queue: asyncio.Queue[RequestOutput | None]) -> None:
-    try:
-        async for out in stream:
-            queue.put_nowait(out)
-    finally:
-        queue.put_nowait(None)

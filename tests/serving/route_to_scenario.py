@@ -14,12 +14,14 @@ from router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, W
 from router.wire import WorkerEvent
 from services.engine.block_hash import HashSettings, hash_token_blocks
 from services.engine.kv_events import AllBlocksCleared, BlockStored
+from services.engine.outputs import RequestOutput
 from services.engine.sampling_params import SamplingParams
 from services.request import GenerationRequest
-from services.serving.backend import DisaggBackend, _call
+from services.serving.backend import DisaggBackend
 from services.serving.cluster_view import ClusterView
 from services.serving.config import AppConfig
 from services.serving.messages import ReplicaGoneError
+from services.serving.serve_calls import call
 
 APP = "route-to-test"
 PROMPT = [1000 + i for i in range(40)]
@@ -40,7 +42,7 @@ def _request(request_id: str) -> GenerationRequest:
 async def _refused(response: Any) -> str | None:
     """The ReplicaGoneError message a call was refused with; None if it was served."""
     try:
-        await _call(response)
+        await call(response)
     except ReplicaGoneError as exc:
         return str(exc)
     return None
@@ -95,6 +97,45 @@ async def failover(handles: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+async def channel(handles: dict[str, Any]) -> dict[str, Any]:
+    """A decode channel driven directly: a submit naming no channel is refused; two requests
+    stream on one channel; one is aborted, then the channel is cancelled with the other still
+    decoding: both aborted, every block free."""
+    decode = handles["decode"]
+    worker = str((await decode.status.remote())["worker_id"])
+    out: dict[str, Any] = {"unknown": await _refused(decode.submit.remote(
+        _request("no-channel"), "no-such-channel", route_to=worker))}
+    stream = decode.options(stream=True).channel.remote("test-channel", route_to=worker)
+    out["hello"] = [type(item).__name__ for item in await anext(stream)]
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    for request_id in ("long-1", "long-2"):
+        await decode.submit.remote(GenerationRequest(request_id, PROMPT, long), "test-channel",
+                                   route_to=worker)
+    tokens = {"long-1": 0, "long-2": 0}
+    async for batch in stream:
+        for item in batch:
+            if isinstance(item, RequestOutput):
+                tokens[item.request_id] += len(item.new_token_ids)
+        if min(tokens.values()) >= 3:
+            break
+    out["running"] = (await decode.status.remote(route_to=worker))["engine"]["num_running"]
+    await decode.abort.remote("test-channel", "long-1", route_to=worker)
+    out["running_after_abort"] = (await decode.status.remote(route_to=worker)
+                                  )["engine"]["num_running"]
+    stream.cancel()
+    engine: dict[str, Any] = {}
+    for _ in range(600):  # the replica aborts the channel's requests when its stream ends
+        engine = (await decode.status.remote(route_to=worker))["engine"]
+        if engine["num_running"] == 0 and engine["num_free_blocks"] == engine["num_blocks"]:
+            break
+        await asyncio.sleep(0.1)
+    out["running_after_cancel"] = engine["num_running"]
+    out["free_after_cancel"] = engine["num_free_blocks"] == engine["num_blocks"]
+    out["submit_after_cancel"] = await _refused(decode.submit.remote(
+        _request("late"), "test-channel", route_to=worker))
+    return out
+
+
 def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -114,7 +155,8 @@ def main() -> None:
         serve.run(build_app(config), name=APP, route_prefix=None, blocking=False)
         handles = {role: serve.get_deployment_handle(role, APP) for role in ("prefill", "decode")}
         result = {"named": asyncio.run(named_calls(handles)),
-                  "failover": asyncio.run(failover(handles))}
+                  "failover": asyncio.run(failover(handles)),
+                  "channel": asyncio.run(channel(handles))}
     finally:
         try:
             serve.shutdown()

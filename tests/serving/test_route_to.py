@@ -2,7 +2,9 @@
 and 1 decode replica, run by tests/serving/route_to_scenario.py in its own process): a call
 reaches the replica it names; a call naming a replica that is gone is refused with
 ReplicaGoneError (never silently served elsewhere) and changes nothing; the disaggregated
-backend then fails over visibly (counted) and the request completes on a live worker."""
+backend then fails over visibly (counted) and the request completes on a live worker. A
+decode channel refuses submits naming no open channel, and aborts what runs on it when it is
+cancelled."""
 
 from __future__ import annotations
 
@@ -46,3 +48,12 @@ def test_backend_fails_over_from_a_gone_prefill_replica(observed: dict[str, Any]
     assert run["failovers"] == [["prefill", "replica_gone", 1]]
     assert run["chosen_after"] == run["live"]  # routed around the gone replica since
     assert run["leases_after"] == 0  # the failed-over request left no lease behind
+
+
+def test_a_decode_channel_aborts_its_requests_when_cancelled(observed: dict[str, Any]) -> None:
+    run = observed["channel"]
+    assert "has no channel no-such-channel" in run["unknown"]
+    assert run["hello"] == ["WorkerReport"]
+    assert run["running"] == 2 and run["running_after_abort"] == 1
+    assert run["running_after_cancel"] == 0 and run["free_after_cancel"]
+    assert "has no channel test-channel" in run["submit_after_cancel"]
