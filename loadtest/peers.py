@@ -89,7 +89,8 @@ class LlamaCppServer:
                 "--port", str(port), "--alias", self.served_model_name,
                 "--threads", str(self.threads), "--threads-batch", str(self.threads),
                 "--parallel", str(self.parallel), "--cont-batching",
-                "--ctx-size", str(self.parallel * self.ctx_per_slot), "--no-webui"]
+                "--ctx-size", str(self.parallel * self.ctx_per_slot), "--no-webui",
+                "--metrics"]  # /metrics, which the bench reads (off by default: 501)
         if self.cpus is not None:
             argv = ["taskset", "-c", self.cpus, *argv]
         self.process = _spawn(argv, dict(os.environ), self.log_path)
