@@ -167,9 +167,9 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
 # Measured with `python -m loadtest.idle_cpu --settle 40` (docs/loadtest.md "Idle CPU"); shares
 # are of one core, idle 1P+1D cluster. None of them touches what detects a dead or hung replica
 # (Serve's health checks, Ray's actor death notices) or what replaces it.
-IDLE_RAY_ENV = {
+IDLE_RAY_ENV: dict[str, str] = {
     # Serve's controller loop: reacts (a dead replica replaced) within 0.5 s, not 0.1 s; with
-    # the next, an idle 1P+1D cluster went from 17% to 12%. (1 s saved nothing measurable.)
+    # the next, an idle 1P+1D cluster went from 17% to 12% (1 s: nothing measurable more).
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     # Each replica's flush of Serve's request metrics, which nothing exports (see the next):
     # 10 a second -> 1 (in the 17% -> 12%), -> one per 10 s.
@@ -191,8 +191,9 @@ IDLE_RAY_ENV = {
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
     "SCAN_EVENT_DIR_INTERVAL_SECONDS": "60",
     # The raylet's 100-250 ms timers to 1 s (memory monitor, resource report to GCS, plasma
-    # GC check, disk-full check, idle-worker reaping) and the autoscaler's load reports (no
-    # autoscaler here) to 10 s: raylet 0.8-0.9% -> 0.3-0.5%, GCS 0.9-1.0% -> 0.4-0.6%.
+    # GC check, disk-full check, idle-worker reaping) and load reports for autoscaling (one
+    # fixed machine here) to 10 s: raylet 0.8-0.9% -> 0.3-0.5%, GCS 0.9-1.0% -> 0.4-0.6%
+    # (measured together, not one by one).
     "RAY_memory_monitor_refresh_ms": "1000",
     "RAY_raylet_report_resources_period_milliseconds": "1000",
     "RAY_raylet_check_gc_period_milliseconds": "1000",
