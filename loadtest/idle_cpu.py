@@ -52,6 +52,43 @@ def measure(session: int, window_s: float) -> tuple[float, list[tuple[float, str
     return sum(share for share, _ in per), per
 
 
+def process_cpu(pid: int) -> tuple[float, float]:
+    """(CPU seconds of the whole process, of its main thread) so far."""
+    def seconds(stat: str) -> float:
+        fields = stat[stat.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / TICKS
+    return (seconds(Path(f"/proc/{pid}/stat").read_text()),
+            seconds(Path(f"/proc/{pid}/task/{pid}/stat").read_text()))
+
+
+def ray_actor_floor(settle_s: float, window_s: float) -> tuple[float, float]:
+    """Share of one core a Ray actor that does nothing uses (and its main thread), on a local
+    Ray started as `tandem up` starts it: the floor each Serve replica and the controller pay."""
+    from services.serving import up
+    up._quiet_ray_when_idle()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def pid(self) -> int:
+            return os.getpid()
+
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="WARNING", log_to_driver=False)
+    try:
+        actor = Idle.remote()
+        pid = int(ray.get(actor.pid.remote()))
+        time.sleep(settle_s)
+        before = process_cpu(pid)
+        time.sleep(window_s)  # the measurement window itself
+        after = process_cpu(pid)
+    finally:
+        ray.shutdown()
+    return (after[0] - before[0]) / window_s, (after[1] - before[1]) / window_s
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--colocated", action="store_true")
@@ -60,7 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
                         help="an AppConfig setting for the cluster (repeatable)")
+    parser.add_argument("--ray-actor", action="store_true",
+                        help="measure one idle Ray actor instead (the floor per replica)")
     args = parser.parse_args(argv)
+    if args.ray_actor:
+        total, main_thread = ray_actor_floor(args.settle, args.window)
+        print(f"idle Ray actor: {100 * total:.2f}% of a core over {args.window:g} s "
+              f"({100 * main_thread:.2f}% on its main thread)")
+        return 0
     with tempfile.TemporaryDirectory(prefix="tandem-idle-") as tmp:
         config = Path(tmp) / "config.yaml"
         settings = {"colocated": args.colocated}

@@ -44,6 +44,13 @@ from services.serving.config import AppConfig
 log = logging.getLogger(__name__)
 
 WORKERS_READY_TIMEOUT_S = 300.0
+MIN_REGISTRY_TTL_S = 5.0  # InProcessRegistry's own default
+
+
+def registry_ttl_s(config: AppConfig) -> float:
+    """How long a polled worker's record lives without another report: two polls at the
+    idle pace (the slowest the gateway polls at), at least MIN_REGISTRY_TTL_S."""
+    return max(MIN_REGISTRY_TTL_S, 2 * config.idle_poll_interval_s, 2 * config.poll_interval_s)
 
 
 def tenants_of(config: AppConfig) -> Tenants:
@@ -113,7 +120,11 @@ class GatewayIngress:
         # The workers this gateway polls through Serve: the whole registry in-process, and with
         # Redis the fallback for workers Redis has no record of (it is soft state: down,
         # read-only or full, it must not keep a worker from being routed to).
-        registry = InProcessRegistry(settings)
+        # A record outlives two idle-paced polls: at the registry's default 5 s TTL, polls
+        # every idle_poll_interval_s (5 s) let the workers lapse between them on an idle
+        # cluster ("worker ... lapsed" every ~10 s). A worker whose poll fails is marked down
+        # at once anyway (ClusterView._poll), so this only ends spurious lapses.
+        registry = InProcessRegistry(settings, ttl_s=registry_ttl_s(config))
         bus: InProcessEventBus | None = None
         if config.redis_url:
             url = config.redis_url

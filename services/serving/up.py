@@ -146,11 +146,7 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
     # Loopback-only, no auth token, no usage reporting: a private cluster for this command.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Serve's own clocks, slowed for an idle machine (measured: an idle 1P+1D cluster went from
-    # 17% to 12% of a core): its controller loop (reacts within 0.5 s instead of 0.1 s) and
-    # each replica's export of Serve metrics, which nothing scrapes here (10 a second -> 1).
-    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
-    os.environ.setdefault("RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", "1000")
+    _quiet_ray_when_idle()
     # Ray starts worker processes (our replicas: the engines) at nice 15, below its own daemons
     # and anything else on the machine; a serving engine runs at normal priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
@@ -197,6 +193,57 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
             finally:
                 ray.shutdown()
     return 0
+
+
+# Ray's and Serve's clocks and extras that a private one-machine cluster does not need, set
+# (unless the environment already does) before Ray starts, so every Ray process inherits them.
+# Measured with `python -m loadtest.idle_cpu --settle 40` (docs/loadtest.md "Idle CPU"); shares
+# are of one core, idle 1P+1D cluster. None of them touches what detects a dead or hung replica
+# (Serve's health checks, Ray's actor death notices) or what replaces it.
+IDLE_RAY_ENV: dict[str, str] = {
+    # Serve's controller loop: reacts (a dead replica replaced) within 0.5 s, not 0.1 s; with
+    # the next, an idle 1P+1D cluster went from 17% to 12% (1 s: nothing measurable more).
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # Each replica's flush of Serve's request metrics, which nothing exports (see the next):
+    # 10 a second -> 1 (in the 17% -> 12%), -> one per 10 s.
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "10000",
+    # No Ray metrics (Tandem's /metrics are its own): the dashboard agent stops ingesting
+    # every process's OpenTelemetry exports (agent 1.1-1.3% -> 0.1-0.3%).
+    "RAY_enable_metrics_collection": "0",
+    # No idle workers started for the driver: nothing here runs Ray tasks, only actors (two
+    # ray::IDLE processes, 1.9% together -> gone).
+    "RAY_prestart_worker_first_driver": "0",
+    # The log monitor finds new worker log files every 2 s instead of globbing the log
+    # directory 10 times a second; lines are still forwarded within 0.1 s (1.1% -> 0.3%).
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "2",
+    # The agents (dashboard, runtime env) learn the raylet died from their stdin pipe closing
+    # rather than by asking psutil 2.5 times a second; the dashboard agent's node stats (for
+    # a dashboard that is off) every 60 s, its event-file scan every 60 s.
+    "RAY_enable_pipe_based_agent_to_parent_health_check": "1",
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
+    "SCAN_EVENT_DIR_INTERVAL_SECONDS": "60",
+    # The raylet's 100-250 ms timers to 1 s (memory monitor, resource report to GCS, plasma
+    # GC check, disk-full check, idle-worker reaping) and load reports for autoscaling (one
+    # fixed machine here) to 10 s: raylet 0.8-0.9% -> 0.3-0.5%, GCS 0.9-1.0% -> 0.4-0.6%
+    # (measured together, not one by one).
+    "RAY_memory_monitor_refresh_ms": "1000",
+    "RAY_raylet_report_resources_period_milliseconds": "1000",
+    "RAY_raylet_check_gc_period_milliseconds": "1000",
+    "RAY_local_fs_monitor_interval_ms": "1000",
+    "RAY_kill_idle_workers_interval_ms": "1000",
+    "RAY_report_worker_backlog_interval_ms": "10000",
+    "RAY_gcs_pull_resource_loads_period_milliseconds": "10000",
+    "RAY_io_context_monitor_probe_interval_ms": "10000",
+    "RAY_debug_dump_period_milliseconds": "60000",
+    # Not RAY_event_stats_print_interval_ms=-1: GCS 2.60 then prints its debug state in a
+    # busy loop (a core, gigabytes of log a minute).
+}
+
+
+def _quiet_ray_when_idle() -> None:
+    for name, value in IDLE_RAY_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def _on_signals(stop: threading.Event) -> None:
