@@ -8,6 +8,13 @@ CPU (``aten._weight_int4pack_mm_for_cpu``) computes ``w = (q - 8) * scale + zero
 ``zero = m + 8 * d``, no re-quantization. Its fast path wants ``scale`` and ``zero`` in bfloat16:
 the weights are the GGUF's with ``d`` and ``m + 8d`` rounded to bfloat16.
 
+The tied embedding / ``lm_head`` of such a GGUF is often Q8_0: blocks of 32 signed 8-bit ``q``
+and a float16 ``d``, ``w = d * q``. With ``u = q + 128 = 16 * hi + lo`` (``hi``, ``lo`` in
+0..15) it is the sum of two int4 weights, ``hi`` with ``scale = 16d, zero = 0`` and ``lo`` with
+``scale = d, zero = 8d`` (``16d * hi + d * lo - 128d``), each scale and zero a power-of-two
+multiple of ``d`` in bfloat16: the head is ``bfloat16(d) * q`` exactly, two int4 matmuls (a
+third of the bytes of its bfloat16 copy), the embedding lookup staying dense.
+
 The int4 kernel wins only at a few tokens (measured on this machine's CPU, one thread: a whole
 batch-1 decode step of the built-in model, see docs/loadtest.md); from ``INT4_MAX_TOKENS`` up
 (prefill chunks, decode batches) ``Int4Linear`` runs a dense bfloat16 copy of the same weights,
@@ -25,8 +32,9 @@ import torch
 
 from services.engine.cpu_linear import Linear
 
-GROUP = 32  # values per Q4_1 block = torch's int4 group size here
+GROUP = 32  # values per Q4_1 / Q8_0 block = torch's int4 group size here
 _Q4_1_BLOCK_BYTES = 2 + 2 + GROUP // 2
+_Q8_0_BLOCK_BYTES = 2 + GROUP
 # Token counts up to this run the int4 kernel; more run the dense copy.
 INT4_MAX_TOKENS = 4
 
@@ -58,6 +66,19 @@ class Q4Weight:
                    torch.from_numpy(m + 8 * d).to(torch.bfloat16))
 
     @classmethod
+    def pair_from_q8_0(cls, blocks: np.ndarray, shape: tuple[int, int]
+                       ) -> tuple[Q4Weight, Q4Weight]:
+        """A GGUF Q8_0 tensor as two int4 weights whose sum is ``bfloat16(d) * q``."""
+        out, inp = shape
+        raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(out, inp // GROUP,
+                                                                   _Q8_0_BLOCK_BYTES)
+        d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        d = d.to(torch.bfloat16)
+        u = torch.from_numpy(raw[..., 2:].reshape(out, inp).copy()) ^ 0x80  # int8 q + 128
+        zero = torch.zeros_like(d)
+        return cls(u >> 4, d * 16, zero), cls(u & 0x0F, d, d * 8)
+
+    @classmethod
     def cat(cls, parts: Sequence[Q4Weight]) -> Q4Weight:
         """Stacked along ``out`` (fused projections)."""
         return cls(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
@@ -77,21 +98,24 @@ class Q4Weight:
 
 @dataclass(frozen=True)
 class Int4Linear:
-    """``x @ weight.T + bias`` like ``cpu_linear.Linear``: the int4 kernel for up to
-    ``max_tokens`` tokens, else ``dense`` (the same weights in bfloat16)."""
+    """``x @ weight.T + bias`` like ``cpu_linear.Linear``, the weight a sum of int4 terms (one;
+    two for a Q8_0 head): the int4 kernel for up to ``max_tokens`` tokens, else ``dense``
+    (the same weights in bfloat16)."""
 
-    packed: torch.Tensor  # torch's int4 pack of q
-    scales_zeros: torch.Tensor  # [in / 32, out, 2] bfloat16
+    # Per term: torch's int4 pack of q, and [in / 32, out, 2] bfloat16 scales and zeros.
+    terms: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     dense: Linear
     max_tokens: int = INT4_MAX_TOKENS
 
     @classmethod
-    def of(cls, weight: Q4Weight, bias: torch.Tensor | None = None, pack: bool = True,
-           max_tokens: int = INT4_MAX_TOKENS) -> Int4Linear:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32), 1)
-        scales_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).contiguous()
-        dense = Linear.of(weight.dequantize().to(torch.bfloat16), bias, pack)
-        return cls(packed, scales_zeros, dense, max_tokens)
+    def of(cls, weight: Q4Weight | Sequence[Q4Weight], bias: torch.Tensor | None = None,
+           pack: bool = True, max_tokens: int = INT4_MAX_TOKENS) -> Int4Linear:
+        weights = (weight,) if isinstance(weight, Q4Weight) else tuple(weight)
+        terms = tuple((torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1),
+                       torch.stack([w.scale.t(), w.zero.t()], dim=-1).contiguous())
+                      for w in weights)
+        exact = sum((w.dequantize() for w in weights), torch.zeros(()))
+        return cls(terms, Linear.of(exact.to(torch.bfloat16), bias, pack), max_tokens)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -104,6 +128,10 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_tokens or x.dim() != 2:
             return self.dense(x)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP,
-                                                         self.scales_zeros)
+        x = x.contiguous()
+        out = None
+        for packed, scales_zeros in self.terms:
+            term = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
+            out = term if out is None else out.add_(term)
+        assert out is not None
         return out if self.bias is None else out + self.bias

@@ -133,7 +133,9 @@ class LLMEngine:
                            max_positions=self.max_model_len, device=config.device,
                            shard=shards[0], all_reduce=self.tp and self.tp.all_reduce,
                            quantized=loaded.quantized if config.weight_format == "int4"
-                           else None)
+                           else None,
+                           quantized_head=loaded.quantized_head
+                           if config.weight_format == "int4" else ())
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device,
                                   self.tp)
         if (config.cuda_graphs and torch.device(config.device).type == "cuda"

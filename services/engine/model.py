@@ -156,11 +156,13 @@ class LlamaModel(nn.Module):
                  attention: AttentionBackend, max_positions: int, device: str = "cpu",
                  shard: Shard | None = None,
                  all_reduce: Callable[[torch.Tensor], None] | None = None,
-                 quantized: dict[str, Q4Weight] | None = None) -> None:
+                 quantized: dict[str, Q4Weight] | None = None,
+                 quantized_head: tuple[Q4Weight, ...] = ()) -> None:
         """``shard``: this rank's part (None: the whole model); ``all_reduce`` sums a tensor
         in place across the ranks (needed when the shard is not the whole model).
         ``quantized``: Q4_1 weights by name (weight_format int4; a projection all of whose
-        parts are there runs as an ``Int4Linear``, the others dense from ``weights``)."""
+        parts are there runs as an ``Int4Linear``, the others dense from ``weights``);
+        ``quantized_head``: the output projection's int4 terms (a Q8_0 head), if any."""
         super().__init__()
         self.config = config
         self.shard = shard or Shard.whole(config)
@@ -176,10 +178,13 @@ class LlamaModel(nn.Module):
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
         pack = packing_available(device, self.embed.dtype)  # oneDNN-ordered weights on a CPU
-        self.head = Linear.of(self.lm_head, pack=pack)
         quantized = quantized or {}
-        if quantized and (self.shard.world_size > 1 or torch.device(device).type != "cpu"):
+        if (quantized or quantized_head) and (self.shard.world_size > 1
+                                              or torch.device(device).type != "cpu"):
             raise ValueError("int4 weights run on one CPU rank only")
+        self.head: Linear | Int4Linear = (Int4Linear.of(quantized_head, pack=pack)
+                                          if quantized_head
+                                          else Linear.of(self.lm_head, pack=pack))
 
         def linear(names: list[str], bias: torch.Tensor | None = None
                    ) -> Linear | Int4Linear:

@@ -43,6 +43,8 @@ class LoadedModel:
     # weight_format int4: the GGUF's Q4_1 weights as they are (``weights`` holds the same
     # values in ``dtype``), by Hugging Face name
     quantized: dict[str, Q4Weight] = dataclasses.field(default_factory=dict)
+    # ... and its lm_head (or tied embedding) when Q8_0: two int4 terms, ``bfloat16(d) * q``
+    quantized_head: tuple[Q4Weight, ...] = ()
 
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", progress: bool = True,
@@ -128,6 +130,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, int4: bool = Fals
 
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, Q4Weight] = {}
+    q8_0: dict[str, tuple[Q4Weight, Q4Weight]] = {}  # int4: the head's candidates
     for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", disable=not progress,
                        unit="tensor", leave=False):
         hf_name = _gguf_name_to_hf(tensor.name)
@@ -138,6 +141,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, int4: bool = Fals
             quantized[hf_name] = q4
             weights[hf_name] = q4.dequantize().to(dtype)
             continue
+        if (int4 and tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+                and hf_name in _HEAD_NAMES):
+            q8_0[hf_name] = Q4Weight.pair_from_q8_0(
+                tensor.data, tuple(int(d) for d in reversed(tensor.shape)))  # type: ignore[arg-type]
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
@@ -177,8 +184,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, int4: bool = Fals
         qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
     )
     _check_weights(config, weights, path)
+    head = q8_0.get("lm_head.weight" if not config.tie_word_embeddings
+                    else "model.embed_tokens.weight", ())
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, source=path,
-                       quantized=quantized)
+                       quantized=quantized, quantized_head=head)
+
+
+# The tensors that can be the output projection: its own, or the tied token embedding.
+_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 
 
 def _q4_weight(tensor, hf_name: str, num_heads: int, num_kv_heads: int  # type: ignore[no-untyped-def]

@@ -44,8 +44,8 @@ def _q4_1_tensors() -> dict[str, gguf.ReaderTensor]:
 def _kernel_weight(linear: Int4Linear, in_features: int) -> torch.Tensor:
     """The weight the int4 kernel multiplies by: the pack times the identity."""
     eye = torch.eye(in_features, dtype=torch.bfloat16)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, linear.packed, GROUP,
-                                                      linear.scales_zeros).t()
+    (packed, scales_zeros), = linear.terms
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, GROUP, scales_zeros).t()
 
 
 def test_q4_1_weights_are_the_ggufs_with_scales_in_bfloat16() -> None:
@@ -107,10 +107,33 @@ def test_int4_linear_equals_the_dense_matmul_of_its_weights(tokens: int, with_bi
         assert torch.equal(got, linear.dense(x))
 
 
+def test_a_q8_0_head_is_two_int4_terms_summing_to_its_weights_with_d_in_bfloat16() -> None:
+    reader = gguf.GGUFReader(str(builtin_model_path()))
+    tensor, = (t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0)
+    assert tensor.name == "token_embd.weight"  # the built-in model's tied embedding
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    rows = 512  # a slice of the 49,152 rows keeps this quick; every row is alike
+    blocks = np.asarray(tensor.data)[:rows]
+    hi, lo = Q4Weight.pair_from_q8_0(blocks, (rows, shape[1]))
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, -1, 2 + GROUP)
+    d = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    q = torch.from_numpy(raw[..., 2:].copy().view(np.int8).astype(np.float32))
+    exact = (d.bfloat16().float()[..., None] * q).reshape(rows, shape[1])
+    assert torch.equal(hi.dequantize() + lo.dequantize(), exact)  # d in bfloat16, q exact
+    gguf_values = torch.from_numpy(np.asarray(gguf.quants.dequantize(
+        blocks, tensor.tensor_type), dtype=np.float32).reshape(rows, shape[1]))
+    assert torch.allclose(exact, gguf_values, rtol=2 ** -8, atol=0)  # bfloat16's rounding
+    head = Int4Linear.of((hi, lo), pack=False)
+    x = torch.randn(1, shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
+    torch.testing.assert_close(head(x).float(), F.linear(x.float(), exact), atol=0.05,
+                               rtol=2e-2)
+
+
 def test_int4_loading_keeps_the_q4_1_weights_in_the_models_row_order(
         int4_model: LoadedModel, loaded_model: LoadedModel) -> None:
     assert len(int4_model.quantized) == 210
     assert "model.embed_tokens.weight" not in int4_model.quantized  # Q8_0: dense, as it is
+    assert len(int4_model.quantized_head) == 2  # ... but the tied head two int4 terms
     assert torch.equal(int4_model.weights["model.embed_tokens.weight"],
                        loaded_model.weights["model.embed_tokens.weight"].bfloat16())
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
@@ -151,7 +174,7 @@ def test_int4_engine_logits_agree_with_the_same_weights_dense(int4_model: Loaded
     dense_tokens = dense.generate(prompts, greedy)
     seqs = [p + out for p, out in zip(prompts, dense_tokens, strict=True)]
     # The pack's exact values in float32: what both bfloat16 runs approximate.
-    exact = dataclasses.replace(int4_model, quantized={}, weights={
+    exact = dataclasses.replace(int4_model, quantized={}, quantized_head=(), weights={
         name: (int4_model.quantized[name].dequantize() if name in int4_model.quantized
                else tensor.float()) for name, tensor in int4_model.weights.items()})
     int4 = _teacher_forced_logits(int4_model, "bfloat16", "int4", seqs)
@@ -176,6 +199,7 @@ def test_int4_engine_logits_agree_with_the_same_weights_dense(int4_model: Loaded
     engine = LLMEngine(EngineConfig(dtype="bfloat16", weight_format="int4", num_kv_blocks=128),
                        int4_model)
     assert isinstance(engine.runner.model.layers[0].qkv, Int4Linear)
+    assert isinstance(engine.runner.model.head, Int4Linear)
     outputs = engine.generate(prompts, greedy)
     # The first token comes from the prompt's prefill (more than INT4_MAX_TOKENS tokens: the
     # dense copy, bit for bit). After it greedy runs part at the first near-tie the two kernels
