@@ -290,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
             servers.add_argument("--llama-server", type=Path, default=None,
                                  help="llama.cpp's llama-server binary: a peer too, on the "
                                       "GGUF file itself (docs/loadtest.md)")
+            servers.add_argument("--llama-threads", type=int,
+                                 default=max(1, len(os.sched_getaffinity(0)) - 1),
+                                 help="llama-server's threads (default: the CPUs less one, "
+                                      "as many as `tandem up` gives one engine; with all of "
+                                      "them its spinning thread pool collapsed whenever "
+                                      "anything else ran: 4.5 tok/s at c=1)")
             servers.add_argument("--tandem", type=tandem_shapes, default=["1p1d", "colocated"],
                                  help="Tandem's shapes, comma-separated, among "
                                       f"{', '.join(TANDEM_SHAPES)}, each optionally with "
@@ -415,7 +421,7 @@ def launch_tandem_up(conf: Configuration, out: Path, args: argparse.Namespace) -
     if conf.peer == "llama.cpp":  # its own weights: the GGUF as llama.cpp users run it
         gguf = Path(args.model) if args.model is not None else builtin_model_path()
         return LlamaCppServer(Path(args.llama_server), gguf, log, served_model_name=conf.label,
-                              threads=len(os.sched_getaffinity(0)),
+                              threads=args.llama_threads,
                               parallel=conf.settings["max_num_seqs"], cpus=args.cpus,
                               ready_timeout_s=args.ready_timeout).start()
     return TandemUp(out / "configs" / f"{conf.label}.yaml", log, cpus=args.cpus,

