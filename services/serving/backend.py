@@ -97,6 +97,7 @@ class DisaggBackend:
         self._max_model_len = max_model_len
         self._background: set[asyncio.Task[Any]] = set()
         self.migrations = MigrationStats()
+        view.after_poll(self._close_stopping_channels)
 
     @property
     def model_id(self) -> str:
@@ -269,11 +270,15 @@ class DisaggBackend:
         return channel
 
     def _close_stopping_channels(self) -> None:
-        """Close the idle channels to decode replicas Serve no longer has: a replica being
-        stopped waits for its calls (a channel is one) up to ``drain_timeout_s``."""
+        """Close the idle channels to decode replicas Serve no longer has or is replacing (an
+        unhealthy one): a replica being stopped waits for its calls (a channel is one) up to
+        ``drain_timeout_s``. Run around each request and after each poll of the workers."""
         live = known_replicas(self.decode.deployment_name)
         for channel in list(self._channels.values()):
-            if live and channel.worker_id not in live and channel.idle:
+            worker = self.view.workers.get(channel.worker_id)
+            stopping = (live and channel.worker_id not in live) or (
+                worker is not None and not worker.healthy)
+            if stopping and channel.idle:
                 channel.close(ReplicaGoneError(f"decode replica {channel.worker_id} is gone"))
 
     def _channel_closed(self, channel: DecodeChannel) -> None:

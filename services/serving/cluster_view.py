@@ -71,6 +71,12 @@ class ClusterView:
         self._snapshots_due = False
         self._unreachable: set[str] = set()  # workers whose last status poll failed
         self._resync: asyncio.Task[None] | None = None
+        self._after_poll: list[Callable[[], None]] = []
+
+    def after_poll(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every poll (the workers' health and Serve's replica set
+        are then as fresh as this view knows them)."""
+        self._after_poll.append(callback)
 
     def ingest(self, report: WorkerReport) -> None:
         """A worker's load and KV events, from a response or a status poll."""
@@ -130,6 +136,8 @@ class ClusterView:
             self._unreachable.discard(gone)
         if self.bus is not None:  # with Redis the router syncs in its own thread
             self.router.sync()
+        for callback in self._after_poll:
+            callback()
 
     def _live_ids(self) -> set[str]:
         live: set[str] = set()

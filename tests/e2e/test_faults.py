@@ -40,6 +40,9 @@ SETTINGS = {
     "prefill_timeout_s": 10.0, "control_timeout_s": 5.0, "kv_transfer_timeout_s": 3.0,
     "stream_idle_timeout_s": 20.0, "request_timeout_s": 90.0, "lease_ttl_s": 5.0,
     "max_in_flight": 6,
+    # A replica being replaced waits this long for its calls: longer than the test waits for
+    # the old decode replica to go (a gateway's idle channel to it must not hold it).
+    "drain_timeout_s": 60.0,
 }
 PROMPT = "Write one sentence about the sea."
 MAX_TOKENS = 16
@@ -227,11 +230,25 @@ def test_a_fatal_engine_fault_replaces_the_replica(cluster: UpProcess,
     assert os.environ.get("TANDEM_TEST_FAULTS") is None  # the hook stayed in the cluster
 
 
+def _decode_replicas(cluster: UpProcess) -> list[psutil.Process]:
+    replicas = []
+    for proc in cluster.descendants():
+        try:
+            command = " ".join(proc.cmdline())
+            exiting = proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:  # exited meanwhile
+            continue
+        if "ServeReplica" in command and ":decode" in command and not exiting:
+            replicas.append(proc)
+    return replicas
+
+
 def _decode_replica(cluster: UpProcess) -> psutil.Process:
-    replicas = [p for p in cluster.descendants()
-                if "ServeReplica" in " ".join(p.cmdline()) and ":decode" in " ".join(p.cmdline())]
-    assert len(replicas) == 1, [p.cmdline() for p in replicas]
-    return replicas[0]
+    """The one decode replica process, once a replaced one has gone: the gateway closed its
+    idle channel to it (else it would wait out drain_timeout_s for that call)."""
+    wait_for(lambda: len(_decode_replicas(cluster)) == 1, 40,
+             "the replaced decode replica's process to exit")
+    return _decode_replicas(cluster)[0]
 
 
 @pytest.mark.timeout(600)  # two replacements on a slow machine
