@@ -179,7 +179,7 @@ class RouterCollector(Collector):
 CONFIG_INFO_FIELDS = ("colocated", "prefill_replicas", "decode_replicas", "routing_policy",
                       "spec", "spec_k", "max_num_seqs", "max_num_batched_tokens", "block_size",
                       "num_kv_blocks", "kv_cache_memory_gb", "kv_cache_dtype", "host_kv_cache_gb",
-                      "kv_transport")
+                      "kv_transport", "weight_format")
 
 
 class ConfigCollector(Collector):
