@@ -37,7 +37,7 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "self")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")  # engine/attention
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")  # engine/attention
 FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn 2 pages KV in multiples of 256 tokens
 KV_CACHE_DTYPES = ("auto", "int8")  # engine/kv_cache.py
 WEIGHT_FORMATS = ("dense", "int4")  # engine/int4_linear.py
@@ -103,7 +103,7 @@ class EngineConfig:
     max_waiting: int = 1024  # admission control: add_request fails beyond this
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    attention_backend: str = "auto"  # auto | torch | triton | flash_attn (engine/attention)
+    attention_backend: str = "auto"  # auto | torch | cpu | triton | flash_attn (engine/attention)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (on CUDA with triton attention)
     seed: int = 0  # for requests that sample without their own seed
     # dense: every weight in `dtype`; int4: a GGUF's Q4_1 weights kept 4-bit for decode steps
@@ -133,9 +133,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "int8" and self.attention_backend == "flash_attn":
-            raise ValueError("kv_cache_dtype int8 needs attention_backend torch, triton or auto "
-                             "(flash_attn reads only a bfloat16/float16 cache)")
+        if self.kv_cache_dtype == "int8" and self.attention_backend in ("flash_attn", "cpu"):
+            raise ValueError(f"kv_cache_dtype int8 needs attention_backend torch, triton or auto "
+                             f"({self.attention_backend} reads only a 16-bit cache)")
+        if self.attention_backend == "cpu" and self.dtype != "bfloat16":
+            raise ValueError(f"attention_backend cpu needs dtype bfloat16, got {self.dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.weight_format not in WEIGHT_FORMATS:

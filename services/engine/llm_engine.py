@@ -129,7 +129,7 @@ class LLMEngine:
         model = LlamaModel(loaded.config, loaded.weights,
                            get_attention_backend(config.attention_backend, config.device,
                                                  local.num_heads, local.num_kv_heads,
-                                                 local.head_dim),
+                                                 local.head_dim, self.local_kv_spec.torch_dtype),
                            max_positions=self.max_model_len, device=config.device,
                            shard=shards[0], all_reduce=self.tp and self.tp.all_reduce,
                            quantized=loaded.quantized if config.weight_format == "int4"

@@ -348,9 +348,9 @@ def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
                                   f"{settings.model!r}; rank 0 runs {settings.model_id!r}")
     shard = Shard.of(loaded.config, rank, settings.world_size)
     local = shard.local_config(loaded.config)
-    cache = allocate_kv_cache(KVCacheSpec.for_model(local, settings.block_size, settings.dtype,
-                                                    settings.num_blocks, 0.0,
-                                                    settings.kv_cache_dtype), device)
+    spec = KVCacheSpec.for_model(local, settings.block_size, settings.dtype, settings.num_blocks,
+                                 0.0, settings.kv_cache_dtype)
+    cache = allocate_kv_cache(spec, device)
     timeout = datetime.timedelta(seconds=settings.timeout_s)
 
     def all_reduce(x: torch.Tensor) -> None:
@@ -358,7 +358,8 @@ def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
 
     model = LlamaModel(loaded.config, loaded.weights,
                        get_attention_backend(settings.attention_backend, device, local.num_heads,
-                                             local.num_kv_heads, local.head_dim),
+                                             local.num_kv_heads, local.head_dim,
+                                             spec.torch_dtype),
                        settings.max_positions, device, shard, all_reduce)
     del loaded
     ready.write(b"ready\n")  # loaded and built: the first step's collectives will not wait

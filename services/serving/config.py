@@ -134,9 +134,12 @@ class AppConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "int8" and self.attention_backend == "flash_attn":
-            raise ConfigError("kv_cache_dtype int8 needs attention_backend auto, triton or "
-                              "torch (flash_attn reads only a bfloat16/float16 cache)")
+        if self.kv_cache_dtype == "int8" and self.attention_backend in ("flash_attn", "cpu"):
+            raise ConfigError(f"kv_cache_dtype int8 needs attention_backend auto, triton or "
+                              f"torch ({self.attention_backend} reads only a 16-bit cache)")
+        if self.attention_backend == "cpu" and self.dtype != "bfloat16":
+            raise ConfigError(f"attention_backend cpu needs dtype bfloat16 (its kernel reads a "
+                              f"bfloat16 cache), got {self.dtype!r}")
         _at_least("host_kv_cache_gb", self.host_kv_cache_gb, 0)
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, "

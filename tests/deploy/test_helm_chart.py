@@ -695,7 +695,7 @@ def test_missing_kuberay_fails_with_a_clear_message(helm: Helm) -> None:
 
 def test_values_schema_tracks_appconfig() -> None:
     from router.config import POLICIES
-    from services.engine.config import SPEC_METHODS
+    from services.engine.config import ATTENTION_BACKENDS, SPEC_METHODS
     from services.kv_transfer.factory import TRANSPORTS
     from services.serving.config import DTYPES
 
@@ -710,7 +710,7 @@ def test_values_schema_tracks_appconfig() -> None:
                          "to app.properties in deploy/helm/tandem/values.schema.json")
     assert set(app["properties"]) | CHART_OWNED == settings
     enums = {"dtype": DTYPES, "kv_transport": TRANSPORTS, "routing_policy": POLICIES,
-             "spec": SPEC_METHODS}
+             "spec": SPEC_METHODS, "attention_backend": ATTENTION_BACKENDS}
     for name, choices in enums.items():
         assert app["properties"][name]["enum"] == list(choices), name
 

@@ -4,14 +4,18 @@ The model runner builds one ``StepMetadata`` per step (``metadata.py``); the bac
 into its own plan once (``prepare``) and every layer calls ``forward`` with that plan, which
 also writes the step's new K/V into the cache. Backends:
 
-- ``torch`` (``torch_backend.py``): gather + ``scaled_dot_product_attention``; the reference
-  and the CPU path.
+- ``torch`` (``torch_backend.py``): gather + ``scaled_dot_product_attention``; the reference,
+  and the CPU path for float32 (exact against transformers).
+- ``cpu`` (``cpu_backend.py``): decoding sequences through our C kernel reading a bfloat16
+  cache in place (x86 with AVX-512 BF16, built with the machine's C compiler on first use:
+  ``cpu_kernel.py``); prefill as ``torch``.
 - ``triton`` (``triton_backend.py``): our paged kernels reading K/V in place; the default on
   CUDA. On a CPU it runs only under ``TRITON_INTERPRET=1`` (tests).
 - ``flash_attn`` (``flash_backend.py``): flash-attn's paged varlen kernel, when the package is
   installed (CUDA only; blocks of a multiple of 256 tokens).
 
-``auto`` picks triton on a CUDA device when Triton imports, else torch.
+``auto`` picks triton on a CUDA device when Triton imports; on a CPU, cpu for a bfloat16 cache
+when the kernel can run here, else torch.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from services.engine.attention import cpu_kernel
 from services.engine.attention.metadata import StepMetadata, build_step_metadata
 from services.engine.config import ATTENTION_BACKENDS
 from services.engine.kv_cache import KVCache
@@ -46,14 +51,28 @@ class AttentionBackend(Protocol):
         ...
 
 
-def resolve_backend(name: str, device: str) -> str:
-    """``name`` with ``auto`` resolved; raises ValueError for one that cannot run here."""
+def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None) -> str:
+    """``name`` with ``auto`` resolved for a cache of ``kv_dtype`` elements (int8: quantized;
+    None: not known yet); raises ValueError for one that cannot run here."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     on_cuda = torch.device(device).type == "cuda"
     has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        return "triton" if on_cuda and has_triton else "torch"
+        if on_cuda:
+            return "triton" if has_triton else "torch"
+        if kv_dtype == torch.bfloat16 and cpu_kernel.unavailable_reason() is None:
+            return "cpu"
+        return "torch"
+    if name == "cpu":
+        if on_cuda:
+            raise ValueError(f"attention_backend cpu runs on a CPU (device is {device!r})")
+        if kv_dtype is not None and kv_dtype != torch.bfloat16:
+            raise ValueError(f"attention_backend cpu needs a bfloat16 KV cache (dtype bfloat16, "
+                             f"kv_cache_dtype auto), not {str(kv_dtype).removeprefix('torch.')}")
+        reason = cpu_kernel.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"attention_backend cpu cannot run here: {reason}")
     if name == "triton":
         if not has_triton:
             raise ValueError("attention_backend triton needs the triton package "
@@ -72,8 +91,12 @@ def resolve_backend(name: str, device: str) -> str:
 
 
 def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: int,
-                          head_dim: int) -> AttentionBackend:
-    name = resolve_backend(name, device)
+                          head_dim: int, kv_dtype: torch.dtype | None = None
+                          ) -> AttentionBackend:
+    name = resolve_backend(name, device, kv_dtype)
+    if name == "cpu":
+        from services.engine.attention.cpu_backend import CpuAttention
+        return CpuAttention(num_heads // num_kv_heads, num_kv_heads, head_dim)
     if name == "triton":
         from services.engine.attention.triton_backend import TritonAttention
         return TritonAttention(num_kv_heads, head_dim, device)

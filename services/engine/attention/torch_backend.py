@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +65,7 @@ class PrefillSpan:
 class TorchPlan:
     slot_blocks: torch.Tensor  # [T] block id where each new token's k/v goes
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    decodes: list[DecodeBatch]
+    decodes: list[Any]  # DecodeBatch here; a subclass's own kinds too (cpu_backend.py)
     prefills: list[PrefillSpan]
 
 
@@ -85,8 +86,7 @@ class TorchAttention:
             e = s
             while e < step.num_decodes and step.query_lens_host[e] == step.query_lens_host[s]:
                 e += 1
-            decodes.append(self._with_rows(step, s, e, self._decode_batch(step, s, e,
-                                                                           starts[s])))
+            decodes.append(self._plan_decodes(step, s, e, starts[s]))
             s = e
         prefills = []
         for s in range(step.num_decodes, step.num_seqs):
@@ -100,6 +100,11 @@ class TorchAttention:
             prefills.append(PrefillSpan(starts[s], starts[s] + q, n,
                                         step.block_tables[s, :-(-n // bs)], mask))
         return TorchPlan(step.slot_mapping // bs, step.slot_mapping % bs, decodes, prefills)
+
+    def _plan_decodes(self, step: StepMetadata, s: int, e: int, row: int) -> Any:
+        """The plan of decoding sequences ``s .. e-1`` (equal query lengths), rows from
+        ``row`` on; ``_decode`` runs it."""
+        return self._with_rows(step, s, e, self._decode_batch(step, s, e, row))
 
     def _decode_batch(self, step: StepMetadata, s: int, e: int, row: int) -> DecodeBatch:
         bs, device = step.block_size, step.slot_mapping.device
@@ -143,32 +148,8 @@ class TorchAttention:
             kv_cache[:, layer, 1][plan.slot_blocks, plan.slot_offsets] = v
 
         out = torch.empty_like(q)
-        group = num_heads // num_kv_heads
         for batch in plan.decodes:
-            if batch.rows is not None and batch.source is not None:
-                out[batch.start:batch.end] = _attend_rows(q, k, v, layer, batch, batch.rows,
-                                                          batch.source)
-                continue
-            n, length = batch.num_seqs, batch.query_len
-            # Gathering k and v separately leaves each contiguous: the reshape and transpose
-            # below are views, and SDPA reads the strided layout without another copy.
-            table = batch.block_tables.flatten()
-            keys = _gather(kv_cache, layer, 0, table, q.dtype).view(n, -1, num_kv_heads,
-                                                                     head_dim)
-            values = _gather(kv_cache, layer, 1, table, q.dtype).view(n, -1, num_kv_heads,
-                                                                       head_dim)
-            if batch.mask is None:  # one sequence: its keys, no mask
-                keys, values = keys[:, :batch.num_keys], values[:, :batch.num_keys]
-            # Fold each KV group's query heads (and query rows) into the query-length dim:
-            # one matmul per KV head instead of one per query head.
-            group_q = (q[batch.start:batch.end].view(n, length, num_kv_heads, group, head_dim)
-                       .permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * length, head_dim))
-            attn = F.scaled_dot_product_attention(group_q, keys.transpose(1, 2),
-                                                  values.transpose(1, 2), attn_mask=batch.mask)
-            out[batch.start:batch.end] = (attn.view(n, num_kv_heads, group, length, head_dim)
-                                          .permute(0, 3, 1, 2, 4)
-                                          .reshape(n * length, num_heads, head_dim))
-
+            out[batch.start:batch.end] = self._decode(layer, q, k, v, kv_cache, batch)
         for span in plan.prefills:
             q_span = q[span.start:span.end].transpose(0, 1)[None]  # [1, Hq, len, D]
             if span.mask is None:
@@ -188,6 +169,33 @@ class TorchAttention:
             )
             out[span.start:span.end] = attn[0].transpose(0, 1)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, batch: Any) -> torch.Tensor:
+        """The attention output of one decode batch's query rows."""
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads = k.shape[1]
+        group = num_heads // num_kv_heads
+        if batch.rows is not None and batch.source is not None:
+            return _attend_rows(q, k, v, layer, batch, batch.rows, batch.source)
+        n, length = batch.num_seqs, batch.query_len
+        # Gathering k and v separately leaves each contiguous: the reshape and transpose
+        # below are views, and SDPA reads the strided layout without another copy.
+        table = batch.block_tables.flatten()
+        keys = _gather(kv_cache, layer, 0, table, q.dtype).view(n, -1, num_kv_heads,
+                                                                 head_dim)
+        values = _gather(kv_cache, layer, 1, table, q.dtype).view(n, -1, num_kv_heads,
+                                                                   head_dim)
+        if batch.mask is None:  # one sequence: its keys, no mask
+            keys, values = keys[:, :batch.num_keys], values[:, :batch.num_keys]
+        # Fold each KV group's query heads (and query rows) into the query-length dim:
+        # one matmul per KV head instead of one per query head.
+        group_q = (q[batch.start:batch.end].view(n, length, num_kv_heads, group, head_dim)
+                   .permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, group * length, head_dim))
+        attn = F.scaled_dot_product_attention(group_q, keys.transpose(1, 2),
+                                              values.transpose(1, 2), attn_mask=batch.mask)
+        return (attn.view(n, num_kv_heads, group, length, head_dim).permute(0, 3, 1, 2, 4)
+                .reshape(n * length, num_heads, head_dim))
 
 
 def _gather(kv_cache: KVCache, layer: int, kv: int, blocks: torch.Tensor,

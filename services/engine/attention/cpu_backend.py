@@ -1,0 +1,63 @@
+"""The ``cpu`` backend: decoding sequences through our C kernel, reading K/V in place.
+
+For a bfloat16 cache on an x86 CPU with AVX-512 BF16 (``cpu_kernel.py``). Each run of decoding
+sequences with the same query length (one row, or one plus draft tokens) is one kernel call
+over the block tables: no gather, no mask, no per-step copy of the contexts (the torch
+backend's ``decode_rows.py`` is not kept). Prefill chunks, and shapes the kernel does not take,
+go through the torch backend's SDPA, as does storing the step's K/V.
+
+The kernel rounds differently from SDPA (bfloat16 dot products, its own exp), so bfloat16
+greedy outputs can differ from the torch backend's after some tokens; every path through this
+backend (colocated, disaggregated, speculative, migrated) decodes with the same kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.engine.attention import cpu_kernel
+from services.engine.attention.metadata import StepMetadata
+from services.engine.attention.torch_backend import TorchAttention
+from services.engine.kv_cache import KVCache
+
+
+@dataclass
+class KernelBatch:
+    """Decoding sequences whose ``query_len`` rows each start at row ``start``."""
+
+    start: int
+    end: int
+    query_len: int
+    block_tables: torch.Tensor  # [n, max_blocks] int32, rows contiguous
+    seq_lens: torch.Tensor  # [n] int32
+
+
+class CpuAttention(TorchAttention):
+    name = "cpu"
+
+    def __init__(self, heads_per_kv_group: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__(heads_per_kv_group)
+        self.kernel = cpu_kernel.load()
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    def _plan_decodes(self, step: StepMetadata, s: int, e: int, row: int) -> Any:
+        length = step.query_lens_host[s]
+        if not cpu_kernel.supports(self.num_kv_heads, self.head_dim, self.group, length):
+            return super()._plan_decodes(step, s, e, row)
+        return KernelBatch(row, row + (e - s) * length, length, step.block_tables[s:e],
+                           step.seq_lens[s:e])
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, batch: Any) -> torch.Tensor:
+        if not isinstance(batch, KernelBatch) or not isinstance(kv_cache, torch.Tensor):
+            return super()._decode(layer, q, k, v, kv_cache, batch)
+        rows = q[batch.start:batch.end].contiguous()  # a copy only for a strided q
+        out = torch.empty_like(rows)
+        self.kernel(rows, out, kv_cache[:, layer, 0], kv_cache[:, layer, 1], batch.block_tables,
+                    batch.seq_lens, batch.query_len, self.scale)
+        return out

@@ -1,0 +1,148 @@
+"""The cpu attention backend: our C decode kernel against a dense reference on random paged
+layouts, its bit-for-bit rule for draft-verifying rows, how ``auto`` chooses it, and the engine
+decoding with it in bfloat16.
+
+The kernel needs an x86 CPU with AVX-512 BF16 and a C compiler; on a machine without them these
+tests skip saying so (the engine then runs the torch backend, which the rest of the suite
+covers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.attention import cpu_kernel, get_attention_backend, resolve_backend
+from services.engine.attention.cpu_backend import CpuAttention
+from services.engine.config import EngineConfig, SpeculativeConfig
+from services.engine.llm_engine import LLMEngine
+from services.engine.model_loader import LoadedModel, load_model
+from services.engine.sampling_params import SamplingParams
+from tests.engine.paged_layouts import (
+    BUILTIN,
+    LAYER,
+    LLAMA3,
+    MHA,
+    Step,
+    assert_matches,
+    make_step,
+    reference,
+)
+
+REASON = cpu_kernel.unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cpu decode kernel: {REASON}")
+
+
+def run_kernel(step: Step, query_len: int) -> torch.Tensor:
+    """Every sequence of ``step`` (all decoding ``query_len`` rows) through the kernel."""
+    q = step.q.contiguous()
+    out = torch.full_like(q, float("nan"))
+    cache = step.kv_cache[:, LAYER]
+    cpu_kernel.load()(q, out, cache[:, 0], cache[:, 1], step.block_tables, step.seq_lens,
+                      query_len, step.scale)
+    return out
+
+
+# (query_len, seq_len) per sequence, head layout, block size: lengths below, at and past a
+# multiple of 16 (the kernel's key groups), blocks smaller and larger than a group.
+SCENARIOS = {
+    "decode": ([(1, 1), (1, 17), (1, 64), (1, 100), (1, 33), (1, 208)], BUILTIN, 16),
+    "small_blocks": ([(1, 5), (1, 47), (1, 96)], BUILTIN, 8),
+    "large_blocks": ([(1, 90), (1, 130), (1, 16)], MHA, 64),
+    "head_dim_128": ([(1, 31), (1, 160)], LLAMA3, 16),
+    "speculative": ([(4, 4), (4, 37), (4, 80), (4, 48)], LLAMA3, 16),
+    "speculative_gqa3": ([(5, 5), (5, 70), (5, 112)], BUILTIN, 32),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_kernel_matches_reference(scenario: str) -> None:
+    seqs, heads, block_size = SCENARIOS[scenario]
+    step = make_step(seqs, heads, block_size, torch.bfloat16, shared_prefix_blocks=0)
+    assert_matches(run_kernel(step, seqs[0][0]), reference(step), torch.bfloat16)
+
+
+def test_a_verifying_row_equals_the_decode_row_at_its_position() -> None:
+    # One sequence verifying 4 rows against 37 keys; the same cache read as 4 sequences that
+    # decode one row each at positions 34..37: the same bits (a row sees only its own keys).
+    step = make_step([(4, 37)], BUILTIN, 16, torch.bfloat16)
+    verify = run_kernel(step, 4)
+    table = step.block_tables.expand(4, -1).contiguous()
+    as_decodes = Step(step.q, step.kv_cache, torch.arange(5, dtype=torch.int32),
+                      torch.arange(34, 38, dtype=torch.int32), table, 1, 37, step.scale)
+    assert torch.equal(run_kernel(as_decodes, 1), verify)
+
+
+def test_the_backend_runs_mixed_steps_like_the_reference() -> None:
+    # Decodes (the kernel), a prefill chunk over cached keys and a fresh prefill (SDPA) in one
+    # step, through prepare/forward as the model calls them. The step's new k/v are the ones
+    # the cache already holds at their slots, so storing them changes nothing.
+    seqs = [(1, 50), (1, 9), (1, 71), (33, 33 + 60), (12, 12)]
+    step = make_step(seqs, BUILTIN, 16, torch.bfloat16)
+    num_heads, num_kv_heads, head_dim = BUILTIN
+    backend = get_attention_backend("cpu", "cpu", num_heads, num_kv_heads, head_dim,
+                                    torch.bfloat16)
+    assert isinstance(backend, CpuAttention)
+    block_size, starts = step.kv_cache.shape[3], step.query_start.tolist()
+    slots = [int(step.block_tables[s, pos // block_size]) * block_size + pos % block_size
+             for s, n in enumerate(step.seq_lens.tolist())
+             for pos in range(n - (starts[s + 1] - starts[s]), n)]
+    meta = step.metadata()
+    meta.slot_mapping = torch.tensor(slots)
+    cache = step.kv_cache[:, LAYER]
+    k = cache[meta.slot_mapping // block_size, 0, meta.slot_mapping % block_size]
+    v = cache[meta.slot_mapping // block_size, 1, meta.slot_mapping % block_size]
+    plan = backend.prepare(meta)
+    assert [type(b).__name__ for b in plan.decodes] == ["KernelBatch"]
+    out = backend.forward(LAYER, step.q, k, v, step.kv_cache, plan)
+    assert_matches(out.view_as(step.q), reference(step), torch.bfloat16)
+
+
+def test_auto_chooses_cpu_for_a_bfloat16_cache_only() -> None:
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "cpu"
+    assert resolve_backend("auto", "cpu", torch.float32) == "torch"  # exact: SDPA
+    assert resolve_backend("auto", "cpu", torch.int8) == "torch"
+    assert resolve_backend("cpu", "cpu", torch.bfloat16) == "cpu"
+    with pytest.raises(ValueError, match="attention_backend cpu needs a bfloat16 KV cache"):
+        resolve_backend("cpu", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="attention_backend cpu runs on a CPU"):
+        resolve_backend("cpu", "cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="attention_backend cpu needs dtype bfloat16"):
+        EngineConfig(attention_backend="cpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 needs attention_backend"):
+        EngineConfig(attention_backend="cpu", dtype="bfloat16", kv_cache_dtype="int8")
+
+
+def test_without_a_compiler_auto_falls_back_and_cpu_says_why(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel.tempfile, "tempdir", str(tmp_path / "tmp"))
+    cpu_kernel._load.cache_clear()
+    try:
+        assert "could not build it" in (cpu_kernel.unavailable_reason() or "")
+        assert resolve_backend("auto", "cpu", torch.bfloat16) == "torch"
+        with pytest.raises(ValueError, match="attention_backend cpu cannot run here: could not"):
+            resolve_backend("cpu", "cpu", torch.bfloat16)
+    finally:
+        cpu_kernel._load.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def bf16_model() -> LoadedModel:
+    return load_model(dtype="bfloat16", progress=False)
+
+
+def test_the_engine_decodes_through_the_kernel(bf16_model: LoadedModel, prompts,  # type: ignore[no-untyped-def]
+                                               references) -> None:
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=600,
+                                    max_num_batched_tokens=64,
+                                    speculative=SpeculativeConfig(method="ngram")), bf16_model)
+    assert engine.runner.model.attention.name == "cpu"  # auto, bfloat16, this CPU
+    assert engine.runner.decode_rows is None  # K/V read in place: no per-sequence rows
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate(prompts, greedy)
+    assert engine.stats.spec_draft_tokens > 0  # verifying rows went through the kernel too
+    # bfloat16 drifts from float32 over 32 tokens; most prompts still agree throughout.
+    agree = sum(out == ref.tokens[:32] for out, ref in zip(outputs, references, strict=True))
+    assert agree >= 4, f"only {agree}/8 outputs agree with float32 over 32 tokens"
+    assert "Paris" in engine.tokenizer.decode(outputs[1])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
