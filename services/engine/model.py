@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine import cpu_kernels
 from services.engine.attention import AttentionBackend
 from services.engine.config import ModelConfig
 from services.engine.cpu_linear import Linear, packing_available
@@ -172,6 +173,9 @@ class LlamaModel(nn.Module):
         local = self.shard.local_config(config)
         self.num_heads, self.num_kv_heads = local.num_heads, local.num_kv_heads
         self.attention = attention
+        # The cpu backend's model runs RMSNorm, the rotary embedding and SwiGLU's product as
+        # our fused kernels too (engine/cpu_kernels.py; bfloat16 only, like the backend).
+        self.kernels = cpu_kernels.load() if attention.name == "cpu" else None
         w = {name: t.to(device)
              for name, t in _shard_weights(weights, config, self.shard).items()}
         self.embed = w["model.embed_tokens.weight"]
@@ -231,8 +235,7 @@ class LlamaModel(nn.Module):
         """Run the step's flat token batch; return float32 logits for ``logits_indices`` rows.
         ``plan``: the attention backend's ``prepare`` of the step's metadata."""
         x = self.hidden(input_ids, positions, kv_cache, plan)
-        h = rms_norm(x[logits_indices], self.norm, self.config.rms_norm_eps)
-        return self.head(h).float()
+        return self.head(self._norm(x[logits_indices], self.norm)).float()
 
     @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
@@ -242,11 +245,13 @@ class LlamaModel(nn.Module):
         c = self.config
         heads, kv_heads = self.num_heads, self.num_kv_heads
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        kernels = self.kernels
+        # The kernel indexes the tables by position itself.
+        cos = self.cos if kernels is not None else self.cos[positions].unsqueeze(1)
+        sin = self.sin if kernels is not None else self.sin[positions].unsqueeze(1)
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h)
             q = qkv[:, :q_size].view(-1, heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(-1, kv_heads, c.head_dim)
@@ -254,14 +259,27 @@ class LlamaModel(nn.Module):
             if layer.q_norm is not None and layer.k_norm is not None:
                 q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            if kernels is not None:
+                q = kernels.rotary(q, cos, sin, positions)
+                k = kernels.rotary(k, cos, sin, positions)
+            else:
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
             attn = self.attention.forward(index, q, k, v, kv_cache, plan)
             x = x + self._reduced(layer.o(attn))
-            h = rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + self._reduced(layer.down(F.silu(gate) * up))
+            h = self._norm(x, layer.post_norm)
+            if kernels is not None:
+                act = kernels.silu_mul(layer.gate_up(h))
+            else:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            x = x + self._reduced(layer.down(act))
         return x
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)
+        return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-sharded projection's output summed over the ranks (as is on one rank)."""

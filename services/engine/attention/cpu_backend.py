@@ -1,6 +1,6 @@
 """The ``cpu`` backend: decoding sequences through our C kernel, reading K/V in place.
 
-For a bfloat16 cache on an x86 CPU with AVX-512 BF16 (``cpu_kernel.py``). Each run of decoding
+For a bfloat16 cache on an x86 CPU with AVX-512 BF16 (``cpu_kernels.py``). Each run of decoding
 sequences with the same query length (one row, or one plus draft tokens) is one kernel call
 over the block tables: no gather, no mask, no per-step copy of the contexts (the torch
 backend's ``decode_rows.py`` is not kept). Prefill chunks, and shapes the kernel does not take,
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from services.engine.attention import cpu_kernel
+from services.engine import cpu_kernels
 from services.engine.attention.metadata import StepMetadata
 from services.engine.attention.torch_backend import TorchAttention
 from services.engine.kv_cache import KVCache
@@ -40,14 +40,14 @@ class CpuAttention(TorchAttention):
 
     def __init__(self, heads_per_kv_group: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(heads_per_kv_group)
-        self.kernel = cpu_kernel.load()
+        self.kernels = cpu_kernels.load()
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
 
     def _plan_decodes(self, step: StepMetadata, s: int, e: int, row: int) -> Any:
         length = step.query_lens_host[s]
-        if not cpu_kernel.supports(self.num_kv_heads, self.head_dim, self.group, length):
+        if not cpu_kernels.supports_decode(self.num_kv_heads, self.head_dim, self.group, length):
             return super()._plan_decodes(step, s, e, row)
         return KernelBatch(row, row + (e - s) * length, length, step.block_tables[s:e],
                            step.seq_lens[s:e])
@@ -58,6 +58,7 @@ class CpuAttention(TorchAttention):
             return super()._decode(layer, q, k, v, kv_cache, batch)
         rows = q[batch.start:batch.end].contiguous()  # a copy only for a strided q
         out = torch.empty_like(rows)
-        self.kernel(rows, out, kv_cache[:, layer, 0], kv_cache[:, layer, 1], batch.block_tables,
-                    batch.seq_lens, batch.query_len, self.scale)
+        self.kernels.decode_attention(rows, out, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
+                                      batch.block_tables, batch.seq_lens, batch.query_len,
+                                      self.scale)
         return out

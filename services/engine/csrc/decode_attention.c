@@ -1,7 +1,7 @@
 /* Decode attention for bfloat16 paged KV on x86 CPUs with AVX-512 BF16 (Tandem's "cpu" backend).
 
-   Built by cpu_kernel.py with the system's C compiler the first time an engine needs it, loaded
-   with ctypes; the Python side checks shapes before calling. One call covers a step's run of
+   Built by engine/cpu_kernels.py with the system's C compiler the first time an engine needs
+   it, loaded with ctypes; the Python side checks shapes before calling. One call covers a step's run of
    sequences that decode the same number of query rows (1, or 1 + draft tokens): every sequence,
    every KV head, K/V read in place from the block table (no gather), the KV group's query heads
    and rows sharing each key read. Per (sequence, KV head): scores in float from bf16 dot
@@ -14,28 +14,11 @@
    and the call releases the GIL (ctypes), so the rest of the process keeps running. */
 #include <stdint.h>
 #include <stdlib.h>
-#include <immintrin.h>
+
+#include "simd.h"
 
 #define MAX_ROWS 64   /* query rows per KV head: group * query_len */
 #define MAX_CHUNKS 8  /* head_dim / 32 */
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE __m512 exp512(__m512 x) {
-    /* e^x = 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2: a degree-6 polynomial (~1 ulp). */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Lane i of the result: the sum of the lanes of a[i]. */
 INLINE __m512 sum16(const __m512 *a) {
@@ -53,11 +36,6 @@ INLINE __m512 sum16(const __m512 *a) {
                              _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
                          _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
-}
-
-INLINE __m512 bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 /* One sequence, every KV head. rows = group * qlen query rows per KV head; chunks = d / 32.
@@ -141,8 +119,7 @@ INLINE void attend_seq(const uint16_t *q, uint16_t *out, const uint16_t *k, cons
             uint16_t *dst = out + ((r / group) * hq + h * group + r % group) * d;
             __m512 f = _mm512_set1_ps(inv[h * rows + r]);
             for (int c = 0; c < 2 * chunks; c++)
-                _mm256_storeu_si256((__m256i *)(dst + 16 * c),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], f)));
+                store_bf16x16(dst + 16 * c, _mm512_mul_ps(acc[r][c], f));
         }
     }
 }

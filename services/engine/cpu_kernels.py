@@ -1,0 +1,216 @@
+"""Our C kernels for bfloat16 on a CPU (``csrc/``): built with the machine's C compiler the
+first time a process needs them, cached, loaded with ctypes.
+
+- ``decode_attention.c``: the ``cpu`` attention backend's decode kernel (attention/cpu_backend.py)
+- ``fused_ops.c``: RMSNorm, silu(gate) * up and the rotary embedding in one pass each (model.py)
+
+They run on x86 CPUs with AVX-512 BF16 (Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on).
+``unavailable_reason()`` says why they cannot run here (None: they can); the library is built
+once per source and compiler flags into ``$XDG_CACHE_HOME/tandem/kernels`` (``~/.cache``; the
+temp directory when that is not writable), written to a temporary file renamed into place, so
+processes building at once do not clash. The compiler is ``$CC``, else ``cc``. The calls release
+the GIL (ctypes) and run on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "decode_attention.c",
+           Path(__file__).parent / "csrc" / "fused_ops.c")
+HEADERS = (Path(__file__).parent / "csrc" / "simd.h",)
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
+          "-shared")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+BUILD_TIMEOUT_S = 120.0
+# The decode kernel's limits (csrc/decode_attention.c): head_dim a multiple of 32 up to 256, at most
+# 64 query rows per KV head (group size x query rows per sequence), 1,024 over the KV heads.
+MAX_HEAD_DIM = 256
+MAX_ROWS_PER_KV_HEAD = 64
+MAX_ROWS = 1024
+
+
+class Kernels:
+    """The built library's functions, on tensors (checked before each call)."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        signatures = {
+            "decode_attention_bf16": [p, p, p, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64,
+                                      i64, f32],
+            "rms_norm_bf16": [p, i64, p, p, i64, i64, f32],
+            "silu_mul_bf16": [p, i64, p, i64, i64],
+            "rotary_bf16": [p, i64, p, p, p, p, i64, i64, i64],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self._lib = lib
+        self.path = path
+
+    def decode_attention(self, q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                         query_len: int, scale: float) -> None:
+        """Attention of ``n`` sequences decoding ``query_len`` rows each into ``out``.
+
+        q, out: [n * query_len, Hq, D] bfloat16, contiguous (sequence i's rows from
+        i * query_len on); keys, values: one layer's [num_blocks, block_size, Hkv, D] views of
+        the paged cache; tables: [n, >= blocks] int32 with contiguous rows; seq_lens: [n]
+        int32, each sequence's keys (its query rows the last)."""
+        num_blocks, block_size, num_kv_heads, head_dim = keys.shape
+        if not (q.is_contiguous() and out.is_contiguous() and tables.stride(1) == 1
+                and seq_lens.is_contiguous() and keys.stride()[2:] == (head_dim, 1)
+                and keys.stride() == values.stride()):
+            raise ValueError("decode kernel: a tensor has an unsupported layout")
+        _check_bf16(q, out, keys, values)
+        if tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+            raise ValueError("decode kernel: int32 tables and lengths")
+        group = q.shape[1] // num_kv_heads
+        _ok(self._lib.decode_attention_bf16(
+            q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
+            tables.stride(0), seq_lens.data_ptr(), seq_lens.numel(), query_len, num_kv_heads,
+            group, head_dim, block_size, keys.stride(0), keys.stride(1), scale))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """model.rms_norm of [rows, dim] ``x`` (rows may be strided)."""
+        rows, dim = _rows(x)
+        _check_bf16(x, weight)
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        _ok(self._lib.rms_norm_bf16(x.data_ptr(), x.stride(0), weight.contiguous().data_ptr(),
+                                    out.data_ptr(), rows, dim, eps))
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``F.silu(gate) * up`` of [rows, 2 * dim] ``gate_up`` (gate first)."""
+        rows, width = _rows(gate_up)
+        _check_bf16(gate_up)
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        _ok(self._lib.silu_mul_bf16(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows,
+                                    width // 2))
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """``x * cos[positions] + rotate_half(x) * sin[positions]`` of [tokens, heads, D]
+        ``x`` (token rows may be strided; heads and D contiguous), cos/sin [positions, D]."""
+        tokens, heads, head_dim = x.shape
+        if x.stride()[1:] != (head_dim, 1) or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rotary kernel: a tensor has an unsupported layout")
+        _check_bf16(x, cos, sin)
+        positions = positions.to(torch.int64).contiguous()
+        out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
+        _ok(self._lib.rotary_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(),
+                                  sin.data_ptr(), positions.data_ptr(), tokens, heads, head_dim))
+        return out
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("kernel: a [rows, dim] tensor with contiguous rows")
+    return x.shape[0], x.shape[1]
+
+
+def _check_bf16(*tensors: torch.Tensor) -> None:
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+        raise ValueError("kernel: bfloat16 CPU tensors only")
+
+
+def _ok(rc: int) -> None:
+    if rc != 0:
+        raise RuntimeError(f"kernel failed ({'out of memory' if rc == -1 else rc})")
+
+
+def supports_decode(num_kv_heads: int, head_dim: int, group: int, query_len: int) -> bool:
+    """Whether the decode kernel takes this shape (else the caller uses SDPA)."""
+    rows = group * query_len
+    return (head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM and rows <= MAX_ROWS_PER_KV_HEAD
+            and num_kv_heads * rows <= MAX_ROWS)
+
+
+@functools.cache
+def _load() -> Kernels | str:
+    missing = _missing_cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return "no C compiler (cc, or $CC) to build it"
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+                            + " ".join((compiler, *CFLAGS)).encode())
+    name = f"tandem-cpu-{digest.hexdigest()[:16]}.so"
+    errors = []
+    for directory in _cache_dirs():
+        path = directory / name
+        try:
+            if not path.exists():
+                _build(compiler, directory, path)
+            return Kernels(path)
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(f"{directory}: {e}")
+    return "could not build it: " + "; ".join(errors)
+
+
+def load() -> Kernels:
+    """The kernels; ValueError saying why when they cannot run here."""
+    kernel = _load()
+    if isinstance(kernel, str):
+        raise ValueError(kernel)
+    return kernel
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run in this process (None: they can); builds them the first
+    time."""
+    kernel = _load()
+    return kernel if isinstance(kernel, str) else None
+
+
+def _missing_cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return list(CPU_FLAGS)
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    return [flag for flag in CPU_FLAGS if flag not in flags]
+
+
+def _cache_dirs() -> list[Path]:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return [Path(base) / "tandem" / "kernels",
+            Path(tempfile.gettempdir()) / f"tandem-kernels-{os.getuid()}"]
+
+
+def _build(compiler: str, directory: Path, path: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                              check=False)
+        if done.returncode != 0:
+            raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built the CPU kernels in %.1f s: %s", time.monotonic() - started, path)
