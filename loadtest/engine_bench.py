@@ -1,6 +1,7 @@
 """Offline engine benchmark: Tandem's engine against transformers' batched generate, same run.
 
-    python -m loadtest.engine_bench [--dtypes float32 bfloat16] [--num-requests 64] ...
+    python -m loadtest.engine_bench [--dtypes float32 bfloat16] [--num-requests 64]
+        [--attention-backends torch cpu] ...
 
 Reports output tokens/s for both and their ratio, decode step time at batch 1 and 32 against the
 model forward alone (engine overhead), and prefill tokens/s for a 1,000-token prompt.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.config import WEIGHT_FORMATS, EngineConfig
+from services.engine.config import ATTENTION_BACKENDS, WEIGHT_FORMATS, EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.sampling_params import SamplingParams
@@ -43,10 +44,12 @@ def make_workload(num_requests: int, input_len: int, output_len: int, vocab: int
     return Workload(prompts, output_len)
 
 
-def bench_engine(loaded: LoadedModel, dtype: str, work: Workload, max_batch: int) -> float:
+def bench_engine(loaded: LoadedModel, dtype: str, work: Workload, max_batch: int,
+                 attention_backend: str = "auto") -> float:
     engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_batch,
                                     max_num_batched_tokens=512, num_kv_blocks=2048,
-                                    enable_prefix_caching=False), loaded)
+                                    enable_prefix_caching=False,
+                                    attention_backend=attention_backend), loaded)
     params = SamplingParams(max_tokens=work.output_len, temperature=0.0, ignore_eos=True)
     engine.generate(work.prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     start = time.perf_counter()
@@ -94,12 +97,14 @@ class StepTiming:
 
 def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
                       steps: int = 20, kv_cache_dtype: str = "auto",
-                      weight_format: str = "dense") -> StepTiming:
+                      weight_format: str = "dense", attention_backend: str = "auto"
+                      ) -> StepTiming:
     """Time engine.step() in steady decode, and the model forward (and its head) inside it."""
     engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=batch, num_kv_blocks=4096,
                                     max_num_batched_tokens=max(512, batch),
                                     kv_cache_dtype=kv_cache_dtype,
-                                    weight_format=weight_format), loaded)
+                                    weight_format=weight_format,
+                                    attention_backend=attention_backend), loaded)
     work = make_workload(batch, context, 1, loaded.config.vocab_size, seed=batch)
     params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(work.prompts):
@@ -138,9 +143,11 @@ def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
                       1000 * statistics.median(head_times))
 
 
-def bench_prefill(loaded: LoadedModel, dtype: str, prompt_len: int = 1000) -> float:
+def bench_prefill(loaded: LoadedModel, dtype: str, prompt_len: int = 1000,
+                  attention_backend: str = "auto") -> float:
     engine = LLMEngine(EngineConfig(dtype=dtype, num_kv_blocks=512, max_num_batched_tokens=512,
-                                    enable_prefix_caching=False), loaded)
+                                    enable_prefix_caching=False,
+                                    attention_backend=attention_backend), loaded)
     prompt = make_workload(1, prompt_len, 1, loaded.config.vocab_size).prompts[0][:prompt_len]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     engine.generate([prompt[:64]], params)  # warm-up
@@ -189,6 +196,11 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--attention-backends", nargs="+", default=["auto"],
+                        choices=ATTENTION_BACKENDS,
+                        help="a row per dtype and backend (e.g. torch cpu: SDPA against our CPU "
+                             "kernels in bfloat16); a pair the engine refuses is skipped, saying "
+                             "why")
     parser.add_argument("--weight-formats", nargs="+", choices=WEIGHT_FORMATS,
                         help="compare these weight formats' decode steps instead (bfloat16)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32],
@@ -203,23 +215,29 @@ def main() -> None:
 
     print(f"threads={args.threads} requests={args.num_requests} input~{args.input_len} "
           f"output={args.output_len} max_batch={args.max_batch}\n")
-    print("| dtype | Tandem tok/s | transformers tok/s | ratio | step b=1 ms (fwd, overhead) "
-          "| step b=32 ms (fwd, overhead) | prefill 1k tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | attention | Tandem tok/s | transformers tok/s | ratio "
+          "| step b=1 ms (fwd, overhead) | step b=32 ms (fwd, overhead) | prefill 1k tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes:
         loaded = load_model(None, dtype, progress=False)
         work = make_workload(args.num_requests, args.input_len, args.output_len,
                              loaded.config.vocab_size)
-        ours = bench_engine(loaded, dtype, work, args.max_batch)
         theirs = (float("nan") if args.skip_transformers
                   else bench_transformers(loaded, dtype, work, args.max_batch))
-        b1 = bench_decode_step(loaded, dtype, 1, args.input_len)
-        b32 = bench_decode_step(loaded, dtype, 32, args.input_len)
-        prefill = bench_prefill(loaded, dtype)
-        print(f"| {dtype} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x "
-              f"| {b1.step_ms:.1f} ({b1.forward_ms:.1f}, {b1.overhead_pct:.1f}%) "
-              f"| {b32.step_ms:.1f} ({b32.forward_ms:.1f}, {b32.overhead_pct:.1f}%) "
-              f"| {prefill:.0f} |", flush=True)
+        for backend in args.attention_backends:
+            try:
+                ours = bench_engine(loaded, dtype, work, args.max_batch, backend)
+            except ValueError as e:
+                print(f"| {dtype} | {backend} | refused: {e} |||||", flush=True)
+                continue
+            b1 = bench_decode_step(loaded, dtype, 1, args.input_len, attention_backend=backend)
+            b32 = bench_decode_step(loaded, dtype, 32, args.input_len,
+                                    attention_backend=backend)
+            prefill = bench_prefill(loaded, dtype, attention_backend=backend)
+            print(f"| {dtype} | {backend} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x "
+                  f"| {b1.step_ms:.1f} ({b1.forward_ms:.1f}, {b1.overhead_pct:.1f}%) "
+                  f"| {b32.step_ms:.1f} ({b32.forward_ms:.1f}, {b32.overhead_pct:.1f}%) "
+                  f"| {prefill:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -120,9 +120,10 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--device", choices=["auto", "cpu", "cuda"],
                     help="where engines run (auto: cuda when a worker sees a GPU)")
     up.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
-                    help="paged attention: triton kernels (CUDA), torch SDPA, or flash_attn "
-                         "(the flash-attn package, CUDA; block size 256) (auto: triton on a "
-                         "GPU, torch on a CPU)")
+                    help="paged attention: triton kernels (CUDA), torch SDPA, cpu (our C "
+                         "kernels: bfloat16 on x86 with AVX-512 BF16), or flash_attn (the "
+                         "flash-attn package, CUDA; block size 256) (auto: triton on a GPU; on "
+                         "a CPU, cpu for bfloat16 where it runs, else torch)")
     up.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                     help="replay decode steps as CUDA graphs (on a GPU with triton attention; "
                          "default on)")

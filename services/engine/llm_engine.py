@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine import cpu_kernels
 from services.engine.attention import get_attention_backend
 from services.engine.block_hash import HashSettings
 from services.engine.block_manager import BlockManager
@@ -138,6 +139,13 @@ class LLMEngine:
                            if config.weight_format == "int4" else ())
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device,
                                   self.tp)
+        why_not = (cpu_kernels.unavailable_reason()
+                   if config.attention_backend == "auto" and model.attention.name == "torch"
+                   and self.local_kv_spec.torch_dtype == torch.bfloat16
+                   else None)
+        log.info("attention backend %s (asked: %s)%s", model.attention.name,
+                 config.attention_backend,
+                 f"; not cpu: {why_not}" if why_not else "")
         if (config.cuda_graphs and torch.device(config.device).type == "cuda"
                 and model.attention.name == "triton" and self.tp is None):
             began = time.monotonic()
