@@ -54,8 +54,9 @@ class CpuAttention(TorchAttention):
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, batch: Any) -> torch.Tensor:
-        if not isinstance(batch, KernelBatch) or not isinstance(kv_cache, torch.Tensor):
+        if not isinstance(batch, KernelBatch):
             return super()._decode(layer, q, k, v, kv_cache, batch)
+        assert isinstance(kv_cache, torch.Tensor)  # bfloat16: resolve_backend refuses int8
         rows = q[batch.start:batch.end].contiguous()  # a copy only for a strided q
         out = torch.empty_like(rows)
         self.kernels.decode_attention(rows, out, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
