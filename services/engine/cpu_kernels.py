@@ -3,8 +3,10 @@ first time a process needs them, cached, loaded with ctypes.
 
 - ``decode_attention.c``: the ``cpu`` attention backend's decode kernel (attention/cpu_backend.py)
 - ``fused_ops.c``: RMSNorm, silu(gate) * up and the rotary embedding in one pass each (model.py)
+- ``linear.c``: bfloat16 projections on Intel AMX (cpu_linear.AmxLinear), where the CPU has it
 
-They run on x86 CPUs with AVX-512 BF16 (Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on).
+They run on x86 CPUs with AVX-512 BF16 (Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on);
+the projections also need AMX (Sapphire Rapids on: ``Kernels.amx``).
 ``unavailable_reason()`` says why they cannot run here (None: they can); the library is built
 once per source and compiler flags into ``$XDG_CACHE_HOME/tandem/kernels`` (``~/.cache``; the
 temp directory when that is not writable), written to a temporary file renamed into place, so
@@ -30,11 +32,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).parent / "csrc" / "decode_attention.c",
-           Path(__file__).parent / "csrc" / "fused_ops.c")
+           Path(__file__).parent / "csrc" / "fused_ops.c",
+           Path(__file__).parent / "csrc" / "linear.c")
 HEADERS = (Path(__file__).parent / "csrc" / "simd.h",)
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
-          "-shared")
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
+          "-mamx-bf16", "-fPIC", "-shared")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+AMX_FLAGS = ("amx_tile", "amx_bf16")
 BUILD_TIMEOUT_S = 120.0
 # The decode kernel's limits (csrc/decode_attention.c): head_dim a multiple of 32 up to 256, at most
 # 64 query rows per KV head (group size x query rows per sequence), 1,024 over the KV heads.
@@ -55,12 +59,16 @@ class Kernels:
             "rms_norm_bf16": [p, i64, p, p, i64, i64, f32],
             "silu_mul_bf16": [p, i64, p, i64, i64],
             "rotary_bf16": [p, i64, p, p, p, p, i64, i64, i64],
+            "linear_bf16": [p, i64, p, p, p, i64, i64, i64],
+            "amx_enable": [],
         }
         for name, argtypes in signatures.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib = lib
         self.path = path
+        # The projections' kernel needs AMX in the CPU and Linux's leave to use its tiles.
+        self.amx = not _missing_cpu_flags(AMX_FLAGS) and lib.amx_enable() == 0
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
                          values: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -116,6 +124,37 @@ class Kernels:
         _ok(self._lib.rotary_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(),
                                   sin.data_ptr(), positions.data_ptr(), tokens, heads, head_dim))
         return out
+
+
+    def linear(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        """``x @ weight.T + bias`` of [rows, in] ``x`` (rows may be strided) with the weight
+        as ``pack_linear``'s tiles; [rows, out] bfloat16. Needs ``amx``."""
+        rows, width = _rows(x)
+        out_features = tiles.shape[0] * 16
+        if not self.amx or tiles.shape[1] * 32 != width or not tiles.is_contiguous():
+            raise ValueError("linear kernel: no AMX, or tiles that do not fit x")
+        _check_bf16(x, tiles, *([] if bias is None else [bias]))
+        out = torch.empty((rows, out_features), dtype=x.dtype)
+        _ok(self._lib.linear_bf16(x.data_ptr(), x.stride(0), tiles.data_ptr(),
+                                  None if bias is None else bias.contiguous().data_ptr(),
+                                  out.data_ptr(), rows, out_features, width))
+        return out
+
+
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight as the linear kernel's AMX tiles: [out/16, in/32, 16, 16, 2], tile
+    (i, j) row p holding, for each of outputs 16i.., the inputs 32j + 2p and 32j + 2p + 1."""
+    out_features, in_features = weight.shape
+    if not supports_linear(out_features, in_features):
+        raise ValueError(f"linear kernel: a {out_features}x{in_features} weight (outputs a "
+                         "multiple of 16, inputs of 32)")
+    return (weight.reshape(out_features // 16, 16, in_features // 32, 16, 2)
+            .permute(0, 2, 3, 1, 4).contiguous())
+
+
+def supports_linear(out_features: int, in_features: int) -> bool:
+    return out_features % 16 == 0 and in_features % 32 == 0
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -179,17 +218,17 @@ def unavailable_reason() -> str | None:
     return kernel if isinstance(kernel, str) else None
 
 
-def _missing_cpu_flags() -> list[str]:
+def _missing_cpu_flags(wanted: tuple[str, ...] = CPU_FLAGS) -> list[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return list(CPU_FLAGS)
+        return list(wanted)
     flags: set[str] = set()
     for line in text.splitlines():
         if line.startswith("flags"):
             flags = set(line.partition(":")[2].split())
             break
-    return [flag for flag in CPU_FLAGS if flag not in flags]
+    return [flag for flag in wanted if flag not in flags]
 
 
 def _cache_dirs() -> list[Path]:

@@ -28,7 +28,7 @@ from torch import nn
 from services.engine import cpu_kernels
 from services.engine.attention import AttentionBackend
 from services.engine.config import ModelConfig
-from services.engine.cpu_linear import Linear, packing_available
+from services.engine.cpu_linear import AmxLinear, Linear, packing_available
 from services.engine.int4_linear import Int4Linear, Q4Weight
 from services.engine.kv_cache import KVCache
 
@@ -132,18 +132,21 @@ def _shard_weights(w: dict[str, torch.Tensor], config: ModelConfig, shard: Shard
     return out
 
 
+Projection = Linear | AmxLinear | Int4Linear
+
+
 @dataclass(frozen=True)
 class Layer:
     """One decoder layer's weights: q/k/v and gate/up fused into one projection each."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: Linear | Int4Linear
-    o: Linear | Int4Linear
+    qkv: Projection
+    o: Projection
     q_norm: torch.Tensor | None  # Qwen3
     k_norm: torch.Tensor | None
-    gate_up: Linear | Int4Linear
-    down: Linear | Int4Linear
+    gate_up: Projection
+    down: Projection
 
     def weight_bytes(self) -> int:
         tensors = [self.input_norm, self.post_norm, self.q_norm, self.k_norm]
@@ -186,17 +189,24 @@ class LlamaModel(nn.Module):
         if (quantized or quantized_head) and (self.shard.world_size > 1
                                               or torch.device(device).type != "cpu"):
             raise ValueError("int4 weights run on one CPU rank only")
-        self.head: Linear | Int4Linear = (Int4Linear.of(quantized_head, pack=pack)
-                                          if quantized_head
-                                          else Linear.of(self.lm_head, pack=pack))
 
-        def linear(names: list[str], bias: torch.Tensor | None = None
-                   ) -> Linear | Int4Linear:
+        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
+            """A dense projection: our AMX kernel with the cpu backend where it runs, else
+            torch (oneDNN-packed on a CPU)."""
+            if AmxLinear.usable(self.kernels, weight):
+                assert self.kernels is not None
+                return AmxLinear.of(self.kernels, weight, bias)
+            return Linear.of(weight, bias, pack)
+
+        self.head = (Int4Linear.of(quantized_head, pack=pack) if quantized_head
+                     else dense(self.lm_head))
+
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> Projection:
             """The fused projection of ``names`` (stacked along their outputs)."""
             if all(name in quantized for name in names):
                 return Int4Linear.of(Q4Weight.cat([quantized[n] for n in names]), bias, pack)
-            return Linear.of(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]],
-                             bias, pack)
+            return dense(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]],
+                         bias)
 
         self.layers: list[Layer] = []
         for i in range(config.num_layers):

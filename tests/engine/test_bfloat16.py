@@ -11,8 +11,9 @@ from services.engine.sampling_params import SamplingParams
 
 
 def test_bfloat16_engine_agrees_with_float32_at_the_start(prompts, references):
+    # The torch backend's bfloat16 path (test_cpu_backend.py runs the cpu backend's).
     engine = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=600,
-                                    max_num_batched_tokens=128),
+                                    max_num_batched_tokens=128, attention_backend="torch"),
                        load_model(dtype="bfloat16", progress=False))
     assert engine.kv_cache.dtype.is_floating_point and engine.kv_cache.element_size() == 2
     # On a CPU its linears run on oneDNN-prepacked weights (engine/cpu_linear.py).

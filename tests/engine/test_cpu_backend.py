@@ -15,6 +15,7 @@ from services.engine import cpu_kernels
 from services.engine.attention import get_attention_backend, resolve_backend
 from services.engine.attention.cpu_backend import CpuAttention
 from services.engine.config import EngineConfig, SpeculativeConfig
+from services.engine.cpu_linear import AmxLinear
 from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import LoadedModel, load_model
 from services.engine.sampling_params import SamplingParams
@@ -139,6 +140,10 @@ def test_the_engine_decodes_through_the_kernel(bf16_model: LoadedModel, prompts,
                                     speculative=SpeculativeConfig(method="ngram")), bf16_model)
     assert engine.runner.model.attention.name == "cpu"  # auto, bfloat16, this CPU
     assert engine.runner.decode_rows is None  # K/V read in place: no per-sequence rows
+    model = engine.runner.model
+    # Projections through our AMX kernel where the CPU has AMX (one thread: conftest.py).
+    assert isinstance(model.head, AmxLinear) == cpu_kernels.load().amx
+    assert isinstance(model.layers[0].gate_up, AmxLinear) == cpu_kernels.load().amx
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(prompts, greedy)
     assert engine.stats.spec_draft_tokens > 0  # verifying rows went through the kernel too

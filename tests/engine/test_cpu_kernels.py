@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine import cpu_kernels
+from services.engine.cpu_linear import AmxLinear
 from services.engine.model import _rotate_half, rms_norm
 
 REASON = cpu_kernels.unavailable_reason()
@@ -67,3 +68,74 @@ def test_kernels_refuse_what_they_do_not_take() -> None:
         kernels.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5)
     with pytest.raises(ValueError, match="contiguous rows"):
         kernels.silu_mul(randn(8, 4).t())
+
+
+AMX = REASON is None and cpu_kernels.load().amx
+needs_amx = pytest.mark.skipif(not AMX, reason="the linear kernel needs AMX (amx_tile, "
+                                               "amx_bf16) and Linux's leave to use it")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_kernels.load().linear(x, cpu_kernels.pack_linear(weight), bias)
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", [(960, 576), (48, 64), (80, 96), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 100, 700])
+def test_the_linear_kernel_rounds_the_exact_product_once(shape: tuple[int, int], rows: int
+                                                        ) -> None:
+    """Against the float64 product: one bfloat16 rounding, plus what a float sum can lose.
+    Odd block counts (3 and 5 blocks of 16 outputs), rows past 16 and 32 (the tiles' tails),
+    rows past the kernel's 1 MiB chunk of x (700 x 1536), strided rows, a bias."""
+    out_features, in_features = shape
+    x = randn(rows, in_features + 64)[:, 32:32 + in_features]
+    weight, bias = randn(out_features, in_features, scale=0.05), randn(out_features)
+    got = linear(x, weight, bias)
+    exact = x.double() @ weight.double().T + bias.double()
+    ulp = 2.0 ** (torch.frexp(exact.float()).exponent.double() - 8)
+    float_error = 1e-6 * (x.double().abs() @ weight.double().abs().T)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert bool(((got.double() - exact).abs() <= ulp / 2 + float_error).all())
+
+
+@needs_amx
+def test_a_linear_row_does_not_depend_on_the_batch() -> None:
+    """A row's bits are the same alone, in a batch, or as a batch's tail (so a speculative
+    verify row equals its plain decode row)."""
+    weight = randn(960, 576, scale=0.05)
+    tiles = cpu_kernels.pack_linear(weight)
+    x = randn(45, 576)
+    batch = cpu_kernels.load().linear(x, tiles, None)
+    for row in (0, 15, 16, 31, 32, 44):
+        alone = cpu_kernels.load().linear(x[row:row + 1], tiles, None)
+        assert torch.equal(alone[0], batch[row])
+    assert torch.equal(cpu_kernels.load().linear(x[20:], tiles, None), batch[20:])
+
+
+def test_the_linear_kernel_refuses_what_its_tiles_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="a 100x576 weight"):
+        cpu_kernels.pack_linear(randn(100, 576))
+    with pytest.raises(ValueError, match="a 96x48 weight"):
+        cpu_kernels.pack_linear(randn(96, 48))
+    if AMX:
+        with pytest.raises(ValueError, match="tiles that do not fit x"):
+            cpu_kernels.load().linear(randn(2, 64), cpu_kernels.pack_linear(randn(96, 96)), None)
+
+
+@needs_amx
+def test_amx_linear_is_used_only_where_it_runs_as_packed() -> None:
+    weight = randn(96, 64)
+    kernels = cpu_kernels.load()
+    layer = AmxLinear.of(kernels, weight)
+    x = randn(2, 3, 64)  # leading dimensions kept
+    assert torch.equal(layer(x), linear(x.reshape(6, 64), weight, None).view(2, 3, 96))
+    assert AmxLinear.usable(kernels, weight)
+    assert not AmxLinear.usable(kernels, weight.float())  # bfloat16 only
+    assert not AmxLinear.usable(kernels, randn(100, 64))  # outputs not a multiple of 16
+    assert not AmxLinear.usable(None, weight)  # no kernels: the torch backend
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # oneDNN would use both; the kernel runs on one
+    try:
+        assert not AmxLinear.usable(kernels, weight)
+    finally:
+        torch.set_num_threads(threads)
