@@ -18,19 +18,20 @@ third of the bytes of its bfloat16 copy), the embedding lookup staying dense.
 The int4 kernel wins only at a few tokens (measured on this machine's CPU, one thread: a whole
 batch-1 decode step of the built-in model, see docs/loadtest.md); from ``INT4_MAX_TOKENS`` up
 (prefill chunks, decode batches) ``Int4Linear`` runs a dense bfloat16 copy of the same weights,
-dequantized from the pack (prepacked for oneDNN like every ``cpu_linear.Linear``), so both paths
+dequantized from the pack (prepacked for oneDNN, or our AMX kernel's ``AmxLinear`` where the
+model runs it), so both paths
 multiply by identical weight values and only the kernel's accumulation differs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from services.engine.cpu_linear import Linear
+from services.engine.cpu_linear import AmxLinear, Linear
 
 GROUP = 32  # values per Q4_1 / Q8_0 block = torch's int4 group size here
 _Q4_1_BLOCK_BYTES = 2 + 2 + GROUP // 2
@@ -104,18 +105,24 @@ class Int4Linear:
 
     # Per term: torch's int4 pack of q, and [in / 32, out, 2] bfloat16 scales and zeros.
     terms: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    dense: Linear
+    dense: Linear | AmxLinear
     max_tokens: int = INT4_MAX_TOKENS
 
     @classmethod
     def of(cls, weight: Q4Weight | Sequence[Q4Weight], bias: torch.Tensor | None = None,
-           pack: bool = True, max_tokens: int = INT4_MAX_TOKENS) -> Int4Linear:
+           pack: bool = True, max_tokens: int = INT4_MAX_TOKENS,
+           dense: Callable[[torch.Tensor, torch.Tensor | None], Linear | AmxLinear] | None = None
+           ) -> Int4Linear:
+        """``dense``: builds the bfloat16 projection from the dequantized weight and the bias
+        (default: a ``Linear``, oneDNN-packed when ``pack``)."""
         weights = (weight,) if isinstance(weight, Q4Weight) else tuple(weight)
         terms = tuple((torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 1),
                        torch.stack([w.scale.t(), w.zero.t()], dim=-1).contiguous())
                       for w in weights)
         exact = sum((w.dequantize() for w in weights), torch.zeros(()))
-        return cls(terms, Linear.of(exact.to(torch.bfloat16), bias, pack), max_tokens)
+        exact = exact.to(torch.bfloat16)
+        return cls(terms, dense(exact, bias) if dense else Linear.of(exact, bias, pack),
+                   max_tokens)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -190,7 +190,7 @@ class LlamaModel(nn.Module):
                                               or torch.device(device).type != "cpu"):
             raise ValueError("int4 weights run on one CPU rank only")
 
-        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Projection:
+        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | AmxLinear:
             """A dense projection: our AMX kernel with the cpu backend where it runs, else
             torch (oneDNN-packed on a CPU)."""
             if AmxLinear.usable(self.kernels, weight):
@@ -198,13 +198,14 @@ class LlamaModel(nn.Module):
                 return AmxLinear.of(self.kernels, weight, bias)
             return Linear.of(weight, bias, pack)
 
-        self.head = (Int4Linear.of(quantized_head, pack=pack) if quantized_head
+        self.head = (Int4Linear.of(quantized_head, pack=pack, dense=dense) if quantized_head
                      else dense(self.lm_head))
 
         def linear(names: list[str], bias: torch.Tensor | None = None) -> Projection:
             """The fused projection of ``names`` (stacked along their outputs)."""
             if all(name in quantized for name in names):
-                return Int4Linear.of(Q4Weight.cat([quantized[n] for n in names]), bias, pack)
+                return Int4Linear.of(Q4Weight.cat([quantized[n] for n in names]), bias, pack,
+                                     dense=dense)
             return dense(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]],
                          bias)
 
