@@ -59,7 +59,7 @@ class Kernels:
             "rms_norm_bf16": [p, i64, p, p, i64, i64, f32],
             "silu_mul_bf16": [p, i64, p, i64, i64],
             "rotary_bf16": [p, i64, p, p, p, p, i64, i64, i64],
-            "linear_bf16": [p, i64, p, p, p, i64, i64, i64],
+            "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int],
             "amx_enable": [],
         }
         for name, argtypes in signatures.items():
@@ -126,35 +126,42 @@ class Kernels:
         return out
 
 
-    def linear(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
-               ) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None,
+               swiglu: bool = False) -> torch.Tensor:
         """``x @ weight.T + bias`` of [rows, in] ``x`` (rows may be strided) with the weight
-        as ``pack_linear``'s tiles; [rows, out] bfloat16. Needs ``amx``."""
+        as ``pack_linear``'s tiles; [rows, out] bfloat16. ``swiglu`` (tiles packed so): the
+        weight is gate and up stacked, and the result [rows, out / 2] is ``F.silu(gate) * up``
+        of their bfloat16 outputs. Needs ``amx``."""
         rows, width = _rows(x)
         out_features = tiles.shape[0] * 16
         if not self.amx or tiles.shape[1] * 32 != width or not tiles.is_contiguous():
             raise ValueError("linear kernel: no AMX, or tiles that do not fit x")
         _check_bf16(x, tiles, *([] if bias is None else [bias]))
-        out = torch.empty((rows, out_features), dtype=x.dtype)
+        out = torch.empty((rows, out_features // 2 if swiglu else out_features), dtype=x.dtype)
         _ok(self._lib.linear_bf16(x.data_ptr(), x.stride(0), tiles.data_ptr(),
                                   None if bias is None else bias.contiguous().data_ptr(),
-                                  out.data_ptr(), rows, out_features, width))
+                                  out.data_ptr(), rows, out_features, width, int(swiglu)))
         return out
 
 
-def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+def pack_linear(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
     """A [out, in] weight as the linear kernel's AMX tiles: [out/16, in/32, 16, 16, 2], tile
-    (i, j) row p holding, for each of outputs 16i.., the inputs 32j + 2p and 32j + 2p + 1."""
+    (i, j) row p holding, for each of outputs 16i.., the inputs 32j + 2p and 32j + 2p + 1.
+    ``swiglu``: the weight is gate and up stacked, their blocks of 16 outputs interleaved (gate
+    block j, then up block j) for ``linear(..., swiglu=True)``."""
     out_features, in_features = weight.shape
-    if not supports_linear(out_features, in_features):
+    if not supports_linear(out_features, in_features, swiglu):
         raise ValueError(f"linear kernel: a {out_features}x{in_features} weight (outputs a "
-                         "multiple of 16, inputs of 32)")
+                         f"multiple of {32 if swiglu else 16}, inputs of 32)")
+    if swiglu:
+        weight = (weight.reshape(2, out_features // 32, 16, in_features).transpose(0, 1)
+                  .reshape(out_features, in_features))
     return (weight.reshape(out_features // 16, 16, in_features // 32, 16, 2)
             .permute(0, 2, 3, 1, 4).contiguous())
 
 
-def supports_linear(out_features: int, in_features: int) -> bool:
-    return out_features % 16 == 0 and in_features % 32 == 0
+def supports_linear(out_features: int, in_features: int, swiglu: bool = False) -> bool:
+    return out_features % (32 if swiglu else 16) == 0 and in_features % 32 == 0
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:

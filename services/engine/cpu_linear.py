@@ -12,10 +12,11 @@ what it won at 32 (87 -> 101). Off the CPU, or without oneDNN, nothing is packed
 ``AmxLinear`` runs a bfloat16 projection through our own AMX kernel instead (csrc/linear.c,
 with the ``cpu`` attention backend's kernels, on a CPU with AMX, one engine thread): the weight
 packed once as AMX tiles, streamed in order. The 120 projections of a SmolLM2 decode step
-(212 MB), one thread, medians of 5 interleaved: 18.3 ms against oneDNN's 22.5 at 1 token, 19.9
-against 26.1 at 32, even at 128, 15-17% slower from 256 tokens on (100 against 85 ms at 512:
-oneDNN blocks larger and keeps both operands nearer the core). Rows are summed in one order
-whatever the batch (oneDNN's order changes with it).
+(212 MB), one thread, medians of 5 interleaved (loadtest figures in docs/loadtest.md): 18.0 ms
+against oneDNN's 22.9 at 1 token, 20.6 against 27.1 at 32, even at 128, 14-15% slower from
+256 tokens on (98 against 83 ms at 512: oneDNN blocks larger and keeps both operands nearer
+the core; prefill chunks pay that). Rows are summed in one order whatever the batch
+(oneDNN's order changes with it).
 """
 
 from __future__ import annotations
@@ -62,27 +63,32 @@ class Linear:
 
 @dataclass(frozen=True)
 class AmxLinear:
-    """``x @ weight.T + bias`` through our AMX kernel, the weight held as its tiles."""
+    """``x @ weight.T + bias`` through our AMX kernel, the weight held as its tiles; with
+    ``swiglu`` (a gate and up projection stacked), ``F.silu(gate) * up`` of the two in the
+    same pass, the [tokens, 2 x intermediate] projection never written."""
 
     weight: torch.Tensor  # pack_linear's tiles of the [out, in] weight
     bias: torch.Tensor | None
     kernels: Kernels
+    swiglu: bool = False
 
     @classmethod
-    def usable(cls, kernels: Kernels | None, weight: torch.Tensor) -> bool:
+    def usable(cls, kernels: Kernels | None, weight: torch.Tensor, swiglu: bool = False
+               ) -> bool:
         """Whether ``weight`` can run here: bfloat16 on a CPU with AMX, one torch thread (the
         kernel runs on the calling thread; oneDNN uses them all), a shape the tiles take."""
         return (kernels is not None and kernels.amx and weight.dtype == torch.bfloat16
                 and weight.device.type == "cpu" and torch.get_num_threads() == 1
-                and supports_linear(*weight.shape))
+                and supports_linear(*weight.shape, swiglu=swiglu))
 
     @classmethod
-    def of(cls, kernels: Kernels, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> AmxLinear:
-        return cls(pack_linear(weight), bias, kernels)
+    def of(cls, kernels: Kernels, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           swiglu: bool = False) -> AmxLinear:
+        return cls(pack_linear(weight, swiglu), bias, kernels, swiglu)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
-            return self.kernels.linear(x, self.weight, self.bias)
-        y = self.kernels.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+            return self.kernels.linear(x, self.weight, self.bias, self.swiglu)
+        y = self.kernels.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
+                                self.swiglu)
         return y.view(*x.shape[:-1], y.shape[-1])

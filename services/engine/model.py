@@ -190,24 +190,27 @@ class LlamaModel(nn.Module):
                                               or torch.device(device).type != "cpu"):
             raise ValueError("int4 weights run on one CPU rank only")
 
-        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear | AmxLinear:
-            """A dense projection: our AMX kernel with the cpu backend where it runs, else
+        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  swiglu: bool = False) -> Linear | AmxLinear:
+            """A dense projection: our AMX kernel with the cpu backend where it runs (a gate
+            and up projection then also computing the SwiGLU activation: ``swiglu``), else
             torch (oneDNN-packed on a CPU)."""
-            if AmxLinear.usable(self.kernels, weight):
+            if AmxLinear.usable(self.kernels, weight, swiglu):
                 assert self.kernels is not None
-                return AmxLinear.of(self.kernels, weight, bias)
+                return AmxLinear.of(self.kernels, weight, bias, swiglu)
             return Linear.of(weight, bias, pack)
 
         self.head = (Int4Linear.of(quantized_head, pack=pack, dense=dense) if quantized_head
                      else dense(self.lm_head))
 
-        def linear(names: list[str], bias: torch.Tensor | None = None) -> Projection:
+        def linear(names: list[str], bias: torch.Tensor | None = None,
+                   swiglu: bool = False) -> Projection:
             """The fused projection of ``names`` (stacked along their outputs)."""
             if all(name in quantized for name in names):
                 return Int4Linear.of(Q4Weight.cat([quantized[n] for n in names]), bias, pack,
                                      dense=dense)
             return dense(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]],
-                         bias)
+                         bias, swiglu)
 
         self.layers: list[Layer] = []
         for i in range(config.num_layers):
@@ -222,7 +225,8 @@ class LlamaModel(nn.Module):
                 o=linear([p + "self_attn.o_proj.weight"]),
                 q_norm=w.get(p + "self_attn.q_norm.weight"),
                 k_norm=w.get(p + "self_attn.k_norm.weight"),
-                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                               swiglu=True),
                 down=linear([p + "mlp.down_proj.weight"]),
             ))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
@@ -279,7 +283,9 @@ class LlamaModel(nn.Module):
             attn = self.attention.forward(index, q, k, v, kv_cache, plan)
             x = x + self._reduced(layer.o(attn))
             h = self._norm(x, layer.post_norm)
-            if kernels is not None:
+            if isinstance(layer.gate_up, AmxLinear) and layer.gate_up.swiglu:
+                act = layer.gate_up(h)  # the activation straight from the projection
+            elif kernels is not None:
                 act = kernels.silu_mul(layer.gate_up(h))
             else:
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)

@@ -112,11 +112,32 @@ def test_a_linear_row_does_not_depend_on_the_batch() -> None:
     assert torch.equal(cpu_kernels.load().linear(x[20:], tiles, None), batch[20:])
 
 
+@needs_amx
+@pytest.mark.parametrize("shape", [(96, 64), (3072, 576)])
+@pytest.mark.parametrize("rows", [1, 17, 33, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_swiglu_in_the_projection_is_the_projection_then_silu_mul(
+        shape: tuple[int, int], rows: int, with_bias: bool) -> None:
+    """The gate and up projection with the activation in its pass: the same bits as the
+    projection followed by the fused silu(gate) * up (3 pairs of output blocks: an odd
+    count)."""
+    out_features, in_features = shape
+    x = randn(rows, in_features + 32)[:, :in_features]
+    weight = randn(out_features, in_features, scale=0.1)
+    bias = randn(out_features) if with_bias else None
+    kernels = cpu_kernels.load()
+    fused = kernels.linear(x, cpu_kernels.pack_linear(weight, swiglu=True), bias, swiglu=True)
+    assert fused.shape == (rows, out_features // 2)
+    assert torch.equal(fused, kernels.silu_mul(linear(x, weight, bias)))
+
+
 def test_the_linear_kernel_refuses_what_its_tiles_cannot_hold() -> None:
     with pytest.raises(ValueError, match="a 100x576 weight"):
         cpu_kernels.pack_linear(randn(100, 576))
     with pytest.raises(ValueError, match="a 96x48 weight"):
         cpu_kernels.pack_linear(randn(96, 48))
+    with pytest.raises(ValueError, match="a 48x64 weight .outputs a multiple of 32"):
+        cpu_kernels.pack_linear(randn(48, 64), swiglu=True)
     if AMX:
         with pytest.raises(ValueError, match="tiles that do not fit x"):
             cpu_kernels.load().linear(randn(2, 64), cpu_kernels.pack_linear(randn(96, 96)), None)
@@ -132,6 +153,8 @@ def test_amx_linear_is_used_only_where_it_runs_as_packed() -> None:
     assert AmxLinear.usable(kernels, weight)
     assert not AmxLinear.usable(kernels, weight.float())  # bfloat16 only
     assert not AmxLinear.usable(kernels, randn(100, 64))  # outputs not a multiple of 16
+    assert AmxLinear.usable(kernels, randn(48, 64))
+    assert not AmxLinear.usable(kernels, randn(48, 64), swiglu=True)  # 24 gate, 24 up
     assert not AmxLinear.usable(None, weight)  # no kernels: the torch backend
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # oneDNN would use both; the kernel runs on one

@@ -37,17 +37,6 @@ int rms_norm_bf16(const uint16_t *x, int64_t stride, const uint16_t *w, uint16_t
     return 0;
 }
 
-INLINE __m512 negate(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x),
-                                                _mm512_set1_epi32((int)0x80000000u)));
-}
-
-INLINE __m512 silu_mul(__m512 g, __m512 u) {
-    __m512 e = exp512(negate(g));
-    __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-    return _mm512_mul_ps(s, u);
-}
-
 /* out = bf16(silu(gate)) * up, gate = row[0:dim], up = row[dim:2 dim] (F.silu(gate) * up). */
 int silu_mul_bf16(const uint16_t *gate_up, int64_t stride, uint16_t *out, int64_t rows,
                   int64_t dim) {

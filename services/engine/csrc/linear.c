@@ -47,19 +47,35 @@ INLINE void write_tile(const float *buf, const uint16_t *bias, int64_t rows, uin
         store_bf16x16(out + m * out_stride, _mm512_add_ps(_mm512_load_ps(buf + 16 * m), b));
 }
 
+/* Gate and up tiles (16 rows of x by 16 outputs each) plus their biases, each rounded to
+   bfloat16 as the projection's output would be, into silu(gate) * up. */
+INLINE void write_swiglu(const float *gate, const float *up, const uint16_t *bias_gate,
+                         const uint16_t *bias_up, int64_t rows, uint16_t *out,
+                         int64_t out_stride) {
+    __m512 bg = bias_gate ? bf16x16(bias_gate) : _mm512_setzero_ps();
+    __m512 bu = bias_up ? bf16x16(bias_up) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < rows && m < 16; m++)
+        store_bf16x16(out + m * out_stride,
+                      silu_mul(round_bf16(_mm512_add_ps(_mm512_load_ps(gate + 16 * m), bg)),
+                               round_bf16(_mm512_add_ps(_mm512_load_ps(up + 16 * m), bu))));
+}
+
 /* out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]). x's rows at x + m * x_stride, out contiguous;
    w packed by the caller as AMX B tiles: tile (nb, kb) (outputs nb*16.., inputs kb*32..) at
    w + (nb * K/32 + kb) * 512, its row p holding, for each of its 16 outputs n, the pair
    w[n][kb*32 + 2p], w[n][kb*32 + 2p + 1]. K % 32 == 0, N % 16 == 0. Each output row depends
-   on its own input row only, summed in the same order whatever M is. */
+   on its own input row only, summed in the same order whatever M is.
+   swiglu: w's blocks of 16 outputs alternate gate and up (block 2j: gate outputs 16j.., 2j + 1:
+   the same up outputs) and out is [M, N / 2], silu(gate) * up (SwiGLU's activation, written
+   without the [M, N] projection). */
 int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                uint16_t *out, int64_t M, int64_t N, int64_t K) {
-    if (K % 32 || N % 16) return -3;
+                uint16_t *out, int64_t M, int64_t N, int64_t K, int swiglu) {
+    if (K % 32 || N % 16 || (swiglu && N % 32)) return -3;
     const int64_t KB = K / 32, NB = N / 16;
     /* The last rows when fewer than 16: copied beside zeros (a tile load reads 16 rows). */
     const int64_t full = M / 16 * 16;
     uint16_t *tail = NULL;
-    float *buf = aligned_alloc(64, 1024);
+    float *buf = aligned_alloc(64, 2048);
     if (M > full) tail = calloc((size_t)(16 * K), sizeof(uint16_t));
     if (!buf || (M > full && !tail)) {
         free(buf);
@@ -109,6 +125,21 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const ui
                         _tile_dpbf16ps(2, 5, 6);
                         if (two_n) _tile_dpbf16ps(3, 5, 7);
                     }
+                }
+                if (swiglu) {
+                    const int64_t width = N / 2;
+                    uint16_t *o = out + m0 * width + nb * 8;
+                    const uint16_t *bg = bias ? bias + nb * 8 : NULL;
+                    const uint16_t *bu = bias ? bias + width + nb * 8 : NULL;
+                    _tile_stored(0, buf, 64);
+                    _tile_stored(1, buf + 256, 64);
+                    write_swiglu(buf, buf + 256, bg, bu, M - m0, o, width);
+                    if (two_m) {
+                        _tile_stored(2, buf, 64);
+                        _tile_stored(3, buf + 256, 64);
+                        write_swiglu(buf, buf + 256, bg, bu, M - m0 - 16, o + 16 * width, width);
+                    }
+                    continue;
                 }
                 uint16_t *o = out + m0 * N + nb * 16;
                 const uint16_t *bb = bias ? bias + nb * 16 : NULL;

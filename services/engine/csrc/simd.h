@@ -51,4 +51,17 @@ INLINE __m512 round_bf16(__m512 x) {
         _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
 }
 
+INLINE __m512 negate(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x),
+                                                _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* torch's F.silu(gate) * up of bfloat16 gate and up: silu rounded to bfloat16, times up (the
+   caller rounds the product). */
+INLINE __m512 silu_mul(__m512 g, __m512 u) {
+    __m512 e = exp512(negate(g));
+    __m512 s = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    return _mm512_mul_ps(s, u);
+}
+
 #endif
