@@ -6,7 +6,8 @@ first time a process needs them, cached, loaded with ctypes.
 - ``linear.c``: bfloat16 projections on Intel AMX (cpu_linear.AmxLinear), where the CPU has it
 
 They run on x86 CPUs with AVX-512 BF16 (Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on);
-the projections also need AMX (Sapphire Rapids on: ``Kernels.amx``).
+the projections also need AMX (Sapphire Rapids on: ``Kernels.amx``), and a compiler with AMX
+intrinsics (GCC 11, Clang 12 on; with an older one the rest is built without them).
 ``unavailable_reason()`` says why they cannot run here (None: they can); the library is built
 once per source and compiler flags into ``$XDG_CACHE_HOME/tandem/kernels`` (``~/.cache``; the
 temp directory when that is not writable), written to a temporary file renamed into place, so
@@ -31,12 +32,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "decode_attention.c",
-           Path(__file__).parent / "csrc" / "fused_ops.c",
-           Path(__file__).parent / "csrc" / "linear.c")
-HEADERS = (Path(__file__).parent / "csrc" / "simd.h",)
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
-          "-mamx-bf16", "-fPIC", "-shared")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "decode_attention.c", CSRC / "fused_ops.c")
+AMX_SOURCES = (CSRC / "linear.c",)
+HEADERS = (CSRC / "simd.h",)
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
+          "-shared")
+AMX_CFLAGS = ("-mamx-tile", "-mamx-bf16")
+# What is built, the first that builds: everything, then (a compiler without AMX intrinsics:
+# GCC < 11, Clang < 12) everything but the AMX projections.
+BUILDS = ((SOURCES + AMX_SOURCES, CFLAGS + AMX_CFLAGS), (SOURCES, CFLAGS))
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 BUILD_TIMEOUT_S = 120.0
@@ -62,13 +67,15 @@ class Kernels:
             "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int],
             "amx_enable": [],
         }
+        built_amx = hasattr(lib, "linear_bf16")  # not when the compiler lacked AMX (BUILDS)
         for name, argtypes in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            if built_amx or name not in ("linear_bf16", "amx_enable"):
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib = lib
         self.path = path
         # The projections' kernel needs AMX in the CPU and Linux's leave to use its tiles.
-        self.amx = not _missing_cpu_flags(AMX_FLAGS) and lib.amx_enable() == 0
+        self.amx = built_amx and not _missing_cpu_flags(AMX_FLAGS) and lib.amx_enable() == 0
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
                          values: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -195,18 +202,19 @@ def _load() -> Kernels | str:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return "no C compiler (cc, or $CC) to build it"
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
-                            + " ".join((compiler, *CFLAGS)).encode())
-    name = f"tandem-cpu-{digest.hexdigest()[:16]}.so"
     errors = []
-    for directory in _cache_dirs():
-        path = directory / name
-        try:
-            if not path.exists():
-                _build(compiler, directory, path)
-            return Kernels(path)
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(f"{directory}: {e}")
+    for sources, flags in BUILDS:
+        digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*sources, *HEADERS))
+                                + " ".join((compiler, *flags)).encode())
+        name = f"tandem-cpu-{digest.hexdigest()[:16]}.so"
+        for directory in _cache_dirs():
+            path = directory / name
+            try:
+                if not path.exists():
+                    _build(compiler, sources, flags, directory, path)
+                return Kernels(path)
+            except (OSError, subprocess.SubprocessError) as e:
+                errors.append(f"{directory}: {e}")
     return "could not build it: " + "; ".join(errors)
 
 
@@ -244,13 +252,14 @@ def _cache_dirs() -> list[Path]:
             Path(tempfile.gettempdir()) / f"tandem-kernels-{os.getuid()}"]
 
 
-def _build(compiler: str, directory: Path, path: Path) -> None:
+def _build(compiler: str, sources: tuple[Path, ...], flags: tuple[str, ...], directory: Path,
+           path: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
                               check=False)
         if done.returncode != 0:

@@ -128,6 +128,29 @@ def test_without_a_compiler_auto_falls_back_and_cpu_says_why(monkeypatch, tmp_pa
         cpu_kernels._load.cache_clear()
 
 
+def test_a_compiler_without_amx_still_builds_the_attention_kernel(monkeypatch, tmp_path  # type: ignore[no-untyped-def]
+                                                                  ) -> None:
+    """A real compiler that refuses the AMX flags (as GCC < 11 does): the library is built
+    without the AMX projections, the decode kernel runs, the projections stay oneDNN's."""
+    compiler = tmp_path / "cc-without-amx"
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -mamx*) echo "unknown '
+                        'option $a" >&2; exit 1;; esac; done\nexec cc "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path / "tmp"))
+    cpu_kernels._load.cache_clear()
+    try:
+        kernels = cpu_kernels.load()
+        assert not kernels.amx
+        assert not AmxLinear.usable(kernels, torch.zeros(64, 64, dtype=torch.bfloat16))
+        seqs, heads, block_size = SCENARIOS["decode"]
+        step = make_step(seqs, heads, block_size, torch.bfloat16, shared_prefix_blocks=0)
+        assert_matches(run_kernel(step, 1), reference(step), torch.bfloat16)
+    finally:
+        cpu_kernels._load.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def bf16_model() -> LoadedModel:
     return load_model(dtype="bfloat16", progress=False)
