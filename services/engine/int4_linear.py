@@ -19,8 +19,8 @@ The int4 kernel wins only at a few tokens (measured on this machine's CPU, one t
 batch-1 decode step of the built-in model, see docs/loadtest.md); from ``INT4_MAX_TOKENS`` up
 (prefill chunks, decode batches) ``Int4Linear`` runs a dense bfloat16 copy of the same weights,
 dequantized from the pack (prepacked for oneDNN, or our AMX kernel's ``AmxLinear`` where the
-model runs it), so both paths
-multiply by identical weight values and only the kernel's accumulation differs.
+model runs it), so both paths multiply by identical weight values and only the kernel's
+accumulation differs.
 """
 
 from __future__ import annotations

@@ -154,8 +154,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Ten
     """A zeroed cache tensor; on a CPU, in transparent huge pages where Linux allows them
     (asked before the pages are first touched). A decode step reads every sequence's blocks,
     scattered over the cache: with 4 KiB pages most blocks cost TLB misses (the cpu backend's
-    attention, a batch-32 step's 30 layers: 23.1 -> 20.6 ms, loadtest figures in
-    docs/loadtest.md)."""
+    attention in a batch-32 decode step: 28.4 -> 23.2 ms, docs/loadtest.md)."""
     out = torch.empty(shape, dtype=dtype, device=device)
     if out.device.type == "cpu":
         advise_huge_pages(out)
