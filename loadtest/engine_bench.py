@@ -45,11 +45,12 @@ def make_workload(num_requests: int, input_len: int, output_len: int, vocab: int
 
 
 def bench_engine(loaded: LoadedModel, dtype: str, work: Workload, max_batch: int,
-                 attention_backend: str = "auto") -> float:
+                 attention_backend: str = "auto", kernel_threads: int = 1) -> float:
     engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_batch,
                                     max_num_batched_tokens=512, num_kv_blocks=2048,
                                     enable_prefix_caching=False,
-                                    attention_backend=attention_backend), loaded)
+                                    attention_backend=attention_backend,
+                                    kernel_threads=kernel_threads), loaded)
     params = SamplingParams(max_tokens=work.output_len, temperature=0.0, ignore_eos=True)
     engine.generate(work.prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     start = time.perf_counter()
@@ -97,14 +98,16 @@ class StepTiming:
 
 def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
                       steps: int = 20, kv_cache_dtype: str = "auto",
-                      weight_format: str = "dense", attention_backend: str = "auto"
+                      weight_format: str = "dense", attention_backend: str = "auto",
+                      kernel_threads: int = 1
                       ) -> StepTiming:
     """Time engine.step() in steady decode, and the model forward (and its head) inside it."""
     engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=batch, num_kv_blocks=4096,
                                     max_num_batched_tokens=max(512, batch),
                                     kv_cache_dtype=kv_cache_dtype,
                                     weight_format=weight_format,
-                                    attention_backend=attention_backend), loaded)
+                                    attention_backend=attention_backend,
+                                    kernel_threads=kernel_threads), loaded)
     work = make_workload(batch, context, 1, loaded.config.vocab_size, seed=batch)
     params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(work.prompts):
@@ -144,10 +147,11 @@ def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
 
 
 def bench_prefill(loaded: LoadedModel, dtype: str, prompt_len: int = 1000,
-                  attention_backend: str = "auto") -> float:
+                  attention_backend: str = "auto", kernel_threads: int = 1) -> float:
     engine = LLMEngine(EngineConfig(dtype=dtype, num_kv_blocks=512, max_num_batched_tokens=512,
                                     enable_prefix_caching=False,
-                                    attention_backend=attention_backend), loaded)
+                                    attention_backend=attention_backend,
+                                    kernel_threads=kernel_threads), loaded)
     prompt = make_workload(1, prompt_len, 1, loaded.config.vocab_size).prompts[0][:prompt_len]
     params = SamplingParams(max_tokens=1, temperature=0.0)
     engine.generate([prompt[:64]], params)  # warm-up
@@ -195,6 +199,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kernel-threads", type=int, default=1, choices=(1, 2),
+                        help="threads our AMX projections split over (with --threads 1)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--attention-backends", nargs="+", default=["auto"],
                         choices=ATTENTION_BACKENDS,
@@ -213,8 +219,9 @@ def main() -> None:
         compare_weight_formats(args.weight_formats, args.batches, args.rounds, args.input_len)
         return
 
-    print(f"threads={args.threads} requests={args.num_requests} input~{args.input_len} "
-          f"output={args.output_len} max_batch={args.max_batch}\n")
+    print(f"threads={args.threads} kernel_threads={args.kernel_threads} "
+          f"requests={args.num_requests} input~{args.input_len} output={args.output_len} "
+          f"max_batch={args.max_batch}\n")
     print("| dtype | attention | Tandem tok/s | transformers tok/s | ratio "
           "| step b=1 ms (fwd, overhead) | step b=32 ms (fwd, overhead) | prefill 1k tok/s |")
     print("|---|---|---|---|---|---|---|---|")
@@ -226,14 +233,18 @@ def main() -> None:
                   else bench_transformers(loaded, dtype, work, args.max_batch))
         for backend in args.attention_backends:
             try:
-                ours = bench_engine(loaded, dtype, work, args.max_batch, backend)
+                ours = bench_engine(loaded, dtype, work, args.max_batch, backend,
+                                    args.kernel_threads)
             except ValueError as e:
                 print(f"| {dtype} | {backend} | refused: {e} |||||", flush=True)
                 continue
-            b1 = bench_decode_step(loaded, dtype, 1, args.input_len, attention_backend=backend)
+            b1 = bench_decode_step(loaded, dtype, 1, args.input_len, attention_backend=backend,
+                                   kernel_threads=args.kernel_threads)
             b32 = bench_decode_step(loaded, dtype, 32, args.input_len,
-                                    attention_backend=backend)
-            prefill = bench_prefill(loaded, dtype, attention_backend=backend)
+                                    attention_backend=backend,
+                                    kernel_threads=args.kernel_threads)
+            prefill = bench_prefill(loaded, dtype, attention_backend=backend,
+                                    kernel_threads=args.kernel_threads)
             print(f"| {dtype} | {backend} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x "
                   f"| {b1.step_ms:.1f} ({b1.forward_ms:.1f}, {b1.overhead_pct:.1f}%) "
                   f"| {b32.step_ms:.1f} ({b32.forward_ms:.1f}, {b32.overhead_pct:.1f}%) "

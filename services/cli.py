@@ -98,7 +98,8 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "weight_format": "weight_format",
              "host_kv_cache_gb": "host_kv_cache_gb", "block_size": "block_size",
              "routing_policy": "routing_policy",
-             "threads": "threads_per_worker", "tensor_parallel_size": "tensor_parallel_size",
+             "threads": "threads_per_worker", "kernel_threads": "kernel_threads",
+             "tensor_parallel_size": "tensor_parallel_size",
              "max_num_batched_tokens": "max_num_batched_tokens",
              "spec": "spec", "spec_k": "spec_k", "draft_model": "draft_model",
              "request_timeout": "request_timeout_s", "max_in_flight": "max_in_flight",
@@ -158,6 +159,9 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                     help="tokens per KV block (16; 256 with --attention-backend flash_attn)")
     up.add_argument("--threads", type=int,
                     help="torch threads per engine (default: (CPUs - 1) / engines, at least 1)")
+    up.add_argument("--kernel-threads", type=int, choices=(1, 2),
+                    help="threads our CPU kernels split over per engine (default: 2 where an "
+                         "engine has one torch thread and the CPUs give each engine two)")
     up.add_argument("--max-num-batched-tokens", type=int,
                     help="per-step token budget (the prefill chunk size)")
     up.add_argument("--request-timeout", type=float, metavar="S",

@@ -103,6 +103,10 @@ class EngineConfig:
     max_waiting: int = 1024  # admission control: add_request fails beyond this
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # Threads our AMX projections split over (cpu backend, one torch thread; cpu_linear.py):
+    # 1, or 2 (a helper thread takes part of each projection when it can: late, it costs
+    # nothing, the calling thread takes the rest).
+    kernel_threads: int = 1
     attention_backend: str = "auto"  # auto | torch | cpu | triton | flash_attn (engine/attention)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (on CUDA with triton attention)
     seed: int = 0  # for requests that sample without their own seed
@@ -150,6 +154,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.host_kv_cache_gb >= 0:
             raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
+        if self.kernel_threads not in (1, 2):
+            raise ValueError(f"kernel_threads must be 1 or 2, got {self.kernel_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.tensor_parallel_size < 1:

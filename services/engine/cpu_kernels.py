@@ -33,9 +33,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention.c", CSRC / "fused_ops.c")
+SOURCES = (CSRC / "decode_attention.c", CSRC / "fused_ops.c", CSRC / "pool.c")
 AMX_SOURCES = (CSRC / "linear.c",)
-HEADERS = (CSRC / "simd.h",)
+HEADERS = (CSRC / "simd.h", CSRC / "pool.h")
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
           "-shared")
 AMX_CFLAGS = ("-mamx-tile", "-mamx-bf16")
@@ -60,11 +60,11 @@ class Kernels:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         signatures = {
             "decode_attention_bf16": [p, p, p, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64,
-                                      i64, f32],
+                                      i64, f32, ctypes.c_int],
             "rms_norm_bf16": [p, i64, p, p, i64, i64, f32],
             "silu_mul_bf16": [p, i64, p, i64, i64],
             "rotary_bf16": [p, i64, p, p, p, p, i64, i64, i64],
-            "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int],
+            "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int],
             "amx_enable": [],
         }
         built_amx = hasattr(lib, "linear_bf16")  # not when the compiler lacked AMX (BUILDS)
@@ -79,7 +79,7 @@ class Kernels:
 
     def decode_attention(self, q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
                          values: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-                         query_len: int, scale: float) -> None:
+                         query_len: int, scale: float, threads: int = 1) -> None:
         """Attention of ``n`` sequences decoding ``query_len`` rows each into ``out``.
 
         q, out: [n * query_len, Hq, D] bfloat16, contiguous (sequence i's rows from
@@ -98,7 +98,7 @@ class Kernels:
         _ok(self._lib.decode_attention_bf16(
             q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
             tables.stride(0), seq_lens.data_ptr(), seq_lens.numel(), query_len, num_kv_heads,
-            group, head_dim, block_size, keys.stride(0), keys.stride(1), scale))
+            group, head_dim, block_size, keys.stride(0), keys.stride(1), scale, threads))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """model.rms_norm of [rows, dim] ``x`` (rows may be strided)."""
@@ -134,7 +134,7 @@ class Kernels:
 
 
     def linear(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None,
-               swiglu: bool = False) -> torch.Tensor:
+               swiglu: bool = False, threads: int = 1) -> torch.Tensor:
         """``x @ weight.T + bias`` of [rows, in] ``x`` (rows may be strided) with the weight
         as ``pack_linear``'s tiles; [rows, out] bfloat16. ``swiglu`` (tiles packed so): the
         weight is gate and up stacked, and the result [rows, out / 2] is ``F.silu(gate) * up``
@@ -147,7 +147,8 @@ class Kernels:
         out = torch.empty((rows, out_features // 2 if swiglu else out_features), dtype=x.dtype)
         _ok(self._lib.linear_bf16(x.data_ptr(), x.stride(0), tiles.data_ptr(),
                                   None if bias is None else bias.contiguous().data_ptr(),
-                                  out.data_ptr(), rows, out_features, width, int(swiglu)))
+                                  out.data_ptr(), rows, out_features, width, int(swiglu),
+                                  threads))
         return out
 
 

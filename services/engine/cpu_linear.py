@@ -71,6 +71,7 @@ class AmxLinear:
     bias: torch.Tensor | None
     kernels: Kernels
     swiglu: bool = False
+    threads: int = 1  # 2: a helper thread takes part of each call (csrc/linear.c)
 
     @classmethod
     def usable(cls, kernels: Kernels | None, weight: torch.Tensor, swiglu: bool = False
@@ -83,12 +84,12 @@ class AmxLinear:
 
     @classmethod
     def of(cls, kernels: Kernels, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           swiglu: bool = False) -> AmxLinear:
-        return cls(pack_linear(weight, swiglu), bias, kernels, swiglu)
+           swiglu: bool = False, threads: int = 1) -> AmxLinear:
+        return cls(pack_linear(weight, swiglu), bias, kernels, swiglu, threads)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
-            return self.kernels.linear(x, self.weight, self.bias, self.swiglu)
+            return self.kernels.linear(x, self.weight, self.bias, self.swiglu, self.threads)
         y = self.kernels.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
-                                self.swiglu)
+                                self.swiglu, self.threads)
         return y.view(*x.shape[:-1], y.shape[-1])

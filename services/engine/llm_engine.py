@@ -130,13 +130,15 @@ class LLMEngine:
         model = LlamaModel(loaded.config, loaded.weights,
                            get_attention_backend(config.attention_backend, config.device,
                                                  local.num_heads, local.num_kv_heads,
-                                                 local.head_dim, self.local_kv_spec.torch_dtype),
+                                                 local.head_dim, self.local_kv_spec.torch_dtype,
+                                                 config.kernel_threads),
                            max_positions=self.max_model_len, device=config.device,
                            shard=shards[0], all_reduce=self.tp and self.tp.all_reduce,
                            quantized=loaded.quantized if config.weight_format == "int4"
                            else None,
                            quantized_head=loaded.quantized_head
-                           if config.weight_format == "int4" else ())
+                           if config.weight_format == "int4" else (),
+                           kernel_threads=config.kernel_threads)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device,
                                   self.tp)
         why_not = (cpu_kernels.unavailable_reason()

@@ -161,12 +161,13 @@ class LlamaModel(nn.Module):
                  shard: Shard | None = None,
                  all_reduce: Callable[[torch.Tensor], None] | None = None,
                  quantized: dict[str, Q4Weight] | None = None,
-                 quantized_head: tuple[Q4Weight, ...] = ()) -> None:
+                 quantized_head: tuple[Q4Weight, ...] = (), kernel_threads: int = 1) -> None:
         """``shard``: this rank's part (None: the whole model); ``all_reduce`` sums a tensor
         in place across the ranks (needed when the shard is not the whole model).
         ``quantized``: Q4_1 weights by name (weight_format int4; a projection all of whose
         parts are there runs as an ``Int4Linear``, the others dense from ``weights``);
-        ``quantized_head``: the output projection's int4 terms (a Q8_0 head), if any."""
+        ``quantized_head``: the output projection's int4 terms (a Q8_0 head), if any.
+        ``kernel_threads``: the threads our AMX projections split over (1 or 2)."""
         super().__init__()
         self.config = config
         self.shard = shard or Shard.whole(config)
@@ -197,7 +198,7 @@ class LlamaModel(nn.Module):
             torch (oneDNN-packed on a CPU)."""
             if AmxLinear.usable(self.kernels, weight, swiglu):
                 assert self.kernels is not None
-                return AmxLinear.of(self.kernels, weight, bias, swiglu)
+                return AmxLinear.of(self.kernels, weight, bias, swiglu, kernel_threads)
             return Linear.of(weight, bias, pack)
 
         self.head = (Int4Linear.of(quantized_head, pack=pack, dense=dense) if quantized_head

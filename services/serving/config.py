@@ -66,6 +66,11 @@ class AppConfig:
     # torch intra-op threads per engine rank; None: from the CPUs of the machine the engine
     # runs on, (cpus - 1) // ranks on it, at least 1 (``engine_threads``)
     threads_per_worker: int | None = None
+    # Threads our CPU kernels (AMX projections, decode attention) split over per engine, with
+    # the cpu backend and one torch thread: 1 or 2 (a helper thread takes part of each call
+    # when it can; busy elsewhere, it costs nothing). None: 2 where the engine has one torch
+    # thread and the CPUs give each engine rank two (``engine_kernel_threads``), else 1.
+    kernel_threads: int | None = None
     # Ranks per engine, every role (prefill, decode, colocated): its attention heads and MLP
     # split over this many processes, one GPU each on CUDA (engine/tensor_parallel.py); KV
     # transfers move canonical blocks, gathered from / scattered to the ranks, so a prefill
@@ -161,6 +166,8 @@ class AppConfig:
                 raise ConfigError(f"{name} must be 0..65535, got {getattr(self, name)}")
         if self.port and self.port == self.grpc_port:
             raise ConfigError(f"port and grpc_port must differ, both are {self.port}")
+        if self.kernel_threads not in (None, 1, 2):
+            raise ConfigError(f"kernel_threads must be 1 or 2, got {self.kernel_threads}")
         if self.max_in_flight is not None:
             _at_least("max_in_flight", self.max_in_flight, 1)
         for name in ("tenant_requests_per_minute", "tenant_tokens_per_minute"):
@@ -228,7 +235,8 @@ class AppConfig:
             kv_cache_dtype=self.kv_cache_dtype, host_kv_cache_gb=self.host_kv_cache_gb,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
-            num_threads=self.engine_threads(), attention_backend=self.attention_backend,
+            num_threads=self.engine_threads(), kernel_threads=self.engine_kernel_threads(),
+            attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs, weight_format=self.weight_format,
             tensor_parallel_size=self.tensor_parallel_size)
 
@@ -258,9 +266,21 @@ class AppConfig:
         Kubernetes each worker pod is its own machine: the chart sets the pod's CPUs."""
         if self.threads_per_worker is not None:
             return self.threads_per_worker
+        return max(1, (len(os.sched_getaffinity(0)) - 1) // self._engine_ranks())
+
+    def engine_kernel_threads(self) -> int:
+        """``kernel_threads``, or 2 where an engine has one torch thread (so our kernels run
+        its projections) and the CPUs here give each engine rank two: the CPU
+        ``engine_threads`` leaves to the gateway and Ray is the helper's when they are idle."""
+        if self.kernel_threads is not None:
+            return self.kernel_threads
+        cpus = len(os.sched_getaffinity(0))
+        return 2 if self.engine_threads() == 1 and cpus // self._engine_ranks() >= 2 else 1
+
+    def _engine_ranks(self) -> int:
+        """Engine ranks of the shape on one machine."""
         tp = self.tensor_parallel_size
-        ranks = tp * (1 if self.colocated else self.prefill_replicas + self.decode_replicas)
-        return max(1, (len(os.sched_getaffinity(0)) - 1) // ranks)
+        return tp * (1 if self.colocated else self.prefill_replicas + self.decode_replicas)
 
     def engine_device(self) -> str:
         """Resolved where the engine is built (a GPU worker pod, not the machine that wrote

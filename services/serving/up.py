@@ -92,6 +92,8 @@ def ready_line(config: AppConfig) -> str:
     threads = config.engine_threads()
     shape += (f"; {threads} torch thread{'s' if threads > 1 else ''} per engine"
               f"{' rank' if tp > 1 else ''}")
+    if config.engine_kernel_threads() > 1:
+        shape += " (+1 for our CPU kernels)"
     if config.threads_per_worker is None:
         shape += f", from {len(os.sched_getaffinity(0))} CPUs"
     keys = "API keys on" if config.api_keys_file else "no API keys"

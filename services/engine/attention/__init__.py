@@ -91,12 +91,13 @@ def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None)
 
 
 def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: int,
-                          head_dim: int, kv_dtype: torch.dtype | None = None
-                          ) -> AttentionBackend:
+                          head_dim: int, kv_dtype: torch.dtype | None = None,
+                          kernel_threads: int = 1) -> AttentionBackend:
+    """``kernel_threads``: what the cpu backend's decode kernel may split over (1 or 2)."""
     name = resolve_backend(name, device, kv_dtype)
     if name == "cpu":
         from services.engine.attention.cpu_backend import CpuAttention
-        return CpuAttention(num_heads // num_kv_heads, num_kv_heads, head_dim)
+        return CpuAttention(num_heads // num_kv_heads, num_kv_heads, head_dim, kernel_threads)
     if name == "triton":
         from services.engine.attention.triton_backend import TritonAttention
         return TritonAttention(num_kv_heads, head_dim, device)

@@ -38,8 +38,11 @@ class KernelBatch:
 class CpuAttention(TorchAttention):
     name = "cpu"
 
-    def __init__(self, heads_per_kv_group: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, heads_per_kv_group: int, num_kv_heads: int, head_dim: int,
+                 threads: int = 1) -> None:
+        """``threads``: 2 lets the kernels' helper thread take sequences too."""
         super().__init__(heads_per_kv_group)
+        self.threads = threads
         self.kernels = cpu_kernels.load()
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -61,5 +64,5 @@ class CpuAttention(TorchAttention):
         out = torch.empty_like(rows)
         self.kernels.decode_attention(rows, out, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
                                       batch.block_tables, batch.seq_lens, batch.query_len,
-                                      self.scale)
+                                      self.scale, self.threads)
         return out

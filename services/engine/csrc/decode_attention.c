@@ -10,11 +10,13 @@
    result depends only on its own keys, so a draft-verifying row equals the plain decode row at
    that position, bit for bit.
 
-   Single-threaded by design: the engine gives torch one thread per worker on small machines,
-   and the call releases the GIL (ctypes), so the rest of the process keeps running. */
+   On the calling thread, and with threads 2 on the kernels' helper thread too (pool.c: the
+   engine gives torch one thread per worker on small machines); the call releases the GIL
+   (ctypes), so the rest of the process keeps running. */
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "pool.h"
 #include "simd.h"
 
 #define MAX_ROWS 64   /* query rows per KV head: group * query_len */
@@ -124,36 +126,64 @@ INLINE void attend_seq(const uint16_t *q, uint16_t *out, const uint16_t *k, cons
     }
 }
 
+typedef struct {
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    const int32_t *tables, *seq_lens;
+    int64_t table_stride, qlen, hkv, group, d, bs, block_stride, tok_stride, stride;
+    float scale;
+    float *s[2];     /* scratch per thread (pool.c: caller 0, helper 1) */
+    int64_t *off[2];
+} job_t;
+
 #define CASE(R, C) \
     if (rows == R && chunks == C) { \
-        attend_seq(qb, ob, k, v, table, len, qlen, hkv, group, R, C, bs, block_stride, \
-                   tok_stride, scale, s, stride, off); continue; }
+        attend_seq(qb, ob, j->k, j->v, table, len, qlen, j->hkv, j->group, R, C, j->bs, \
+                   j->block_stride, j->tok_stride, j->scale, s, j->stride, off); return; }
+
+/* Sequence b, every KV head. */
+static void unit(void *ctx, int64_t b, int helper) {
+    const job_t *j = ctx;
+    const int64_t qlen = j->qlen, rows = j->group * qlen, chunks = j->d / 32;
+    const int64_t width = qlen * j->hkv * j->group * j->d;
+    const uint16_t *qb = j->q + b * width;
+    uint16_t *ob = j->out + b * width;
+    const int32_t *table = j->tables + b * j->table_stride;
+    const int64_t len = j->seq_lens[b];
+    float *s = j->s[helper];
+    int64_t *off = j->off[helper];
+    CASE(1, 2) CASE(2, 2) CASE(3, 2) CASE(4, 2) CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4)
+    attend_seq(qb, ob, j->k, j->v, table, len, qlen, j->hkv, j->group, (int)rows, (int)chunks,
+               j->bs, j->block_stride, j->tok_stride, j->scale, s, j->stride, off);
+}
 
 /* n sequences decoding qlen query rows each (sequence b's rows from b * qlen on).
    q, out: [n * qlen, hkv * group, d] bf16, contiguous. Key j of sequence b, KV head h:
    k + tables[b * table_stride + j / bs] * block_stride + (j % bs) * tok_stride + h * d
-   (v likewise), d contiguous. Returns 0, or -1 (out of memory), -2 (shape not supported). */
+   (v likewise), d contiguous. threads 2: the helper thread takes sequences beside the caller
+   (pool.c). Returns 0, or -1 (out of memory), -2 (shape not supported). */
 int decode_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v,
                           const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
                           int64_t n, int64_t qlen, int64_t hkv, int64_t group, int64_t d,
-                          int64_t bs, int64_t block_stride, int64_t tok_stride, float scale) {
+                          int64_t bs, int64_t block_stride, int64_t tok_stride, float scale,
+                          int threads) {
     int64_t rows = group * qlen, chunks = d / 32, maxlen = 0;
     if (d % 32 || chunks > MAX_CHUNKS || rows > MAX_ROWS || hkv * rows > MAX_ROWS * 16) return -2;
     for (int64_t b = 0; b < n; b++) if (seq_lens[b] > maxlen) maxlen = seq_lens[b];
-    int64_t stride = (maxlen + 15) & ~15;
-    float *s = aligned_alloc(64, sizeof(float) * hkv * rows * stride);
-    int64_t *off = malloc(sizeof(int64_t) * (stride + 16));
-    if (!s || !off) { free(s); free(off); return -1; }
-    for (int64_t b = 0; b < n; b++) {
-        const uint16_t *qb = q + b * qlen * hkv * group * d;
-        uint16_t *ob = out + b * qlen * hkv * group * d;
-        const int32_t *table = tables + b * table_stride;
-        int64_t len = seq_lens[b];
-        CASE(1, 2) CASE(2, 2) CASE(3, 2) CASE(4, 2) CASE(1, 4) CASE(2, 4) CASE(3, 4) CASE(4, 4)
-        attend_seq(qb, ob, k, v, table, len, qlen, hkv, group, (int)rows, (int)chunks, bs,
-                   block_stride, tok_stride, scale, s, stride, off);
+    const int64_t stride = (maxlen + 15) & ~15;
+    job_t job = {q, k, v, out, tables, seq_lens, table_stride, qlen, hkv, group, d, bs,
+                 block_stride, tok_stride, stride, scale, {NULL, NULL}, {NULL, NULL}};
+    const int scratches = threads > 1 && n > 1 ? 2 : 1;
+    int ok = 1;
+    for (int t = 0; t < scratches; t++) {
+        job.s[t] = aligned_alloc(64, sizeof(float) * hkv * rows * stride);
+        job.off[t] = malloc(sizeof(int64_t) * (stride + 16));
+        ok = ok && job.s[t] && job.off[t];
     }
-    free(s);
-    free(off);
-    return 0;
+    if (ok) pool_run(&(pool_job){unit, NULL, NULL, &job}, n, scratches);
+    for (int t = 0; t < scratches; t++) {
+        free(job.s[t]);
+        free(job.off[t]);
+    }
+    return ok ? 0 : -1;
 }
