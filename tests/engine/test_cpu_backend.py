@@ -8,6 +8,8 @@ covers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,13 +36,14 @@ REASON = cpu_kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cpu decode kernel: {REASON}")
 
 
-def run_kernel(step: Step, query_len: int) -> torch.Tensor:
-    """Every sequence of ``step`` (all decoding ``query_len`` rows) through the kernel."""
+def run_kernel(step: Step, query_len: int, threads: int = 1) -> torch.Tensor:
+    """Every sequence of ``step`` (all decoding ``query_len`` rows) through the kernel
+    (``threads`` 2: the helper thread takes sequences from the back)."""
     q = step.q.contiguous()
     out = torch.full_like(q, float("nan"))
     cache = step.kv_cache[:, LAYER]
     cpu_kernels.load().decode_attention(q, out, cache[:, 0], cache[:, 1], step.block_tables,
-                                        step.seq_lens, query_len, step.scale)
+                                        step.seq_lens, query_len, step.scale, threads)
     return out
 
 
@@ -60,7 +63,9 @@ SCENARIOS = {
 def test_kernel_matches_reference(scenario: str) -> None:
     seqs, heads, block_size = SCENARIOS[scenario]
     step = make_step(seqs, heads, block_size, torch.bfloat16, shared_prefix_blocks=0)
-    assert_matches(run_kernel(step, seqs[0][0]), reference(step), torch.bfloat16)
+    one = run_kernel(step, seqs[0][0])
+    assert_matches(one, reference(step), torch.bfloat16)
+    assert torch.equal(run_kernel(step, seqs[0][0], threads=2), one)  # whichever thread
 
 
 def test_a_verifying_row_equals_the_decode_row_at_its_position() -> None:
@@ -158,9 +163,9 @@ def bf16_model() -> LoadedModel:
 
 def test_the_engine_decodes_through_the_kernel(bf16_model: LoadedModel, prompts,  # type: ignore[no-untyped-def]
                                                references) -> None:
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=600,
-                                    max_num_batched_tokens=64,
-                                    speculative=SpeculativeConfig(method="ngram")), bf16_model)
+    config = EngineConfig(dtype="bfloat16", num_kv_blocks=600, max_num_batched_tokens=64,
+                          speculative=SpeculativeConfig(method="ngram"))
+    engine = LLMEngine(config, bf16_model)
     assert engine.runner.model.attention.name == "cpu"  # auto, bfloat16, this CPU
     assert engine.runner.decode_rows is None  # K/V read in place: no per-sequence rows
     model = engine.runner.model
@@ -176,3 +181,10 @@ def test_the_engine_decodes_through_the_kernel(bf16_model: LoadedModel, prompts,
     assert agree >= 5, f"only {agree}/8 outputs agree with float32 over 8 tokens"
     assert "Paris" in engine.tokenizer.decode(outputs[1])
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # With the kernels' helper thread: the same tokens (the same bits, whichever thread).
+    helped = LLMEngine(dataclasses.replace(config, kernel_threads=2), bf16_model)
+    attention, head = helped.runner.model.attention, helped.runner.model.head
+    assert isinstance(attention, CpuAttention) and attention.threads == 2
+    assert not cpu_kernels.load().amx or isinstance(head, AmxLinear) and head.threads == 2
+    assert helped.generate(prompts, greedy) == outputs
+    assert helped.block_manager.num_free_blocks == helped.block_manager.num_blocks

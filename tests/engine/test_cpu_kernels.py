@@ -6,6 +6,10 @@ They need an x86 CPU with AVX-512 BF16 and a C compiler: elsewhere these tests s
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,6 +133,53 @@ def test_swiglu_in_the_projection_is_the_projection_then_silu_mul(
     fused = kernels.linear(x, cpu_kernels.pack_linear(weight, swiglu=True), bias, swiglu=True)
     assert fused.shape == (rows, out_features // 2)
     assert torch.equal(fused, kernels.silu_mul(linear(x, weight, bias)))
+
+
+@needs_amx
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_two_threads_give_the_same_bits_as_one(swiglu: bool) -> None:
+    """The helper thread takes units (pairs of output blocks, per chunk of rows) from the back:
+    whichever thread sums an output, it is the same sum. Odd pair counts (5 and 3 blocks of
+    16), tiles' tails and rows past the 1 MiB chunk (two chunks of units)."""
+    kernels = cpu_kernels.load()
+    for out_features, in_features in [(96, 64), (80, 96), (3072, 576), (576, 1536)]:
+        if swiglu and out_features % 32:
+            continue
+        tiles = cpu_kernels.pack_linear(randn(out_features, in_features, scale=0.05), swiglu)
+        bias = randn(out_features)
+        for rows in (1, 17, 33, 700):
+            x = randn(rows, in_features + 32)[:, :in_features]
+            one = kernels.linear(x, tiles, bias, swiglu, threads=1)
+            assert torch.equal(kernels.linear(x, tiles, bias, swiglu, threads=2), one)
+
+
+def test_the_helper_thread_sleeps_when_the_kernels_are_idle() -> None:
+    """Two-thread calls start one helper thread (named, for top -H); with no calls it sleeps
+    on a futex instead of spinning: an idle engine burns no CPU."""
+    kernels = cpu_kernels.load()
+    step = make_decode_batch()
+    for _ in range(3):
+        kernels.decode_attention(*step, threads=2)
+    helpers = [task for task in Path("/proc/self/task").iterdir()
+               if (task / "comm").read_text().strip() == "tandem-kernels"]
+    assert len(helpers) == 1
+    deadline = time.monotonic() + 10
+    while _state(helpers[0]) != "S":  # spins SPIN_NS (0.2 ms) after a call, then sleeps
+        assert time.monotonic() < deadline, "the helper thread is still running"
+        time.sleep(0.01)
+
+
+def _state(task: Path) -> str:
+    return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def make_decode_batch() -> tuple[Any, ...]:
+    """Arguments of ``decode_attention`` for 4 sequences of one [blocks, 16, 3, 64] cache."""
+    keys, values = randn(32, 16, 3, 64), randn(32, 16, 3, 64)
+    q = randn(4, 9, 64)
+    tables = torch.arange(32, dtype=torch.int32).reshape(4, 8)
+    seq_lens = torch.tensor([5, 100, 128, 33], dtype=torch.int32)
+    return q, torch.empty_like(q), keys, values, tables, seq_lens, 1, 0.125
 
 
 def test_the_linear_kernel_refuses_what_its_tiles_cannot_hold() -> None:

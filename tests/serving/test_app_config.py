@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from services.engine.config import EngineConfig
 from services.serving.config import AppConfig, ConfigError
 from services.serving.up import ready_line
 
@@ -62,7 +63,7 @@ def test_engine_threads_come_from_the_cpus_unless_set():
     with pytest.raises(ConfigError, match="threads_per_worker must be >= 1"):
         AppConfig(threads_per_worker=0)
     # `tandem up` says which shape it chose, and from what.
-    line = ready_line(AppConfig())
+    line = ready_line(AppConfig(kernel_threads=1))
     assert line.endswith(f"(1 prefill, 1 decode; {max(1, (cpus - 1) // 2)} torch thread"
                          f"{'s' if (cpus - 1) // 2 > 1 else ''} per engine, from {cpus} CPUs; "
                          "no API keys)")
@@ -70,6 +71,30 @@ def test_engine_threads_come_from_the_cpus_unless_set():
         "(colocated; 2 torch threads per engine; no API keys)")
     keyed = AppConfig(api_keys_file="keys", cluster_secret_file="secret")
     assert ready_line(keyed).endswith("; API keys on)")
+
+
+def test_kernel_threads_take_a_cpu_an_engine_of_one_thread_leaves(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    def on(cpus: int, **settings: object) -> AppConfig:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+        return AppConfig(**settings)  # type: ignore[arg-type]
+
+    # Two CPUs: one colocated engine of one torch thread, and a helper on the other CPU; a
+    # prefill and a decode engine already have a CPU each.
+    assert on(2, colocated=True).engine_kernel_threads() == 2
+    assert on(2, colocated=True).engine_config().kernel_threads == 2
+    assert ready_line(on(2, colocated=True)).endswith(
+        "(colocated; 1 torch thread per engine (+1 for our CPU kernels), from 2 CPUs; "
+        "no API keys)")
+    assert on(2).engine_kernel_threads() == 1
+    assert on(4).engine_kernel_threads() == 2  # 1 torch thread each, 2 CPUs each
+    assert on(8).engine_kernel_threads() == 1  # 3 torch threads each: oneDNN's projections
+    assert on(2, colocated=True, threads_per_worker=2).engine_kernel_threads() == 1
+    assert on(2, colocated=True, kernel_threads=1).engine_config().kernel_threads == 1
+    assert on(8, kernel_threads=2).engine_kernel_threads() == 2
+    with pytest.raises(ConfigError, match="kernel_threads must be 1 or 2, got 3"):
+        AppConfig(kernel_threads=3)
+    with pytest.raises(ValueError, match="kernel_threads must be 1 or 2, got 0"):
+        EngineConfig(kernel_threads=0)
 
 
 def test_keys_settings_and_tandem_ups_private_files(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -4,8 +4,10 @@
    the caller takes every unit the helper has not reached. Only units the helper has claimed
    are waited for. The helper spins SPIN_NS after a call (a decode step's calls come every few
    microseconds), then sleeps on a futex: an idle engine burns nothing. */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -15,6 +17,9 @@
 #include "pool.h"
 
 #define SPIN_NS 200000
+#define YIELD_AFTER 256 /* pauses (a few microseconds) before the caller, waiting for the
+                           helper's last unit, yields its CPU (to the helper, if it waits for
+                           it) */
 #define FIELD 0xffffffULL /* front and back: 24 bits each, under a 16-bit generation */
 
 static _Atomic uint64_t claims;
@@ -90,27 +95,41 @@ static void start_helper(void) {
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     helper_started = pthread_create(&thread, &attr, helper_main, NULL) == 0;
+    if (helper_started) pthread_setname_np(thread, "tandem-kernels"); /* as top -H shows it */
     pthread_attr_destroy(&attr);
+}
+
+static void run_alone(const pool_job *job, int64_t units) {
+    if (job->start) job->start(job->ctx, 0);
+    for (int64_t u = 0; u < units; u++) job->unit(job->ctx, u, 0);
+    if (job->finish) job->finish(job->ctx, 0);
 }
 
 void pool_run(const pool_job *job, int64_t units, int threads) {
     static uint32_t generation;
+    static atomic_flag busy = ATOMIC_FLAG_INIT;
     if (units <= 0) return;
-    if (threads > 1 && units > 1) pthread_once(&once, start_helper);
-    const int helped = threads > 1 && units > 1 && helper_started && (uint64_t)units <= FIELD;
+    if (threads < 2 || units < 2 || (uint64_t)units > FIELD) {
+        run_alone(job, units);
+        return;
+    }
+    pthread_once(&once, start_helper);
+    /* A second caller at once (none in an engine) runs alone rather than share the helper. */
+    if (!helper_started || atomic_flag_test_and_set(&busy)) {
+        run_alone(job, units);
+        return;
+    }
     const uint64_t gen = ++generation & 0xffff;
     atomic_store(&helper_done, 0);
     atomic_store(&current, job);
-    atomic_store(&claims, gen << 48 | (uint64_t)(helped ? units : 0));
-    if (!helped) {
-        if (job->start) job->start(job->ctx, 0);
-        for (int64_t u = 0; u < units; u++) job->unit(job->ctx, u, 0);
-        if (job->finish) job->finish(job->ctx, 0);
-        return;
-    }
+    atomic_store(&claims, gen << 48 | (uint64_t)units);
     atomic_store(&posted, generation);
     if (atomic_load(&sleeping)) syscall(SYS_futex, &posted, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
     const int64_t ran = run_units(gen, 0);
     /* The helper counts its units once past its last: what it claimed is running. */
-    while (atomic_load(&helper_done) + ran < units) _mm_pause();
+    for (int spins = 0; atomic_load(&helper_done) + ran < units; spins++) {
+        if (spins < YIELD_AFTER) _mm_pause();
+        else sched_yield();
+    }
+    atomic_flag_clear(&busy);
 }
