@@ -4,6 +4,8 @@ first time a process needs them, cached, loaded with ctypes.
 - ``decode_attention.c``: the ``cpu`` attention backend's decode kernel (attention/cpu_backend.py)
 - ``fused_ops.c``: RMSNorm, silu(gate) * up and the rotary embedding in one pass each (model.py)
 - ``linear.c``: bfloat16 projections on Intel AMX (cpu_linear.AmxLinear), where the CPU has it
+- ``prefill_attention.c``: the ``cpu`` backend's prefill attention, on AMX too
+- ``pool.c``: the helper thread that takes part of a call (``threads`` 2)
 
 They run on x86 CPUs with AVX-512 BF16 (Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on);
 the projections also need AMX (Sapphire Rapids on: ``Kernels.amx``), and a compiler with AMX
@@ -34,8 +36,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_attention.c", CSRC / "fused_ops.c", CSRC / "pool.c")
-AMX_SOURCES = (CSRC / "linear.c",)
-HEADERS = (CSRC / "simd.h", CSRC / "pool.h")
+AMX_SOURCES = (CSRC / "linear.c", CSRC / "prefill_attention.c")
+HEADERS = (CSRC / "simd.h", CSRC / "pool.h", CSRC / "amx.h")
+AMX_FUNCTIONS = ("linear_bf16", "prefill_attention_bf16", "amx_enable")
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
           "-shared")
 AMX_CFLAGS = ("-mamx-tile", "-mamx-bf16")
@@ -65,11 +68,13 @@ class Kernels:
             "silu_mul_bf16": [p, i64, p, i64, i64],
             "rotary_bf16": [p, i64, p, p, p, p, i64, i64, i64],
             "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int],
+            "prefill_attention_bf16": [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64,
+                                       i64, f32, ctypes.c_int],
             "amx_enable": [],
         }
         built_amx = hasattr(lib, "linear_bf16")  # not when the compiler lacked AMX (BUILDS)
         for name, argtypes in signatures.items():
-            if built_amx or name not in ("linear_bf16", "amx_enable"):
+            if built_amx or name not in AMX_FUNCTIONS:
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib = lib
@@ -99,6 +104,30 @@ class Kernels:
             q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
             tables.stride(0), seq_lens.data_ptr(), seq_lens.numel(), query_len, num_kv_heads,
             group, head_dim, block_size, keys.stride(0), keys.stride(1), scale, threads))
+
+    def prefill_attention(self, q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, tables: torch.Tensor, spans: torch.Tensor,
+                          scale: float, threads: int = 1) -> None:
+        """Causal attention of prefill spans into ``out``, on AMX (needs ``amx``).
+
+        q, out: [T, Hq, D] bfloat16, contiguous; keys, values: one layer's paged views as
+        ``decode_attention`` takes them, the spans' K/V already stored; tables: [n, >= blocks]
+        int32, contiguous rows; spans: [3, n] int64, each span's first row in q, its query
+        rows (the last of its keys) and its keys."""
+        num_blocks, block_size, num_kv_heads, head_dim = keys.shape
+        if not (self.amx and q.is_contiguous() and out.is_contiguous()
+                and tables.stride(1) == 1 and spans.is_contiguous()
+                and keys.stride()[2:] == (head_dim, 1) and keys.stride() == values.stride()):
+            raise ValueError("prefill kernel: no AMX, or a tensor with an unsupported layout")
+        _check_bf16(q, out, keys, values)
+        if tables.dtype != torch.int32 or spans.dtype != torch.int64:
+            raise ValueError("prefill kernel: int32 tables and int64 spans")
+        n = spans.shape[1]
+        _ok(self._lib.prefill_attention_bf16(
+            q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
+            tables.stride(0), spans[0].data_ptr(), spans[1].data_ptr(), spans[2].data_ptr(), n,
+            num_kv_heads, q.shape[1] // num_kv_heads, head_dim, block_size, keys.stride(0),
+            keys.stride(1), scale, threads))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """model.rms_norm of [rows, dim] ``x`` (rows may be strided)."""
@@ -186,6 +215,11 @@ def _check_bf16(*tensors: torch.Tensor) -> None:
 def _ok(rc: int) -> None:
     if rc != 0:
         raise RuntimeError(f"kernel failed ({'out of memory' if rc == -1 else rc})")
+
+
+def supports_prefill(head_dim: int) -> bool:
+    """Whether the prefill kernel takes this head size (it also needs ``Kernels.amx``)."""
+    return head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM
 
 
 def supports_decode(num_kv_heads: int, head_dim: int, group: int, query_len: int) -> bool:

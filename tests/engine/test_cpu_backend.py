@@ -79,9 +79,61 @@ def test_a_verifying_row_equals_the_decode_row_at_its_position() -> None:
     assert torch.equal(run_kernel(as_decodes, 1), verify)
 
 
+AMX = REASON is None and cpu_kernels.load().amx
+needs_amx = pytest.mark.skipif(not AMX, reason="the prefill kernel needs AMX (amx_tile, "
+                                               "amx_bf16) and Linux's leave to use it")
+
+
+def run_prefill(step: Step, threads: int = 1) -> torch.Tensor:
+    """Every sequence of ``step`` as a prefill span through the AMX prefill kernel."""
+    q = step.q.contiguous()
+    out = torch.full_like(q, float("nan"))
+    starts = step.query_start.tolist()
+    spans = torch.tensor([starts[:-1], [e - s for s, e in zip(starts, starts[1:])],
+                          step.seq_lens.tolist()], dtype=torch.int64)
+    cache = step.kv_cache[:, LAYER]
+    cpu_kernels.load().prefill_attention(q, out, cache[:, 0], cache[:, 1], step.block_tables,
+                                         spans, step.scale, threads)
+    return out
+
+
+# (query_len, seq_len) per prefill span: fresh prompts and chunks over cached keys, lengths
+# below, at and past multiples of 16 and 32 (the kernel's key tiles and pairs of them), query
+# rows x group past 16 (its row tiles); head sizes 64 and 128 (4 and 8 tiles of 16 dims).
+PREFILLS = {
+    "fresh": ([(1, 1), (5, 5), (16, 16), (33, 33), (70, 70)], BUILTIN, 16),
+    "over_cache": ([(1, 40), (7, 100), (48, 64), (32, 300)], BUILTIN, 16),
+    "small_blocks": ([(9, 9), (20, 47)], BUILTIN, 8),
+    "head_dim_128": ([(17, 17), (6, 90)], LLAMA3, 16),
+    "mha": ([(12, 12), (31, 95)], MHA, 64),
+}
+
+
+@needs_amx
+@pytest.mark.parametrize("scenario", list(PREFILLS))
+def test_prefill_kernel_matches_reference(scenario: str) -> None:
+    seqs, heads, block_size = PREFILLS[scenario]
+    step = make_step(seqs, heads, block_size, torch.bfloat16)
+    one = run_prefill(step)
+    assert_matches(one, reference(step), torch.bfloat16)
+    assert torch.equal(run_prefill(step, threads=2), one)  # whichever thread
+
+
+@needs_amx
+def test_a_prefill_row_is_the_same_bits_cached_or_not() -> None:
+    """A prompt's last rows prefilled after a cached prefix, or in another chunking, give the
+    bits they give prefilled whole (each row's own query and keys only)."""
+    whole = make_step([(100, 100)], BUILTIN, 16, torch.bfloat16)
+    full = run_prefill(whole)
+    for chunk in (37, 1, 64):
+        tail = dataclasses.replace(whole, q=whole.q[100 - chunk:],
+                                   query_start=torch.tensor([0, chunk], dtype=torch.int32))
+        assert torch.equal(run_prefill(tail), full[100 - chunk:])
+
+
 def test_the_backend_runs_mixed_steps_like_the_reference() -> None:
-    # Decodes (the kernel), a prefill chunk over cached keys and a fresh prefill (SDPA) in one
-    # step, through prepare/forward as the model calls them. The step's new k/v are the ones
+    # Decodes (the kernel), a prefill chunk over cached keys and a fresh prefill (the AMX
+    # prefill kernel, else SDPA) in one step, through prepare/forward as the model calls them. The step's new k/v are the ones
     # the cache already holds at their slots, so storing them changes nothing.
     seqs = [(1, 50), (1, 9), (1, 71), (33, 33 + 60), (12, 12)]
     step = make_step(seqs, BUILTIN, 16, torch.bfloat16)
@@ -100,6 +152,8 @@ def test_the_backend_runs_mixed_steps_like_the_reference() -> None:
     v = cache[meta.slot_mapping // block_size, 1, meta.slot_mapping % block_size]
     plan = backend.prepare(meta)
     assert [type(b).__name__ for b in plan.decodes] == ["KernelBatch"]
+    assert [type(p).__name__ for p in plan.prefills] == (
+        ["KernelPrefill"] if AMX else ["PrefillSpan", "PrefillSpan"])
     out = backend.forward(LAYER, step.q, k, v, step.kv_cache, plan)
     assert_matches(out.view_as(step.q), reference(step), torch.bfloat16)
 

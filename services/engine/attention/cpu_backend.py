@@ -3,8 +3,10 @@
 For a bfloat16 cache on an x86 CPU with AVX-512 BF16 (``cpu_kernels.py``). Each run of decoding
 sequences with the same query length (one row, or one plus draft tokens) is one kernel call
 over the block tables: no gather, no mask, no per-step copy of the contexts (the torch
-backend's ``decode_rows.py`` is not kept). Prefill chunks, and shapes the kernel does not take,
-go through the torch backend's SDPA, as does storing the step's K/V.
+backend's ``decode_rows.py`` is not kept). A step's prefill chunks are one call of the AMX
+prefill kernel (csrc/prefill_attention.c, where the CPU has AMX): K/V read through the block
+tables too, cached prefix or not, no mask built. Shapes the kernels do not take go through the
+torch backend's SDPA; storing the step's K/V is the torch backend's.
 
 The kernel rounds differently from SDPA (bfloat16 dot products, its own exp), so bfloat16
 greedy outputs can differ from the torch backend's after some tokens; every path through this
@@ -25,6 +27,15 @@ from services.engine.kv_cache import KVCache
 
 
 @dataclass
+class KernelPrefill:
+    """The step's prefill chunks, one kernel call: ``spans`` [3, n] int64 (each chunk's first
+    row, its query rows, its keys), ``block_tables`` [n, max_blocks] int32."""
+
+    spans: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass
 class KernelBatch:
     """Decoding sequences whose ``query_len`` rows each start at row ``start``."""
 
@@ -40,13 +51,15 @@ class CpuAttention(TorchAttention):
 
     def __init__(self, heads_per_kv_group: int, num_kv_heads: int, head_dim: int,
                  threads: int = 1) -> None:
-        """``threads``: 2 lets the kernels' helper thread take sequences too."""
+        """``threads``: 2 lets the kernels' helper thread take part of each call."""
         super().__init__(heads_per_kv_group)
         self.threads = threads
         self.kernels = cpu_kernels.load()
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        # Prefill chunks through our AMX kernel where it runs, else SDPA.
+        self.prefill_kernel = self.kernels.amx and cpu_kernels.supports_prefill(head_dim)
 
     def _plan_decodes(self, step: StepMetadata, s: int, e: int, row: int) -> Any:
         length = step.query_lens_host[s]
@@ -66,3 +79,21 @@ class CpuAttention(TorchAttention):
                                       batch.block_tables, batch.seq_lens, batch.query_len,
                                       self.scale, self.threads)
         return out
+
+    def _plan_prefills(self, step: StepMetadata, starts: list[int]) -> list[Any]:
+        if not self.prefill_kernel or step.num_decodes == step.num_seqs:
+            return super()._plan_prefills(step, starts)
+        seqs = range(step.num_decodes, step.num_seqs)
+        spans = torch.tensor([[starts[s] for s in seqs],
+                              [step.query_lens_host[s] for s in seqs],
+                              [step.seq_lens_host[s] for s in seqs]], dtype=torch.int64)
+        return [KernelPrefill(spans, step.block_tables[step.num_decodes:])]
+
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: KVCache, prefills: list[Any], out: torch.Tensor) -> None:
+        if not (prefills and isinstance(prefills[0], KernelPrefill)):
+            return super()._prefill(layer, q, k, v, kv_cache, prefills, out)
+        assert isinstance(kv_cache, torch.Tensor)  # bfloat16: resolve_backend refuses int8
+        self.kernels.prefill_attention(q.contiguous(), out, kv_cache[:, layer, 0],
+                                       kv_cache[:, layer, 1], prefills[0].block_tables,
+                                       prefills[0].spans, self.scale, self.threads)

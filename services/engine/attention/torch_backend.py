@@ -66,7 +66,7 @@ class TorchPlan:
     slot_blocks: torch.Tensor  # [T] block id where each new token's k/v goes
     slot_offsets: torch.Tensor  # [T] offset inside that block
     decodes: list[Any]  # DecodeBatch here; a subclass's own kinds too (cpu_backend.py)
-    prefills: list[PrefillSpan]
+    prefills: list[Any]  # PrefillSpan here; likewise
 
 
 class TorchAttention:
@@ -76,7 +76,7 @@ class TorchAttention:
         self.group = heads_per_kv_group
 
     def prepare(self, step: StepMetadata) -> TorchPlan:
-        bs, device = step.block_size, step.slot_mapping.device
+        bs = step.block_size
         starts = [0]
         for q in step.query_lens_host:
             starts.append(starts[-1] + q)
@@ -88,7 +88,14 @@ class TorchAttention:
                 e += 1
             decodes.append(self._plan_decodes(step, s, e, starts[s]))
             s = e
-        prefills = []
+        return TorchPlan(step.slot_mapping // bs, step.slot_mapping % bs, decodes,
+                         self._plan_prefills(step, starts))
+
+    def _plan_prefills(self, step: StepMetadata, starts: list[int]) -> list[Any]:
+        """The plan of the step's prefill chunks (sequences ``num_decodes`` on; sequence i's
+        rows from ``starts[i]``); ``_prefill`` runs it."""
+        bs, device = step.block_size, step.slot_mapping.device
+        prefills: list[Any] = []
         for s in range(step.num_decodes, step.num_seqs):
             q, n = step.query_lens_host[s], step.seq_lens_host[s]
             if q == n:
@@ -99,7 +106,7 @@ class TorchAttention:
             mask = key_pos[None, :] <= torch.arange(n - q, n, device=device)[:, None]
             prefills.append(PrefillSpan(starts[s], starts[s] + q, n,
                                         step.block_tables[s, :-(-n // bs)], mask))
-        return TorchPlan(step.slot_mapping // bs, step.slot_mapping % bs, decodes, prefills)
+        return prefills
 
     def _plan_decodes(self, step: StepMetadata, s: int, e: int, row: int) -> Any:
         """The plan of decoding sequences ``s .. e-1`` (equal query lengths), rows from
@@ -140,7 +147,6 @@ class TorchAttention:
                 kv_cache: KVCache, plan: TorchPlan) -> torch.Tensor:
         """Write k/v for the step's tokens into the cache, return attention output [T, Hq*D]."""
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
         if isinstance(kv_cache, QuantizedKV):
             k, v = kv_cache.store(layer, k, v, plan.slot_blocks, plan.slot_offsets)
         else:
@@ -150,7 +156,15 @@ class TorchAttention:
         out = torch.empty_like(q)
         for batch in plan.decodes:
             out[batch.start:batch.end] = self._decode(layer, q, k, v, kv_cache, batch)
-        for span in plan.prefills:
+        self._prefill(layer, q, k, v, kv_cache, plan.prefills, out)
+        return out.view(num_tokens, num_heads * head_dim)
+
+    def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: KVCache, prefills: list[Any], out: torch.Tensor) -> None:
+        """The prefill chunks' attention into their rows of ``out``."""
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads = k.shape[1]
+        for span in prefills:
             q_span = q[span.start:span.end].transpose(0, 1)[None]  # [1, Hq, len, D]
             if span.mask is None:
                 keys = k[span.start:span.end]
@@ -168,7 +182,6 @@ class TorchAttention:
                 enable_gqa=num_heads != num_kv_heads,
             )
             out[span.start:span.end] = attn[0].transpose(0, 1)
-        return out.view(num_tokens, num_heads * head_dim)
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, batch: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -17,25 +18,12 @@
 #define CHUNK_BYTES (1 << 20)
 #define PREFETCH_TILES 16
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
 /* Asks Linux for the AMX tile state in this process (once; every thread then has it). */
 int amx_enable(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -2;
 }
 
-/* Eight 16 x 64-byte tiles: 0-3 the 2 x 2 float results, 4-5 x's rows, 6-7 w's columns. A
-   constant: built on the stack, GCC drops the stores to it (it does not see ldtilecfg read
-   them). */
-static const tile_config TILES = {
-    .palette_id = 1,
-    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
-    .rows = {16, 16, 16, 16, 16, 16, 16, 16},
-};
+/* Tiles (amx.h): 0-3 the 2 x 2 float results, 4-5 x's rows, 6-7 w's columns. */
 
 /* A float tile (16 rows of x by 16 outputs) plus bias, rounded into out. */
 INLINE void write_tile(const float *buf, const uint16_t *bias, int64_t rows, uint16_t *out,
@@ -160,16 +148,6 @@ static void unit(void *ctx, int64_t u, int helper) {
     run_unit(ctx, u, helper, buf);
 }
 
-static void start(void *ctx, int helper) {
-    (void)ctx, (void)helper;
-    _tile_loadconfig(&TILES);
-}
-
-static void finish(void *ctx, int helper) {
-    (void)ctx, (void)helper;
-    _tile_release();
-}
-
 /* out[M, N] = x[M, K] @ w[N, K].T (+ bias[N]). x's rows at x + m * x_stride, out contiguous;
    w packed by the caller as AMX B tiles: tile (nb, kb) (outputs nb*16.., inputs kb*32..) at
    w + (nb * K/32 + kb) * 512, its row p holding, for each of its 16 outputs n, the pair
@@ -193,7 +171,7 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const ui
     const int64_t NB = N / 16, pairs = (NB + 1) / 2, units = (M + chunk - 1) / chunk * pairs;
     job_t job = {x, tail, w, bias, out, x_stride, M, N, K, K / 32, NB, full, chunk, pairs,
                  swiglu};
-    pool_run(&(pool_job){unit, start, finish, &job}, units, threads);
+    pool_run(&(pool_job){unit, amx_start, amx_finish, &job}, units, threads);
     free(tail);
     return 0;
 }
