@@ -76,7 +76,10 @@ class LlamaCppServer:
     served_model_name: str
     threads: int = 2
     parallel: int = 32  # slots: requests decoded together (continuous batching)
-    ctx_per_slot: int = 512  # prompt + output tokens of one request, at most
+    # prompt + output tokens of one request, at most: the prefix workload's prompts are 512
+    # shared + their own tokens (at 512 llama-server refused every one: "exceeds the available
+    # context size"); 32 slots x 1,024 tokens of the built-in model's f16 KV: ~0.75 GB
+    ctx_per_slot: int = 1024
     cpus: str | None = None
     ready_timeout_s: float = 300.0
     http_url: str = ""

@@ -160,7 +160,19 @@ static void attend(void *ctx, int64_t u, int helper) {
             store_bf16x16(lr + x, _mm512_setzero_ps());
         }
     }
-    /* O = P V, four tiles of 16 dims at a time, 32 keys a step. */
+    /* O = P V, four tiles of 16 dims at a time (result tile T: dims 16(dt + T).., its V tile
+       loaded into tile B), 32 keys a step. Tile numbers are immediates: one macro per tile. */
+#define PV(T, B)                                    \
+    if (nt > T) {                                   \
+        _tile_loadd(B, vk + T * 512, 64);           \
+        _tile_dpbf16ps(T, 4, B);                    \
+        _tile_dpbf16ps(T, 5, B);                    \
+    }
+#define WRITE(T)                                                \
+    if (nt > T) {                                               \
+        _tile_stored(T, buf, 64);                               \
+        write_rows(j, buf, inv, s, h, r0, rows, dt + T);        \
+    }
     for (int64_t dt = 0; dt < dtiles; dt += 4) {
         const int64_t nt = dtiles - dt < 4 ? dtiles - dt : 4;
         _tile_zero(0);
@@ -171,40 +183,12 @@ static void attend(void *ctx, int64_t u, int helper) {
             const uint16_t *vk = vt + (kc * dtiles + dt) * 512;
             _tile_loadd(4, p + kc * 32, pstride * 2);
             _tile_loadd(5, lo + kc * 32, pstride * 2);
-            _tile_loadd(6, vk, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(0, 5, 6);
-            if (nt > 1) {
-                _tile_loadd(7, vk + 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(1, 5, 7);
-            }
-            if (nt > 2) {
-                _tile_loadd(6, vk + 1024, 64);
-                _tile_dpbf16ps(2, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
-            }
-            if (nt > 3) {
-                _tile_loadd(7, vk + 1536, 64);
-                _tile_dpbf16ps(3, 4, 7);
-                _tile_dpbf16ps(3, 5, 7);
-            }
+            PV(0, 6) PV(1, 7) PV(2, 6) PV(3, 7)
         }
-        _tile_stored(0, buf, 64);
-        write_rows(j, buf, inv, s, h, r0, rows, dt);
-        if (nt > 1) {
-            _tile_stored(1, buf, 64);
-            write_rows(j, buf, inv, s, h, r0, rows, dt + 1);
-        }
-        if (nt > 2) {
-            _tile_stored(2, buf, 64);
-            write_rows(j, buf, inv, s, h, r0, rows, dt + 2);
-        }
-        if (nt > 3) {
-            _tile_stored(3, buf, 64);
-            write_rows(j, buf, inv, s, h, r0, rows, dt + 3);
-        }
+        WRITE(0) WRITE(1) WRITE(2) WRITE(3)
     }
+#undef PV
+#undef WRITE
 }
 
 /* n spans: span s's q_len[s] query rows are rows q_start[s].. of q and out ([T, hkv * group, d]
