@@ -89,7 +89,7 @@ def run_prefill(step: Step, threads: int = 1) -> torch.Tensor:
     q = step.q.contiguous()
     out = torch.full_like(q, float("nan"))
     starts = step.query_start.tolist()
-    spans = torch.tensor([starts[:-1], [e - s for s, e in zip(starts, starts[1:])],
+    spans = torch.tensor([starts[:-1], [e - s for s, e in zip(starts, starts[1:], strict=False)],
                           step.seq_lens.tolist()], dtype=torch.int64)
     cache = step.kv_cache[:, LAYER]
     cpu_kernels.load().prefill_attention(q, out, cache[:, 0], cache[:, 1], step.block_tables,
@@ -133,8 +133,9 @@ def test_a_prefill_row_is_the_same_bits_cached_or_not() -> None:
 
 def test_the_backend_runs_mixed_steps_like_the_reference() -> None:
     # Decodes (the kernel), a prefill chunk over cached keys and a fresh prefill (the AMX
-    # prefill kernel, else SDPA) in one step, through prepare/forward as the model calls them. The step's new k/v are the ones
-    # the cache already holds at their slots, so storing them changes nothing.
+    # prefill kernel, else SDPA) in one step, through prepare/forward as the model calls them.
+    # The step's new k/v are the ones the cache already holds at their slots, so storing them
+    # changes nothing.
     seqs = [(1, 50), (1, 9), (1, 71), (33, 33 + 60), (12, 12)]
     step = make_step(seqs, BUILTIN, 16, torch.bfloat16)
     num_heads, num_kv_heads, head_dim = BUILTIN
