@@ -2,7 +2,9 @@
 first time a process needs them, cached, loaded with ctypes.
 
 - ``decode_attention.c``: the ``cpu`` attention backend's decode kernel (attention/cpu_backend.py)
-- ``fused_ops.c``: RMSNorm, silu(gate) * up and the rotary embedding in one pass each (model.py)
+- ``fused_ops.c``: RMSNorm, silu(gate) * up, the rotary embedding of queries and keys, each in
+  one pass (model.py), the store of a step's K/V into the paged cache (attention/cpu_backend.py)
+  and the greedy argmax over float32 logits (sampler.py)
 - ``linear.c``: bfloat16 projections on Intel AMX (cpu_linear.AmxLinear), where the CPU has it
 - ``prefill_attention.c``: the ``cpu`` backend's prefill attention, on AMX too
 - ``pool.c``: the helper thread that takes part of a call (``threads`` 2)
@@ -16,7 +18,8 @@ once per source and compiler flags into ``$XDG_CACHE_HOME/tandem/kernels`` (``~/
 temp directory when that is not writable), written to a temporary file renamed into place, so
 processes building at once do not clash. The compiler is ``$CC``, else ``cc``. The calls release
 the GIL (ctypes) and run on the calling thread; with ``threads`` 2 (decode and prefill attention,
-the projections) the helper thread of ``pool.c`` takes part of each call too.
+the projections, RMSNorm and the rotary embedding) the helper thread of ``pool.c`` takes part of
+each call too.
 """
 
 from __future__ import annotations
@@ -66,10 +69,13 @@ class Kernels:
         signatures = {
             "decode_attention_bf16": [p, p, p, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64,
                                       i64, f32, ctypes.c_int],
-            "rms_norm_bf16": [p, i64, p, p, i64, i64, f32],
+            "rms_norm_bf16": [p, i64, p, p, i64, i64, f32, ctypes.c_int],
             "silu_mul_bf16": [p, i64, p, i64, i64],
-            "rotary_bf16": [p, i64, p, p, p, p, i64, i64, i64],
-            "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int],
+            "rotary_bf16": [p, i64, p, i64, p, p, p, p, p, i64, i64, i64, i64, ctypes.c_int],
+            "store_kv_bf16": [p, i64, p, i64, p, p, p, p, i64, i64, i64, i64],
+            "argmax_f32": [p, i64, i64, i64, p],
+            "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int,
+                            ctypes.c_int],
             "prefill_attention_bf16": [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64,
                                        i64, f32, ctypes.c_int],
             "amx_enable": [],
@@ -131,13 +137,14 @@ class Kernels:
             num_kv_heads, q.shape[1] // num_kv_heads, head_dim, block_size, keys.stride(0),
             keys.stride(1), scale, threads))
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int = 1
+                 ) -> torch.Tensor:
         """model.rms_norm of [rows, dim] ``x`` (rows may be strided)."""
         rows, dim = _rows(x)
         _check_bf16(x, weight)
         out = torch.empty((rows, dim), dtype=x.dtype)
         _ok(self._lib.rms_norm_bf16(x.data_ptr(), x.stride(0), weight.contiguous().data_ptr(),
-                                    out.data_ptr(), rows, dim, eps))
+                                    out.data_ptr(), rows, dim, eps, threads))
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -149,37 +156,82 @@ class Kernels:
                                     width // 2))
         return out
 
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
-        """``x * cos[positions] + rotate_half(x) * sin[positions]`` of [tokens, heads, D]
-        ``x`` (token rows may be strided; heads and D contiguous), cos/sin [positions, D]."""
-        tokens, heads, head_dim = x.shape
-        if x.stride()[1:] != (head_dim, 1) or not (cos.is_contiguous() and sin.is_contiguous()):
-            raise ValueError("rotary kernel: a tensor has an unsupported layout")
-        _check_bf16(x, cos, sin)
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x * cos[positions] + rotate_half(x) * sin[positions]`` of the queries [tokens,
+        Hq, D] and keys [tokens, Hkv, D] (token rows may be strided, heads and D contiguous),
+        cos/sin [positions, D], positions [tokens]: contiguous (q, k)."""
+        tokens, q_heads, head_dim = q.shape
+        k_heads = k.shape[1]
         positions = positions.to(torch.int64).contiguous()
-        out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
-        _ok(self._lib.rotary_bf16(x.data_ptr(), x.stride(0), out.data_ptr(), cos.data_ptr(),
-                                  sin.data_ptr(), positions.data_ptr(), tokens, heads, head_dim))
+        if not (q.stride()[1:] == (head_dim, 1) and k.stride()[1:] == (head_dim, 1)
+                and k.shape[::2] == q.shape[::2] and cos.is_contiguous()
+                and sin.is_contiguous() and positions.numel() == tokens):
+            raise ValueError("rotary kernel: a tensor has an unsupported layout")
+        _check_bf16(q, k, cos, sin)
+        q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype)
+        k_out = torch.empty((tokens, k_heads, head_dim), dtype=k.dtype)
+        _ok(self._lib.rotary_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                                  q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(),
+                                  sin.data_ptr(), positions.data_ptr(), tokens, q_heads,
+                                  k_heads, head_dim, threads))
+        return q_out, k_out
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+        """Token t's ``k[t]`` and ``v[t]`` ([tokens, Hkv, D], token rows may be strided) into
+        one layer's paged views ``keys``/``values`` (as ``decode_attention`` takes them) at
+        block ``blocks[t]``, offset ``offsets[t]`` (int64): the torch backend's store."""
+        tokens, kv_heads, head_dim = k.shape
+        if not (k.stride()[1:] == (head_dim, 1) and v.stride()[1:] == (head_dim, 1)
+                and v.shape == k.shape and keys.shape[2:] == k.shape[1:]
+                and keys.stride()[2:] == (head_dim, 1) and keys.stride() == values.stride()
+                and blocks.dtype == offsets.dtype == torch.int64 and blocks.is_contiguous()
+                and offsets.is_contiguous() and blocks.numel() == offsets.numel() == tokens):
+            raise ValueError("store kernel: a tensor has an unsupported layout")
+        _check_bf16(k, v, keys, values)
+        _ok(self._lib.store_kv_bf16(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                    keys.data_ptr(), values.data_ptr(), blocks.data_ptr(),
+                                    offsets.data_ptr(), tokens, kv_heads * head_dim,
+                                    keys.stride(0), keys.stride(1)))
+
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows.max(dim=-1).indices`` of float32 [n, vocab] ``rows`` (contiguous vocab):
+        the first of equal values, a NaN counting as largest."""
+        n, vocab = _rows(rows)
+        if rows.dtype != torch.float32 or not rows.is_cpu:
+            raise ValueError("argmax kernel: float32 CPU rows")
+        out = torch.empty(n, dtype=torch.int64)
+        _ok(self._lib.argmax_f32(rows.data_ptr(), rows.stride(0), n, vocab, out.data_ptr()))
         return out
 
-
     def linear(self, x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None,
-               swiglu: bool = False, threads: int = 1) -> torch.Tensor:
+               swiglu: bool = False, threads: int = 1, residual: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """``x @ weight.T + bias`` of [rows, in] ``x`` (rows may be strided) with the weight
         as ``pack_linear``'s tiles; [rows, out] bfloat16. ``swiglu`` (tiles packed so): the
         weight is gate and up stacked, and the result [rows, out / 2] is ``F.silu(gate) * up``
-        of their bfloat16 outputs. Needs ``amx``."""
+        of their bfloat16 outputs. ``residual`` (contiguous [rows, out], not with swiglu):
+        ``residual + projection`` written into ``residual`` and returned (torch's bits for
+        ``residual + linear(x)``). Needs ``amx``."""
         rows, width = _rows(x)
         out_features = tiles.shape[0] * 16
         if not self.amx or tiles.shape[1] * 32 != width or not tiles.is_contiguous():
             raise ValueError("linear kernel: no AMX, or tiles that do not fit x")
         _check_bf16(x, tiles, *([] if bias is None else [bias]))
-        out = torch.empty((rows, out_features // 2 if swiglu else out_features), dtype=x.dtype)
+        if residual is None:
+            out = torch.empty((rows, out_features // 2 if swiglu else out_features),
+                              dtype=x.dtype)
+        elif (swiglu or residual.shape != (rows, out_features) or not residual.is_contiguous()
+              or residual.dtype != torch.bfloat16 or not residual.is_cpu):
+            raise ValueError("linear kernel: a residual is a contiguous [rows, out] bfloat16 "
+                             "tensor, not with swiglu")
+        else:
+            out = residual
         _ok(self._lib.linear_bf16(x.data_ptr(), x.stride(0), tiles.data_ptr(),
                                   None if bias is None else bias.contiguous().data_ptr(),
                                   out.data_ptr(), rows, out_features, width, int(swiglu),
-                                  threads))
+                                  int(residual is not None), threads))
         return out
 
 
@@ -262,6 +314,15 @@ def load() -> Kernels:
     if isinstance(kernel, str):
         raise ValueError(kernel)
     return kernel
+
+
+def loaded() -> Kernels | None:
+    """The kernels if this process has loaded them already (never builds them): for code that
+    uses them where they are at hand (the sampler's argmax) without building them for it."""
+    if _load.cache_info().currsize == 0:
+        return None
+    kernel = _load()
+    return None if isinstance(kernel, str) else kernel
 
 
 def unavailable_reason() -> str | None:

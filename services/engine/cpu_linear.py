@@ -87,9 +87,13 @@ class AmxLinear:
            swiglu: bool = False, threads: int = 1) -> AmxLinear:
         return cls(pack_linear(weight, swiglu), bias, kernels, swiglu, threads)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual`` ([tokens, out], 2-D ``x``): ``residual + self(x)`` written into it."""
         if x.dim() == 2:
-            return self.kernels.linear(x, self.weight, self.bias, self.swiglu, self.threads)
+            return self.kernels.linear(x, self.weight, self.bias, self.swiglu, self.threads,
+                                       residual)
+        if residual is not None:
+            raise ValueError("a residual takes a 2-D input")
         y = self.kernels.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias,
                                 self.swiglu, self.threads)
         return y.view(*x.shape[:-1], y.shape[-1])

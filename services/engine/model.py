@@ -180,6 +180,7 @@ class LlamaModel(nn.Module):
         # The cpu backend's model runs RMSNorm, the rotary embedding and SwiGLU's product as
         # our fused kernels too (engine/cpu_kernels.py; bfloat16 only, like the backend).
         self.kernels = cpu_kernels.load() if attention.name == "cpu" else None
+        self.kernel_threads = kernel_threads
         w = {name: t.to(device)
              for name, t in _shard_weights(weights, config, self.shard).items()}
         self.embed = w["model.embed_tokens.weight"]
@@ -265,6 +266,7 @@ class LlamaModel(nn.Module):
         # The kernel indexes the tables by position itself.
         cos = self.cos if kernels is not None else self.cos[positions].unsqueeze(1)
         sin = self.sin if kernels is not None else self.sin[positions].unsqueeze(1)
+        threads = self.kernel_threads
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
@@ -276,13 +278,12 @@ class LlamaModel(nn.Module):
                 q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
             if kernels is not None:
-                q = kernels.rotary(q, cos, sin, positions)
-                k = kernels.rotary(k, cos, sin, positions)
+                q, k = kernels.rotary(q, k, cos, sin, positions, threads)
             else:
                 q = q * cos + _rotate_half(q) * sin
                 k = k * cos + _rotate_half(k) * sin
             attn = self.attention.forward(index, q, k, v, kv_cache, plan)
-            x = x + self._reduced(layer.o(attn))
+            x = self._add(x, layer.o, attn)
             h = self._norm(x, layer.post_norm)
             if isinstance(layer.gate_up, AmxLinear) and layer.gate_up.swiglu:
                 act = layer.gate_up(h)  # the activation straight from the projection
@@ -291,12 +292,20 @@ class LlamaModel(nn.Module):
             else:
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            x = x + self._reduced(layer.down(act))
+            x = self._add(x, layer.down, act)
         return x
+
+    def _add(self, x: torch.Tensor, projection: Projection, h: torch.Tensor) -> torch.Tensor:
+        """``x + projection(h)`` (the projection summed over the ranks first); our AMX kernel
+        adds it into ``x`` in place as it writes the projection (the same bits)."""
+        if isinstance(projection, AmxLinear) and self.all_reduce is None:
+            return projection(h, residual=x)
+        return x + self._reduced(projection(h))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)
+            return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps,
+                                         self.kernel_threads)
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:

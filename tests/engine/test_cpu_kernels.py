@@ -1,7 +1,8 @@
 """Our fused bfloat16 CPU kernels (engine/cpu_kernels.py, csrc/fused_ops.c) against the torch
-ops they replace in model.py: the rotary embedding bit for bit; RMSNorm and silu(gate) * up
-within a float rounding before their bfloat16 rounding (a differently ordered sum, our exp).
-Strided rows and widths that are not a multiple of 16 (the kernels' vector tails) included.
+ops they replace in model.py: the rotary embedding and the K/V store bit for bit; RMSNorm and
+silu(gate) * up within a float rounding before their bfloat16 rounding (a differently ordered
+sum, our exp). Strided rows and widths that are not a multiple of 16 (the kernels' vector
+tails) included; prefill-sized calls split over the helper thread give one thread's bits.
 They need an x86 CPU with AVX-512 BF16 and a C compiler: elsewhere these tests skip saying so."""
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def test_rms_norm(dim: int) -> None:
     assert_within_a_rounding(got, rms_norm(x, weight, 1e-5))
 
 
+def test_rms_norm_on_two_threads_is_one_threads_bits() -> None:
+    kernels = cpu_kernels.load()
+    x, weight = randn(203, 600)[:, :576], randn(576)  # 7 units of 32 rows, the last short
+    one = kernels.rms_norm(x, weight, 1e-5)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-5, threads=2), one)
+    assert_within_a_rounding(one, rms_norm(x, weight, 1e-5))
+
+
 @pytest.mark.parametrize("dim", [1536, 40])
 def test_silu_mul(dim: int) -> None:
     gate_up = randn(7, 2 * dim, scale=4.0)
@@ -53,17 +62,62 @@ def test_silu_mul(dim: int) -> None:
     assert_within_a_rounding(cpu_kernels.load().silu_mul(gate_up), F.silu(gate) * up)
 
 
-@pytest.mark.parametrize(("heads", "head_dim"), [(9, 64), (2, 128)])
-def test_rotary_is_torchs_bits(heads: int, head_dim: int) -> None:
-    tokens, positions = 11, torch.tensor([0, 5, 3, 200, 7, 7, 1, 99, 150, 2, 64])
-    qkv = randn(tokens, (heads + 4) * head_dim)
-    x = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # strided token rows
+@pytest.mark.parametrize(("heads", "head_dim", "tokens", "threads"),
+                         [(9, 64, 11, 1), (2, 128, 11, 1), (9, 64, 75, 2)])
+def test_rotary_is_torchs_bits(heads: int, head_dim: int, tokens: int, threads: int) -> None:
+    """Queries and keys (a third of the heads, as GQA has) in one call, each a strided view
+    of the fused qkv projection; 75 tokens on two threads: three units of 32 tokens."""
+    kv_heads = max(1, heads // 3)
+    positions = torch.randint(0, 256, (tokens,), generator=GEN)
+    positions[:3] = torch.tensor([0, 255, 7])
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     angles = torch.outer(torch.arange(256.0), torch.rand(head_dim // 2, generator=GEN))
     emb = torch.cat([angles, angles], dim=-1)
     cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
-    want = x * cos[positions].unsqueeze(1) + _rotate_half(x) * sin[positions].unsqueeze(1)
-    got = cpu_kernels.load().rotary(x, cos, sin, positions)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # signed zeros too
+    got_q, got_k = cpu_kernels.load().rotary(q, k, cos, sin, positions, threads)
+    for got, x in ((got_q, q), (got_k, k)):
+        want = x * cos[positions].unsqueeze(1) + _rotate_half(x) * sin[positions].unsqueeze(1)
+        assert got.is_contiguous()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # signed zeros too
+
+
+def test_store_kv_is_the_torch_backends_store() -> None:
+    """A step's K/V (strided views of qkv) into one layer of a paged cache laid out as the
+    engine's [blocks, layers, 2, block_size, Hkv, D]: the torch backend's indexed store."""
+    blocks, layers, block_size, kv_heads, head_dim, tokens = 6, 3, 4, 3, 64, 9
+    cache = randn(blocks, layers, 2, block_size, kv_heads, head_dim)
+    want = cache.clone()
+    qkv = randn(tokens, 5 * kv_heads * head_dim)
+    k = qkv[:, 3 * kv_heads * head_dim:4 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 4 * kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block_size, generator=GEN)[:tokens]
+    block_ids, offsets = slots // block_size, slots % block_size
+    want[:, 1, 0][block_ids, offsets] = k
+    want[:, 1, 1][block_ids, offsets] = v
+    cpu_kernels.load().store_kv(k, v, cache[:, 1, 0], cache[:, 1, 1], block_ids, offsets)
+    assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
+
+
+def test_argmax_is_torchs_max_index() -> None:
+    """The greedy pick: the first of equal values, a NaN counting as largest (the first NaN),
+    +-0 equal, infinities, rows shorter than a vector and ties across vectors."""
+    x = torch.randn(9, 49152, generator=GEN)
+    x[0] = 0.0
+    x[0, 5] = -0.0
+    x[1, 100], x[1, 50] = float("nan"), float("nan")
+    x[2] = float("-inf")
+    x[3, 40000] = x[3, 7] = x[3].max() + 1
+    x[4, 49151] = 1e9
+    x[5, 49150] = float("nan")
+    x[6] = float("inf")
+    kernels = cpu_kernels.load()
+    assert torch.equal(kernels.argmax(x), x.max(dim=-1).indices)
+    short = torch.randn(3, 33, generator=GEN)
+    short[1, 32] = float("nan")
+    assert torch.equal(kernels.argmax(short), short.max(dim=-1).indices)
+    assert torch.equal(kernels.argmax(x[:, :7]), x[:, :7].max(dim=-1).indices)  # strided rows
 
 
 def test_kernels_refuse_what_they_do_not_take() -> None:
@@ -133,6 +187,24 @@ def test_swiglu_in_the_projection_is_the_projection_then_silu_mul(
     fused = kernels.linear(x, cpu_kernels.pack_linear(weight, swiglu=True), bias, swiglu=True)
     assert fused.shape == (rows, out_features // 2)
     assert torch.equal(fused, kernels.silu_mul(linear(x, weight, bias)))
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 17, 33])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_residual_added_in_the_projection_is_torchs_sum(rows: int, threads: int) -> None:
+    """``residual + linear(x)`` written into the residual as the projection is: torch's bits
+    for the sum of the bfloat16 projection and the residual."""
+    kernels = cpu_kernels.load()
+    weight, bias = randn(96, 64, scale=0.1), randn(96)
+    tiles = cpu_kernels.pack_linear(weight)
+    x, residual = randn(rows, 96)[:, :64], randn(rows, 96, scale=4.0)
+    want = residual + kernels.linear(x, tiles, bias)
+    got = kernels.linear(x, tiles, bias, threads=threads, residual=residual)
+    assert got is residual
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(ValueError, match="residual"):
+        kernels.linear(x, tiles, bias, residual=randn(rows, 96)[:, :80])
 
 
 @needs_amx

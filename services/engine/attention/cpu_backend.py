@@ -6,7 +6,7 @@ over the block tables: no gather, no mask, no per-step copy of the contexts (the
 backend's ``decode_rows.py`` is not kept). A step's prefill chunks are one call of the AMX
 prefill kernel (csrc/prefill_attention.c, where the CPU has AMX): K/V read through the block
 tables too, cached prefix or not, no mask built. Shapes the kernels do not take go through the
-torch backend's SDPA; storing the step's K/V is the torch backend's.
+torch backend's SDPA. A layer's new K/V go into the cache in one kernel call as well.
 
 The kernel rounds differently from SDPA (bfloat16 dot products, its own exp), so bfloat16
 greedy outputs can differ from the torch backend's after some tokens; every path through this
@@ -22,7 +22,7 @@ import torch
 
 from services.engine import cpu_kernels
 from services.engine.attention.metadata import StepMetadata
-from services.engine.attention.torch_backend import TorchAttention
+from services.engine.attention.torch_backend import TorchAttention, TorchPlan
 from services.engine.kv_cache import KVCache
 
 
@@ -68,17 +68,23 @@ class CpuAttention(TorchAttention):
         return KernelBatch(row, row + (e - s) * length, length, step.block_tables[s:e],
                            step.seq_lens[s:e])
 
-    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, batch: Any) -> torch.Tensor:
-        if not isinstance(batch, KernelBatch):
-            return super()._decode(layer, q, k, v, kv_cache, batch)
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               plan: TorchPlan) -> tuple[torch.Tensor, torch.Tensor]:
         assert isinstance(kv_cache, torch.Tensor)  # bfloat16: resolve_backend refuses int8
+        self.kernels.store_kv(k, v, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
+                              plan.slot_blocks, plan.slot_offsets)
+        return k, v
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, batch: Any, out: torch.Tensor) -> None:
+        if not isinstance(batch, KernelBatch):
+            return super()._decode(layer, q, k, v, kv_cache, batch, out)
+        assert isinstance(kv_cache, torch.Tensor)
         rows = q[batch.start:batch.end].contiguous()  # a copy only for a strided q
-        out = torch.empty_like(rows)
         self.kernels.decode_attention(rows, out, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
                                       batch.block_tables, batch.seq_lens, batch.query_len,
                                       self.scale, self.threads)
-        return out
+        return None
 
     def _plan_prefills(self, step: StepMetadata, starts: list[int]) -> list[Any]:
         if not self.prefill_kernel or step.num_decodes == step.num_seqs:

@@ -147,17 +147,22 @@ class TorchAttention:
                 kv_cache: KVCache, plan: TorchPlan) -> torch.Tensor:
         """Write k/v for the step's tokens into the cache, return attention output [T, Hq*D]."""
         num_tokens, num_heads, head_dim = q.shape
-        if isinstance(kv_cache, QuantizedKV):
-            k, v = kv_cache.store(layer, k, v, plan.slot_blocks, plan.slot_offsets)
-        else:
-            kv_cache[:, layer, 0][plan.slot_blocks, plan.slot_offsets] = k
-            kv_cache[:, layer, 1][plan.slot_blocks, plan.slot_offsets] = v
-
+        k, v = self._store(layer, k, v, kv_cache, plan)
         out = torch.empty_like(q)
         for batch in plan.decodes:
-            out[batch.start:batch.end] = self._decode(layer, q, k, v, kv_cache, batch)
+            self._decode(layer, q, k, v, kv_cache, batch, out[batch.start:batch.end])
         self._prefill(layer, q, k, v, kv_cache, plan.prefills, out)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               plan: TorchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's k/v into the cache; the k/v its attention reads (an int8 cache's are
+        quantized and back)."""
+        if isinstance(kv_cache, QuantizedKV):
+            return kv_cache.store(layer, k, v, plan.slot_blocks, plan.slot_offsets)
+        kv_cache[:, layer, 0][plan.slot_blocks, plan.slot_offsets] = k
+        kv_cache[:, layer, 1][plan.slot_blocks, plan.slot_offsets] = v
+        return k, v
 
     def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: KVCache, prefills: list[Any], out: torch.Tensor) -> None:
@@ -184,8 +189,13 @@ class TorchAttention:
             out[span.start:span.end] = attn[0].transpose(0, 1)
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, batch: Any) -> torch.Tensor:
-        """The attention output of one decode batch's query rows."""
+                kv_cache: KVCache, batch: Any, out: torch.Tensor) -> None:
+        """The attention output of one decode batch's query rows into ``out`` (its rows)."""
+        out.copy_(self._decode_batch_output(layer, q, k, v, kv_cache, batch))
+
+    def _decode_batch_output(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, kv_cache: KVCache, batch: DecodeBatch
+                             ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1:]
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads

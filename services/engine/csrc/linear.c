@@ -25,12 +25,16 @@ int amx_enable(void) {
 
 /* Tiles (amx.h): 0-3 the 2 x 2 float results, 4-5 x's rows, 6-7 w's columns. */
 
-/* A float tile (16 rows of x by 16 outputs) plus bias, rounded into out. */
+/* A float tile (16 rows of x by 16 outputs) plus bias, rounded into out; with residual, added
+   to what out holds once rounded (torch's x + linear(h) on bfloat16 tensors), rounded again. */
 INLINE void write_tile(const float *buf, const uint16_t *bias, int64_t rows, uint16_t *out,
-                       int64_t out_stride) {
+                       int64_t out_stride, int residual) {
     __m512 b = bias ? bf16x16(bias) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < rows && m < 16; m++)
-        store_bf16x16(out + m * out_stride, _mm512_add_ps(_mm512_load_ps(buf + 16 * m), b));
+    for (int64_t m = 0; m < rows && m < 16; m++) {
+        __m512 y = _mm512_add_ps(_mm512_load_ps(buf + 16 * m), b);
+        if (residual) y = _mm512_add_ps(bf16x16(out + m * out_stride), round_bf16(y));
+        store_bf16x16(out + m * out_stride, y);
+    }
 }
 
 /* Gate and up tiles (16 rows of x by 16 outputs each) plus their biases, each rounded to
@@ -53,7 +57,7 @@ typedef struct {
     const uint16_t *x, *tail, *w, *bias;
     uint16_t *out;
     int64_t x_stride, M, N, K, KB, NB, full, chunk, pairs;
-    int swiglu;
+    int swiglu, residual;
 } job_t;
 
 /* w's tiles PREFETCH_TILES ahead of tile kb of a pair's two streams, into L2, running on into
@@ -127,17 +131,18 @@ static void run_unit(const job_t *j, int64_t u, int helper, float *buf) {
         uint16_t *o = j->out + m0 * N + nb * 16;
         const uint16_t *bb = j->bias ? j->bias + nb * 16 : NULL;
         _tile_stored(0, buf, 64);
-        write_tile(buf, bb, j->M - m0, o, N);
+        write_tile(buf, bb, j->M - m0, o, N, j->residual);
         if (two_n) {
             _tile_stored(1, buf, 64);
-            write_tile(buf, bb ? bb + 16 : NULL, j->M - m0, o + 16, N);
+            write_tile(buf, bb ? bb + 16 : NULL, j->M - m0, o + 16, N, j->residual);
         }
         if (two_m) {
             _tile_stored(2, buf, 64);
-            write_tile(buf, bb, j->M - m0 - 16, o + 16 * N, N);
+            write_tile(buf, bb, j->M - m0 - 16, o + 16 * N, N, j->residual);
             if (two_n) {
                 _tile_stored(3, buf, 64);
-                write_tile(buf, bb ? bb + 16 : NULL, j->M - m0 - 16, o + 16 * N + 16, N);
+                write_tile(buf, bb ? bb + 16 : NULL, j->M - m0 - 16, o + 16 * N + 16, N,
+                           j->residual);
             }
         }
     }
@@ -155,11 +160,13 @@ static void unit(void *ctx, int64_t u, int helper) {
    on its own input row only, summed in the same order whatever M is (and whichever thread).
    swiglu: w's blocks of 16 outputs alternate gate and up (block 2j: gate outputs 16j.., 2j + 1:
    the same up outputs) and out is [M, N / 2], silu(gate) * up (SwiGLU's activation, written
-   without the [M, N] projection).
+   without the [M, N] projection). residual (not with swiglu): out holds a residual stream
+   and becomes out + (x @ w.T + bias), the projection rounded to bfloat16 before the sum.
    threads 2: the helper thread takes units beside the caller (pool.c). */
 int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
-                uint16_t *out, int64_t M, int64_t N, int64_t K, int swiglu, int threads) {
-    if (K % 32 || N % 16 || (swiglu && N % 32)) return -3;
+                uint16_t *out, int64_t M, int64_t N, int64_t K, int swiglu, int residual,
+                int threads) {
+    if (K % 32 || N % 16 || (swiglu && N % 32) || (swiglu && residual)) return -3;
     const int64_t full = M / 16 * 16;
     uint16_t *tail = NULL;
     if (M > full && !(tail = calloc((size_t)(16 * K), sizeof(uint16_t)))) return -1;
@@ -170,7 +177,7 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const ui
     if (chunk < 32) chunk = 32;
     const int64_t NB = N / 16, pairs = (NB + 1) / 2, units = (M + chunk - 1) / chunk * pairs;
     job_t job = {x, tail, w, bias, out, x_stride, M, N, K, K / 32, NB, full, chunk, pairs,
-                 swiglu};
+                 swiglu, residual};
     pool_run(&(pool_job){unit, amx_start, amx_finish, &job}, units, threads);
     free(tail);
     return 0;

@@ -38,38 +38,67 @@ INLINE const uint16_t *key_row(const job_t *j, const uint16_t *base, int64_t s, 
     return base + block * j->block_stride + (key % j->bs) * j->tok_stride + h * j->d;
 }
 
+/* r[i]: row i of 16 x 16 32-bit elements; becomes row i of their transpose. */
+INLINE void transpose16(__m512i r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps((__m512)r[i], (__m512)r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps((__m512)r[i], (__m512)r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = (__m512i)_mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = (__m512i)_mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 /* Span s, KV head h: K^T as B tiles of S = Q K^T (tile (t, c): keys 16t.., head dims 32c..;
-   row p holds, for each key, its dims 32c + 2p, 32c + 2p + 1) and V as B tiles of O = P V
-   (tile (kc, dt): keys 32kc.., dims 16dt..; row p holds, for each dim, keys 2p and 2p + 1).
-   Keys past the context are zeros. */
+   row p holds, for each key, its dims 32c + 2p, 32c + 2p + 1: 16 keys' 64 bytes transposed as
+   32-bit pairs) and V as B tiles of O = P V (tile (kc, dt): keys 32kc.., dims 16dt..; row p
+   holds, for each dim, keys 2p and 2p + 1 interleaved). Keys past the context are zeros. */
 static void pack(void *ctx, int64_t u, int helper) {
     (void)helper;
     const job_t *j = ctx;
     const int64_t s = u / j->hkv, h = u % j->hkv, keys = j->ctx_len[s], d = j->d;
     const int64_t chunks = d / 32, dtiles = d / 16;
-    uint32_t *kt = (uint32_t *)j->kt[u];
-    for (int64_t t = 0; t < (keys + 15) / 16; t++)
-        for (int64_t n = 0; n < 16; n++) {
-            const int64_t key = t * 16 + n;
-            const uint32_t *row = key < keys ? (const uint32_t *)key_row(j, j->k, s, key, h)
-                                             : NULL;
-            for (int64_t c = 0; c < chunks; c++) {
-                uint32_t *tile = kt + (t * chunks + c) * 256;
-                for (int p = 0; p < 16; p++) tile[p * 16 + n] = row ? row[c * 16 + p] : 0;
-            }
+    uint16_t *kt = j->kt[u];
+    for (int64_t t = 0; t < (keys + 15) / 16; t++) {
+        const uint16_t *rows[16];
+        for (int64_t n = 0; n < 16; n++)
+            rows[n] = t * 16 + n < keys ? key_row(j, j->k, s, t * 16 + n, h) : NULL;
+        for (int64_t c = 0; c < chunks; c++) {
+            __m512i r[16];
+            for (int n = 0; n < 16; n++)
+                r[n] = rows[n] ? _mm512_loadu_si512(rows[n] + 32 * c) : _mm512_setzero_si512();
+            transpose16(r);
+            uint16_t *tile = kt + (t * chunks + c) * 512;
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512(tile + 32 * p, r[p]);
         }
+    }
     uint16_t *vt = j->vt[u];
+    const __m256i zero = _mm256_setzero_si256();
     for (int64_t kc = 0; kc < (keys + 31) / 32; kc++)
         for (int p = 0; p < 16; p++) {
             const int64_t k0 = kc * 32 + 2 * p;
             const uint16_t *r0 = k0 < keys ? key_row(j, j->v, s, k0, h) : NULL;
             const uint16_t *r1 = k0 + 1 < keys ? key_row(j, j->v, s, k0 + 1, h) : NULL;
             for (int64_t dt = 0; dt < dtiles; dt++) {
-                uint16_t *row = vt + (kc * dtiles + dt) * 512 + p * 32;
-                for (int n = 0; n < 16; n++) {
-                    row[2 * n] = r0 ? r0[dt * 16 + n] : 0;
-                    row[2 * n + 1] = r1 ? r1[dt * 16 + n] : 0;
-                }
+                const __m256i a = r0 ? _mm256_loadu_si256((const __m256i *)(r0 + dt * 16)) : zero;
+                const __m256i b = r1 ? _mm256_loadu_si256((const __m256i *)(r1 + dt * 16)) : zero;
+                _mm512_storeu_si512(vt + (kc * dtiles + dt) * 512 + p * 32,
+                                    _mm512_or_si512(_mm512_cvtepu16_epi32(a),
+                                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
             }
         }
 }
