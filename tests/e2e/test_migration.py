@@ -8,7 +8,7 @@ with the tokens it already sent; draws depend only on the seed and the token's p
 With SIGTERM instead, Serve drains the replica: its streams finish there, then it exits.
 With SIGSTOP (a hung worker), the streams stall and move on (the stream idle timeout or Serve's
 health check, whichever comes first). Churn: closed-loop clients while a decode replica is
-SIGKILLed every 30 s and replaced by Serve: no request fails, every output is exact.
+SIGKILLed every 10 s and replaced by Serve: no request fails, every output is exact.
 Seeded sampling through the cluster equals the engine's own, colocated, output (a JSON-schema
 stream and one with every logits control among them, so these survive migration too). A prefill
 worker killed after its first token, before the decode worker's pull, costs a recompute on
@@ -177,12 +177,12 @@ def test_a_lost_decode_worker_does_not_cut_a_stream(cluster: UpProcess,
              "the replacement decode worker and every KV block free")
 
 
-CHURN_KILLS, CHURN_EVERY_S, CHURN_CLIENTS = 2, 30.0, 8
+CHURN_KILLS, CHURN_EVERY_S, CHURN_CLIENTS = 2, 10.0, 8
 
 
-def test_streams_survive_decode_workers_killed_every_30_s(
+def test_streams_survive_decode_workers_killed_every_10_s(
         cluster: UpProcess, undisturbed: list[list[int]]) -> None:
-    """Closed-loop clients over the 16 bodies while a decode replica is SIGKILLed every 30 s
+    """Closed-loop clients over the 16 bodies while a decode replica is SIGKILLed every 10 s
     (each time once Serve has replaced the previous one): every request completes, exactly."""
     before = sum(metric_values(cluster.http_url, "tandem_request_migrations_total").values())
     kills: list[int] = []
