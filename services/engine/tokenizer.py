@@ -86,7 +86,10 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: the same ids as fast, but it lets go of the GIL while it
+        # works (encode holds it: ~0.6 ms for a 544-token prompt, during which an engine thread
+        # in the same process could not get back from a kernel call).
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos:
             ids = [self.bos_token_id, *ids]  # type: ignore[list-item]
         return ids
