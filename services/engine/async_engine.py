@@ -10,7 +10,10 @@ or command that produced any; without a callback they are dropped.
 Faults: a step that raises fails that step's requests (``EngineError``, blocks freed) and the
 engine goes on. A fault it cannot recover from (a device error, or ``MAX_STEP_FAILURES`` failed
 steps in a row) stops it: every request fails with ``EngineDeadError``, new ones are refused,
-and ``check_health`` raises, so Ray Serve replaces the worker. Each fault is logged once, here.
+and ``check_health`` raises, so Ray Serve replaces the worker. A step that never returns (a
+hung kernel or device) is caught by ``check_health`` once it has run ``step_timeout_s``
+(EngineConfig): the same, from the caller's thread, as the engine thread is stuck. Each fault
+is logged once, here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -81,6 +85,8 @@ class AsyncEngine:
         self._stats = engine.stats
         self._step_failures = 0  # in a row
         self.health_error: str | None = None  # why the engine stopped; None while it runs
+        self._step_timeout_s = engine.config.step_timeout_s
+        self._step_started: float | None = None  # monotonic; None between steps
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -90,7 +96,9 @@ class AsyncEngine:
         return self._stats
 
     def check_health(self) -> None:
-        """Raise ``EngineDeadError`` if the engine stopped (Ray Serve's health check)."""
+        """Raise ``EngineDeadError`` if the engine stopped or a step has hung (Ray Serve's
+        health check)."""
+        self._check_step_time()
         if self.health_error is None and not self._thread.is_alive():
             self.health_error = "the engine thread has stopped"
         if self.health_error is not None:
@@ -98,7 +106,29 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
+        self._check_step_time()
         return self.health_error is None and self._thread.is_alive()
+
+    def _check_step_time(self) -> None:
+        """A step running past ``step_timeout_s`` is a hung engine: fail its streams now (the
+        engine thread cannot), refuse new requests. Should the step ever return, the engine
+        thread stops there (``_loop``) and frees what it holds."""
+        started, limit = self._step_started, self._step_timeout_s
+        if self.health_error is not None or started is None or limit is None:
+            return
+        elapsed = time.monotonic() - started
+        if elapsed <= limit:
+            return
+        self.health_error = (f"a step has run for {elapsed:.0f} s (step_timeout_s {limit:g}): "
+                             f"the engine is hung")
+        log.error("%s; failing its requests", self.health_error)
+        error = EngineDeadError(f"the engine stopped: {self.health_error}")
+        for stream in list(self._streams.values()):  # one C-level copy: no race with it
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+
+    def _refuse_if_dead(self) -> None:
+        if self.health_error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.health_error}")
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                  params: SamplingParams, cache_salt: str | None = None,
@@ -114,12 +144,14 @@ class AsyncEngine:
         """Run ``start`` on the engine thread now, not on the first iteration (it creates
         request ``request_id``, e.g. by committing a KV import), and stream that request's
         outputs; what ``start`` raises comes out of the first iteration."""
+        self._refuse_if_dead()
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._commands.put(_Start(request_id, start, asyncio.get_running_loop(), outputs))
         return self._outputs(request_id, None, outputs)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        self._refuse_if_dead()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._commands.put(_Call(fn, loop, future))
@@ -130,6 +162,7 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         if outputs is None:  # not started yet
             assert start is not None
+            self._refuse_if_dead()
             outputs = asyncio.Queue()
             self._commands.put(_Start(request_id, start, asyncio.get_running_loop(), outputs))
         finished = False
@@ -179,12 +212,21 @@ class AsyncEngine:
                 except queue.Empty:
                     command = _NO_COMMAND
             if self.llm.has_unfinished_requests():
+                self._step_started = time.monotonic()
                 try:
-                    outputs = self.llm.step()
+                    outputs: Sequence[RequestOutput] | None = self.llm.step()
                 except Exception as exc:
+                    outputs = None
                     if self._step_failed(exc):
                         self._serve_dead()
                         return
+                finally:
+                    self._step_started = None
+                if self.health_error is not None:  # the health check found this step hung
+                    self._die(self.health_error)
+                    self._serve_dead()
+                    return
+                if outputs is None:
                     continue
                 self._step_failures = 0
                 self._stats = self.llm.stats
@@ -280,7 +322,8 @@ class AsyncEngine:
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+            with contextlib.suppress(RuntimeError):  # its loop has closed: no one to tell
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
 
     def _hand_out_events(self) -> None:
         events = self.llm.take_events()

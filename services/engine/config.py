@@ -110,6 +110,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | cpu | triton | flash_attn (engine/attention)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (on CUDA with triton attention)
     seed: int = 0  # for requests that sample without their own seed
+    # The longest one step may run before AsyncEngine's health check calls the engine hung
+    # (a kernel that never returns): its streams fail, new requests are refused and the check
+    # fails, so Ray Serve replaces the worker. None: no limit (offline use).
+    step_timeout_s: float | None = None
     # dense: every weight in `dtype`; int4: a GGUF's Q4_1 weights kept 4-bit for decode steps
     # of a few tokens (CPU, bfloat16, one rank; engine/int4_linear.py)
     weight_format: str = "dense"
@@ -156,6 +160,8 @@ class EngineConfig:
             raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
         if self.kernel_threads not in (1, 2):
             raise ValueError(f"kernel_threads must be 1 or 2, got {self.kernel_threads}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.tensor_parallel_size < 1:

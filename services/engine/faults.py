@@ -8,6 +8,8 @@ the fault, on workers of that role (prefill, decode, colocated) or, without a ro
   requests and goes on);
 - ``fatal``: the step raises ``FatalEngineFault``, which the engine treats as a device error
   (it stops and its worker reports unhealthy);
+- ``hang``: the step blocks, as a kernel that never returns would (until the process ends, or
+  ``release_hung_steps`` in a test's own process);
 - ``sigstop``: (prefill role) the prefill worker sends its result, then stops its process
   with SIGSTOP (as a hung machine would) when the decode worker calls about that request:
   at its pairing if the two have not paired yet, else when it releases the lease after the
@@ -20,12 +22,14 @@ Unset, nothing is installed and steps pay nothing.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 
 from services.engine.sequence import Sequence
 
 ENV = "TANDEM_TEST_FAULTS"
-KINDS = ("step", "fatal", "sigstop", "sigkill")
+KINDS = ("step", "fatal", "hang", "sigstop", "sigkill")
+_RELEASE = threading.Event()  # what a hung step waits for
 
 FaultHook = Callable[[Iterable[Sequence]], None]
 
@@ -58,7 +62,7 @@ def fault_hook_from_env(role: str | None = None, environ: Mapping[str, str] | No
                         ) -> FaultHook | None:
     """The step hook for a worker of ``role``, or None when no step fault is planned."""
     seeds = {seed: kind for seed, kind in planned_faults(role, environ).items()
-             if kind in ("step", "fatal")}
+             if kind in ("step", "fatal", "hang")}
     if not seeds:
         return None
 
@@ -69,5 +73,13 @@ def fault_hook_from_env(role: str | None = None, environ: Mapping[str, str] | No
                 raise FatalEngineFault(f"injected fatal fault (request {seq.request_id})")
             if kind == "step":
                 raise InjectedFault(f"injected step fault (request {seq.request_id})")
+            if kind == "hang":
+                _RELEASE.wait()
+                raise InjectedFault(f"injected hang released (request {seq.request_id})")
 
     return hook
+
+
+def release_hung_steps() -> None:
+    """Let the steps that ``hang`` blocks in this process return (they then raise)."""
+    _RELEASE.set()

@@ -97,6 +97,9 @@ class AppConfig:
     control_timeout_s: float = 5.0  # pair / release / reject between workers
     kv_transfer_timeout_s: float = 10.0  # one KV pull; then D recomputes the prompt
     stream_idle_timeout_s: float = 60.0  # the longest a request waits for its next decode output
+    # One engine step, at most: longer, the worker is hung (its streams fail with a clear
+    # error, its health check fails and Serve replaces it).
+    step_timeout_s: float = 120.0
     client_read_timeout_s: float = 60.0  # a streaming client that reads nothing this long: cut
     max_migrations: int = 3  # decode worker failures a stream survives (it moves on, exactly)
     # A worker Serve stops (scale-down, upgrade, a draining node) finishes its calls for this
@@ -186,7 +189,7 @@ class AppConfig:
         for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s",
                      "idle_poll_interval_s", "request_timeout_s", "prefill_timeout_s",
                      "control_timeout_s", "kv_transfer_timeout_s", "stream_idle_timeout_s",
-                     "client_read_timeout_s", "drain_timeout_s"):
+                     "step_timeout_s", "client_read_timeout_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.spec not in SPEC_METHODS:
@@ -238,7 +241,7 @@ class AppConfig:
             num_threads=self.engine_threads(), kernel_threads=self.engine_kernel_threads(),
             attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs, weight_format=self.weight_format,
-            tensor_parallel_size=self.tensor_parallel_size)
+            tensor_parallel_size=self.tensor_parallel_size, step_timeout_s=self.step_timeout_s)
 
     def http_url(self) -> str:
         """Where the gateway's HTTP front end answers (https with TLS)."""

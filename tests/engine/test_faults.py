@@ -1,5 +1,7 @@
 """Engine-loop faults: a failed step fails its own requests and the engine goes on; a fatal
-fault stops the engine, fails every request, refuses new ones and fails the health check.
+fault stops the engine, fails every request, refuses new ones and fails the health check; so
+does a step that never returns, once it has run ``step_timeout_s`` (the health check finds it:
+the engine thread is stuck).
 
 The faults are real exceptions raised inside ``LLMEngine.step`` by the test-only hook
 (``TANDEM_TEST_FAULTS``, services/engine/faults.py), on the engine's own thread.
@@ -8,15 +10,16 @@ The faults are real exceptions raised inside ``LLMEngine.step`` by the test-only
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from services.engine.async_engine import MAX_STEP_FAILURES, AsyncEngine
-from services.engine.faults import ENV, fault_hook_from_env, planned_faults
+from services.engine.faults import ENV, fault_hook_from_env, planned_faults, release_hung_steps
 from services.engine.outputs import EngineDeadError, EngineError, RequestOutput
 from services.engine.sampling_params import SamplingParams
 
-STEP_SEED, FATAL_SEED = 666, 667
+STEP_SEED, FATAL_SEED, HANG_SEED = 666, 667, 668
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
@@ -109,4 +112,51 @@ def test_a_fatal_fault_fails_every_request_and_refuses_new_ones(faulty_engine) -
     asyncio.run(run())
     with pytest.raises(EngineDeadError, match="injected fatal fault"):
         faulty_engine.check_health()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_a_hung_step_fails_its_streams_and_the_health_check(make_engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A step blocked inside the model (the ``hang`` fault: the engine thread really waits) is
+    found by the health check once it has run step_timeout_s: every stream ends with a clear
+    error instead of waiting, new requests are refused at once, the check fails (Serve would
+    replace the worker). Should the step return after all, the engine frees every block."""
+    monkeypatch.setenv(ENV, f"hang={HANG_SEED}")
+    engine = AsyncEngine(make_engine(step_timeout_s=0.5))
+    llm = engine.llm
+    prompt = llm.tokenizer.encode("The capital of France is")
+    hang = SamplingParams(max_tokens=8, temperature=0.5, seed=HANG_SEED)
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+    async def watch(stream: asyncio.Future[list[int]]) -> None:  # as Serve's health check does
+        while not stream.done():
+            await asyncio.sleep(0.05)
+            if not engine.healthy:
+                break
+
+    async def run() -> None:
+        bystander = asyncio.ensure_future(_collect(engine, "bystander", prompt, long))
+        victim = asyncio.ensure_future(_collect(engine, "victim", prompt, hang))
+        started = time.monotonic()
+        await asyncio.wait_for(watch(victim), 30)
+        for stream in (victim, bystander):
+            with pytest.raises(EngineDeadError, match="the engine is hung"):
+                await asyncio.wait_for(stream, 5)
+        assert time.monotonic() - started < 25  # not the stream idle timeout: the watchdog
+        with pytest.raises(EngineDeadError, match="hung"):
+            await asyncio.wait_for(_collect(engine, "later", prompt), 5)
+        with pytest.raises(EngineDeadError, match="hung"):
+            await asyncio.wait_for(engine.call(lambda e: e.stats), 5)
+
+    try:
+        asyncio.run(run())
+        with pytest.raises(EngineDeadError, match=r"step_timeout_s 0.5\): the engine is hung"):
+            engine.check_health()
+    finally:
+        release_hung_steps()  # the step returns (raising); the engine thread stops there
+    deadline = time.monotonic() + 30
+    while engine._thread.is_alive() and llm.requests:
+        assert time.monotonic() < deadline, "the engine did not free the hung step's requests"
+        time.sleep(0.05)
+    engine.shutdown()
+    assert not llm.requests
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
