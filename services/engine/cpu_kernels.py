@@ -71,8 +71,9 @@ class Kernels:
                                       i64, f32, ctypes.c_int],
             "rms_norm_bf16": [p, i64, p, p, i64, i64, f32, ctypes.c_int],
             "silu_mul_bf16": [p, i64, p, i64, i64],
-            "rotary_bf16": [p, i64, p, i64, p, p, p, p, p, i64, i64, i64, i64, ctypes.c_int],
-            "store_kv_bf16": [p, i64, p, i64, p, p, p, p, i64, i64, i64, i64],
+            "rotary_bf16": [p, i64, p, i64, p, p, p, p, i64, p, i64, i64, i64, i64,
+                            ctypes.c_int],
+            "store_kv_bf16": [p, i64, p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64],
             "argmax_f32": [p, i64, i64, i64, p],
             "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int,
                             ctypes.c_int],
@@ -160,28 +161,31 @@ class Kernels:
                positions: torch.Tensor, threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``x * cos[positions] + rotate_half(x) * sin[positions]`` of the queries [tokens,
         Hq, D] and keys [tokens, Hkv, D] (token rows may be strided, heads and D contiguous),
-        cos/sin [positions, D], positions [tokens]: contiguous (q, k)."""
+        cos/sin [positions, D], positions [tokens] int64 (each below cos's rows), all
+        contiguous: (q, k)."""
         tokens, q_heads, head_dim = q.shape
         k_heads = k.shape[1]
-        positions = positions.to(torch.int64).contiguous()
         if not (q.stride()[1:] == (head_dim, 1) and k.stride()[1:] == (head_dim, 1)
                 and k.shape[::2] == q.shape[::2] and cos.is_contiguous()
-                and sin.is_contiguous() and positions.numel() == tokens):
+                and sin.shape == cos.shape and sin.is_contiguous()
+                and cos.shape[1] == head_dim and positions.numel() == tokens
+                and positions.dtype == torch.int64 and positions.is_contiguous()):
             raise ValueError("rotary kernel: a tensor has an unsupported layout")
         _check_bf16(q, k, cos, sin)
         q_out = torch.empty((tokens, q_heads, head_dim), dtype=q.dtype)
         k_out = torch.empty((tokens, k_heads, head_dim), dtype=k.dtype)
         _ok(self._lib.rotary_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
                                   q_out.data_ptr(), k_out.data_ptr(), cos.data_ptr(),
-                                  sin.data_ptr(), positions.data_ptr(), tokens, q_heads,
-                                  k_heads, head_dim, threads))
+                                  sin.data_ptr(), cos.shape[0], positions.data_ptr(), tokens,
+                                  q_heads, k_heads, head_dim, threads))
         return q_out, k_out
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> None:
         """Token t's ``k[t]`` and ``v[t]`` ([tokens, Hkv, D], token rows may be strided) into
         one layer's paged views ``keys``/``values`` (as ``decode_attention`` takes them) at
-        block ``blocks[t]``, offset ``offsets[t]`` (int64): the torch backend's store."""
+        block ``blocks[t]``, offset ``offsets[t]`` (int64): the torch backend's store. A slot
+        outside the cache raises before anything is written."""
         tokens, kv_heads, head_dim = k.shape
         if not (k.stride()[1:] == (head_dim, 1) and v.stride()[1:] == (head_dim, 1)
                 and v.shape == k.shape and keys.shape[2:] == k.shape[1:]
@@ -193,7 +197,8 @@ class Kernels:
         _ok(self._lib.store_kv_bf16(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                     keys.data_ptr(), values.data_ptr(), blocks.data_ptr(),
                                     offsets.data_ptr(), tokens, kv_heads * head_dim,
-                                    keys.stride(0), keys.stride(1)))
+                                    keys.shape[0], keys.shape[1], keys.stride(0),
+                                    keys.stride(1)))
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows.max(dim=-1).indices`` of float32 [n, vocab] ``rows`` (contiguous vocab):

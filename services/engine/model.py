@@ -263,9 +263,12 @@ class LlamaModel(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
         kernels = self.kernels
-        # The kernel indexes the tables by position itself.
-        cos = self.cos if kernels is not None else self.cos[positions].unsqueeze(1)
-        sin = self.sin if kernels is not None else self.sin[positions].unsqueeze(1)
+        # The kernel indexes the tables by position itself (int64, converted once a step).
+        if kernels is not None:
+            cos, sin, positions = self.cos, self.sin, positions.to(torch.int64).contiguous()
+        else:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         threads = self.kernel_threads
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):

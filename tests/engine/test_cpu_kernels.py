@@ -83,6 +83,19 @@ def test_rotary_is_torchs_bits(heads: int, head_dim: int, tokens: int, threads: 
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # signed zeros too
 
 
+def test_rotary_refuses_positions_outside_its_tables() -> None:
+    """A position at or past the cos/sin tables' rows, or negative, raises instead of reading
+    past them; int32 positions are refused (the model converts once a step)."""
+    q, k = randn(2, 9, 64), randn(2, 3, 64)
+    cos = sin = randn(16, 64)
+    kernels = cpu_kernels.load()
+    for positions in ([0, 16], [-1, 3]):
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            kernels.rotary(q, k, cos, sin, torch.tensor(positions))
+    with pytest.raises(ValueError, match="layout"):
+        kernels.rotary(q, k, cos, sin, torch.tensor([0, 1], dtype=torch.int32))
+
+
 def test_store_kv_is_the_torch_backends_store() -> None:
     """A step's K/V (strided views of qkv) into one layer of a paged cache laid out as the
     engine's [blocks, layers, 2, block_size, Hkv, D]: the torch backend's indexed store."""
@@ -98,6 +111,22 @@ def test_store_kv_is_the_torch_backends_store() -> None:
     want[:, 1, 1][block_ids, offsets] = v
     cpu_kernels.load().store_kv(k, v, cache[:, 1, 0], cache[:, 1, 1], block_ids, offsets)
     assert torch.equal(cache.view(torch.int16), want.view(torch.int16))
+
+
+def test_store_kv_refuses_a_slot_outside_the_cache() -> None:
+    """A block id or offset past the cache (or negative) raises and writes nothing, not even
+    the tokens before it."""
+    blocks, block_size, kv_heads, head_dim = 4, 4, 3, 64
+    cache = randn(blocks, 1, 2, block_size, kv_heads, head_dim)
+    before = cache.clone()
+    k, v = randn(3, kv_heads, head_dim), randn(3, kv_heads, head_dim)
+    kernels = cpu_kernels.load()
+    for block_ids, offsets in (([0, 1, blocks], [0, 0, 0]), ([0, -1, 2], [0, 0, 0]),
+                               ([0, 1, 2], [0, block_size, 0]), ([0, 1, 2], [-1, 0, 0])):
+        with pytest.raises(RuntimeError, match="kernel failed"):
+            kernels.store_kv(k, v, cache[:, 0, 0], cache[:, 0, 1], torch.tensor(block_ids),
+                             torch.tensor(offsets))
+        assert torch.equal(cache.view(torch.int16), before.view(torch.int16))
 
 
 def test_argmax_is_torchs_max_index() -> None:

@@ -118,12 +118,14 @@ static void rotary_unit(void *ctx, int64_t u, int helper) {
 /* The rotary embedding of a step's queries q [tokens, q_heads, head_dim] and keys k [tokens,
    k_heads, head_dim] (token rows q_stride / k_stride apart: views into the fused qkv
    projection; heads contiguous) into contiguous q_out and k_out, at positions[t] of cos/sin
-   [positions, head_dim]. */
+   [num_positions, head_dim]. Returns -2 for a position outside the tables. */
 int rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t k_stride,
                 uint16_t *q_out, uint16_t *k_out, const uint16_t *cos, const uint16_t *sin,
-                const int64_t *positions, int64_t tokens, int64_t q_heads, int64_t k_heads,
-                int64_t head_dim, int threads) {
+                int64_t num_positions, const int64_t *positions, int64_t tokens,
+                int64_t q_heads, int64_t k_heads, int64_t head_dim, int threads) {
     if (head_dim % 32) return -2;
+    for (int64_t t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -2;
     rotary_job job = {q, k, cos, sin, q_out, k_out, positions, q_stride, k_stride, tokens,
                       q_heads, k_heads, head_dim};
     const int64_t units = (tokens + ROWS_PER_UNIT - 1) / ROWS_PER_UNIT;
@@ -134,12 +136,17 @@ int rotary_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, int64_t 
 
 /* The step's keys and values (token t's width elements at k + t * k_stride, v + t * v_stride)
    into the paged cache: token t's at block blocks[t], offset offsets[t] of key_cache and
-   value_cache (blocks block_stride elements apart, a block's tokens tok_stride apart, a
-   token's width elements contiguous). */
+   value_cache (num_blocks blocks, block_stride elements apart, of block_size tokens
+   tok_stride apart, a token's width elements contiguous). Returns -2, writing nothing, when a
+   slot is outside the cache. */
 int store_kv_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
                   uint16_t *key_cache, uint16_t *value_cache, const int64_t *blocks,
-                  const int64_t *offsets, int64_t tokens, int64_t width, int64_t block_stride,
-                  int64_t tok_stride) {
+                  const int64_t *offsets, int64_t tokens, int64_t width, int64_t num_blocks,
+                  int64_t block_size, int64_t block_stride, int64_t tok_stride) {
+    for (int64_t t = 0; t < tokens; t++) /* every slot checked before anything is written */
+        if (blocks[t] < 0 || blocks[t] >= num_blocks || offsets[t] < 0
+            || offsets[t] >= block_size)
+            return -2;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t at = blocks[t] * block_stride + offsets[t] * tok_stride;
         memcpy(key_cache + at, k + t * k_stride, (size_t)width * 2);
