@@ -7,6 +7,7 @@ first time a process needs them, cached, loaded with ctypes.
   and the greedy argmax over float32 logits (sampler.py)
 - ``linear.c``: bfloat16 projections on Intel AMX (cpu_linear.AmxLinear), where the CPU has it
 - ``prefill_attention.c``: the ``cpu`` backend's prefill attention, on AMX too
+- ``layers.c``: a step's decoder layers in one call of the above (``cpu_layers.py``)
 - ``pool.c``: the helper thread that takes part of a call (``threads`` 2)
 
 They run on x86 CPUs with AVX-512 BF16 (Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on);
@@ -34,6 +35,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,9 +43,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_attention.c", CSRC / "fused_ops.c", CSRC / "pool.c")
-AMX_SOURCES = (CSRC / "linear.c", CSRC / "prefill_attention.c")
+AMX_SOURCES = (CSRC / "linear.c", CSRC / "prefill_attention.c", CSRC / "layers.c")
 HEADERS = (CSRC / "simd.h", CSRC / "pool.h", CSRC / "amx.h")
-AMX_FUNCTIONS = ("linear_bf16", "prefill_attention_bf16", "amx_enable")
+AMX_FUNCTIONS = ("linear_bf16", "prefill_attention_bf16", "amx_enable", "layers_bf16")
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
           "-shared")
 AMX_CFLAGS = ("-mamx-tile", "-mamx-bf16")
@@ -80,6 +82,7 @@ class Kernels:
             "prefill_attention_bf16": [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64,
                                        i64, f32, ctypes.c_int],
             "amx_enable": [],
+            "layers_bf16": [p, i64, p],
         }
         built_amx = hasattr(lib, "linear_bf16")  # not when the compiler lacked AMX (BUILDS)
         for name, argtypes in signatures.items():
@@ -238,6 +241,16 @@ class Kernels:
                                   out.data_ptr(), rows, out_features, width, int(swiglu),
                                   int(residual is not None), threads))
         return out
+
+
+    def layers(self, weights: ctypes.Array[Any], num_layers: int, step: ctypes.Structure
+               ) -> None:
+        """A step's first ``num_layers`` decoder layers in one call (csrc/layers.c): the
+        arguments as ``cpu_layers.CpuLayers`` builds and checks them. Needs ``amx``."""
+        if not self.amx:
+            raise ValueError("layers kernel: no AMX")
+        _ok(self._lib.layers_bf16(ctypes.addressof(weights), num_layers,
+                                  ctypes.addressof(step)))
 
 
 def pack_linear(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:

@@ -28,6 +28,7 @@ from torch import nn
 from services.engine import cpu_kernels
 from services.engine.attention import AttentionBackend
 from services.engine.config import ModelConfig
+from services.engine.cpu_layers import CpuLayers
 from services.engine.cpu_linear import AmxLinear, Linear, packing_available
 from services.engine.int4_linear import Int4Linear, Q4Weight
 from services.engine.kv_cache import KVCache
@@ -237,6 +238,11 @@ class LlamaModel(nn.Module):
         dtype = self.embed.dtype
         self.cos = emb.cos().to(dtype).to(device)
         self.sin = emb.sin().to(dtype).to(device)
+        # With the cpu backend, a step's layers in one C call where they fit it (cpu_layers.py).
+        self.cpu_layers = CpuLayers.of(
+            self.kernels, self.layers, attention, self.num_heads, self.num_kv_heads,
+            config.head_dim, local.intermediate_size, config.rms_norm_eps, self.cos, self.sin,
+            kernel_threads, sharded=self.shard.world_size > 1 or all_reduce is not None)
 
     def first_layers(self, num_layers: int) -> LlamaModel:
         """A model of this one's first ``num_layers`` layers plus its final norm and head,
@@ -271,6 +277,10 @@ class LlamaModel(nn.Module):
             sin = self.sin[positions].unsqueeze(1)
         threads = self.kernel_threads
         x = F.embedding(input_ids, self.embed)
+        if self.cpu_layers is not None:  # every layer in one call, where the step fits it
+            done = self.cpu_layers.run(x, positions, kv_cache, plan, len(self.layers))
+            if done is not None:
+                return done
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h)
