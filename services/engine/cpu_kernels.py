@@ -242,7 +242,6 @@ class Kernels:
                                   int(residual is not None), threads))
         return out
 
-
     def layers(self, weights: ctypes.Array[Any], num_layers: int, step: ctypes.Structure
                ) -> None:
         """A step's first ``num_layers`` decoder layers in one call (csrc/layers.c): the
