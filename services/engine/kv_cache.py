@@ -91,7 +91,11 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rounded half away from zero (the Triton store kernel rounds the same way). A row's error is
     at most ``scale / 2 = max|row| / 254`` per element; an all-zero row has scale 0."""
     x = x.float()
-    scales = x.abs().amax(-1) / INT8_MAX
+    # Divisions by tensors: torch on a GPU turns a division by a Python number into a product
+    # with its reciprocal, which rounds differently from the IEEE division the CPU and our
+    # Triton store do (tl.div_rn); this way every device rounds the same.
+    amax = x.abs().amax(-1)
+    scales = amax / amax.new_full((), INT8_MAX)
     scaled = x / torch.where(scales > 0, scales, 1.0)[..., None]
     values = torch.trunc(scaled + torch.copysign(torch.full_like(scaled, 0.5), scaled))
     return values.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales

@@ -133,14 +133,15 @@ def test_store_then_attend_a_mixed_step() -> None:
 def test_choose_num_splits() -> None:
     # Prefill-sized queries and short contexts: one pass.
     assert choose_num_splits(1, 8, 128, 8192) == 1
-    assert choose_num_splits(1, 8, 1, 200) == 1
-    # Few long decodes: split, as a power of two, at most 16.
+    assert choose_num_splits(1, 8, 1, 120) == 1
+    # Few long decodes: split, as a power of two, at most 64, each at least 64 keys.
     few = choose_num_splits(2, 8, 1, 8192)
-    assert 1 < few <= 16 and few & (few - 1) == 0
-    assert choose_num_splits(1, 1, 1, 1 << 20) == 16
+    assert 1 < few <= 64 and few & (few - 1) == 0
+    assert choose_num_splits(1, 1, 1, 1 << 20) == 64
+    assert choose_num_splits(1, 8, 1, 1025) == 16
     # Speculative verification still counts as decode-sized.
     assert choose_num_splits(2, 8, 4, 8192) == few
-    # Enough (sequence, KV head) programs to fill the SMs: no split.
+    # Two (sequence, KV head) programs per SM: no split.
     assert choose_num_splits(64, 8, 1, 8192) == 1
     # Fewer splits as the batch grows.
     assert choose_num_splits(8, 8, 1, 8192) <= few

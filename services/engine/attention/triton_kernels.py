@@ -8,8 +8,8 @@ read in place at block ``block_tables[s, j // block_size]``, slot ``j % block_si
 A program owns (one query tile of one sequence, one KV head, one key split). Its M dimension
 folds the KV head's ``group`` query heads with ``BLOCK_Q`` query rows (tile row ``r`` is query
 row ``r // group``, head ``r % group`` of the group), so each K/V tile is loaded once per KV head.
-Keys are visited in ``BLOCK_N`` tiles (a multiple of block_size; every key looks up its own
-block id) up to the tile's last query position, with an fp32 online softmax in the exp2 domain.
+Keys are visited in ``BLOCK_N`` tiles (any size: every key looks up its own block id) up to
+the tile's last query position, with an fp32 online softmax in the exp2 domain.
 Query tiles are numbered flat over the step, sequence ``s`` starting at tile
 ``query_start[s] // BLOCK_Q + s`` (found by binary search), so a step of many decodes plus one
 long prefill launches about ``T / BLOCK_Q + S`` programs per KV head, not ``S x`` the longest query.
@@ -27,23 +27,34 @@ parts whose (max, sum, unnormalised acc) go to fp32 scratch; ``_reduce_splits_ke
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = math.log2(math.e)
-_MAX_SPLITS = 16
-_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
+# Split-KV: a decode step of few sequences has too few (sequence, KV head) programs to keep an
+# H200's memory busy (batch 1 over 8k keys: 0.20 ms with 16 splits of 512 keys, 580 GB/s).
+# Splits go up to 64 of one 64-key tile or more, until there are two programs per SM.
+_MAX_SPLITS = 64
+_MIN_KEYS_PER_SPLIT = 64
+_PROGRAMS_PER_SM = 2
 _MAX_DECODE_QUERY_LEN = 16  # longer queries (prefill chunks) bring enough programs of their own
+# Shared memory a tile plan may count on (q's tile plus K/V tiles in flight, by launch_config's
+# estimate, which runs above what Triton allocates): under sm_90's 227 KB.
+_SHARED_BUDGET = 200 * 1024
 
 
 @triton.jit
 def _quantize_rows(x, scale_ptr, scale_offsets, row_ok):
     """int8 rows of x [HEADS, HEAD_DIM] (float32); stores each row's scale."""
-    scale = tl.max(tl.abs(x), 1) / 127.0
+    # IEEE divisions (div_rn), as torch's: Triton's ``/`` on float32 is an approximate
+    # division on a GPU, which moves values across a rounding midpoint now and then.
+    scale = tl.div_rn(tl.max(tl.abs(x), 1), 127.0)
     tl.store(scale_ptr + scale_offsets, scale, mask=row_ok)
-    scaled = x / tl.where(scale > 0, scale, 1.0)[:, None]
+    scaled = tl.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
     rounded = tl.where(scaled >= 0, scaled + 0.5, scaled - 0.5)  # .to(int8) truncates
     return tl.minimum(tl.maximum(rounded, -127.0), 127.0).to(tl.int8)
 
@@ -88,10 +99,12 @@ def _attend_key_tile(
     qk_scale, stride_cb, stride_cs, stride_cd, stride_bb, stride_sb, stride_ss,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     INTERPRETER: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """One online-softmax step over keys [start, start + BLOCK_N) (those below kv_hi)."""
+    """One online-softmax step over keys [start, start + BLOCK_N) (those below kv_hi).
+    Not MASKED: every key of the tile is below kv_hi and visible to every row."""
     keys = start + tl.arange(0, BLOCK_N)
-    key_ok = keys < kv_hi
+    key_ok = (keys < kv_hi) if MASKED else tl.full([BLOCK_N], True, tl.int1)
     blocks = tl.load(block_table + (keys // BLOCK_SIZE) * stride_bb, mask=key_ok, other=0)
     offsets = blocks.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs
     dims = tl.arange(0, HEAD_DIM)
@@ -112,8 +125,9 @@ def _attend_key_tile(
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     if QUANT:
         scores = scores * key_scales[None, :]
-    visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
-    scores = tl.where(visible, scores, float("-inf"))
+    if MASKED:
+        visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     # A row with no visible key yet keeps max -inf; subtract 0 instead (exp2(-inf) = 0).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -126,7 +140,9 @@ def _attend_key_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Values that change from step to step are not specialized on (Triton would otherwise compile a
+# variant for 1, for multiples of 16 and for the rest: seconds on the engine thread mid-serving).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bs"])
 def _paged_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, out_ptr,
     part_max_ptr, part_sum_ptr, part_acc_ptr,
@@ -189,24 +205,35 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Keys before the tile's first query position are visible to every row: whole tiles of
+    # them skip the bounds and causal masks; the tiles from there to kv_hi keep both.
+    diagonal = tl.maximum(kv_lo, tl.minimum(kv_hi, (context_len + q_tile_start)
+                                            // BLOCK_N * BLOCK_N))
     if INTERPRETER:
         # The interpreter's range() cannot take tensor bounds with numpy >= 2.4 (triton#9171);
-        # on the GPU the for loop below is what the software pipeliner works on.
+        # on the GPU the for loops below are what the software pipeliner works on.
         start = kv_lo
         while start < kv_hi:
             m_i, l_i, acc = _attend_key_tile(
                 q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr,
                 value_cache_ptr, key_scale_ptr, value_scale_ptr, qk_scale, stride_cb,
                 stride_cs, stride_cd, stride_bb, stride_sb, stride_ss,
-                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION, QUANT)
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION, QUANT,
+                start >= diagonal)
             start += BLOCK_N
     else:
-        for start in range(kv_lo, kv_hi, BLOCK_N):
+        for start in range(kv_lo, diagonal, BLOCK_N):
             m_i, l_i, acc = _attend_key_tile(
                 q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr,
                 value_cache_ptr, key_scale_ptr, value_scale_ptr, qk_scale, stride_cb,
                 stride_cs, stride_cd, stride_bb, stride_sb, stride_ss,
-                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION, QUANT)
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION, QUANT, False)
+        for start in range(diagonal, kv_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_key_tile(
+                q, m_i, l_i, acc, start, kv_hi, positions, block_table, key_cache_ptr,
+                value_cache_ptr, key_scale_ptr, value_scale_ptr, qk_scale, stride_cb,
+                stride_cs, stride_cd, stride_bb, stride_sb, stride_ss,
+                BLOCK_N, HEAD_DIM, BLOCK_SIZE, INTERPRETER, DOT_PRECISION, QUANT, True)
 
     if SPLIT:
         part = (split * num_tokens + tokens) * num_heads + heads
@@ -222,7 +249,7 @@ def _paged_attention_kernel(
                  mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _reduce_splits_kernel(
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, num_tokens, num_heads, num_splits,
     stride_ot, stride_oh, stride_od,
@@ -286,7 +313,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     max_query_len: int, max_seq_len: int, scale: float,
                     num_splits: int = 1, out: torch.Tensor | None = None,
-                    scales: torch.Tensor | None = None) -> torch.Tensor:
+                    scales: torch.Tensor | None = None,
+                    config: LaunchConfig | None = None) -> torch.Tensor:
     """Attention of every query row of the step over its sequence's cached keys, reading K/V
     in place from the block table (no gather copy). Returns [T, num_heads, head_dim] in q's
     dtype.
@@ -296,6 +324,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     are host-side maxima so the launch never syncs with the device; they only pick tile sizes
     and cap num_splits (at the number of key tiles), so results never depend on them.
     num_splits == 1 allocates no scratch. ``scales``: an int8 cache's (see ``store_kv``).
+    ``config``: tile sizes and warps (default ``launch_config``'s; ``gpu_check`` tries others).
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
@@ -312,12 +341,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         return out
 
     group = num_heads // num_kv_heads
-    # M = group x query rows, at least 16 for tl.dot: small tiles for decode and speculative
-    # steps, larger ones once prefill chunks are present.
-    block_m = 16 if group * max_query_len <= 16 else 64
-    block_m = max(block_m, triton.next_power_of_2(group))
+    config = config or launch_config(group, max_query_len, head_dim, q.element_size())
+    block_m, block_n = config.block_m, config.block_n
+    assert block_m >= max(16, group) and block_n >= 16
     block_q = block_m // group
-    block_n = max(block_size, 32)
     num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, block_n)))
 
     if num_splits > 1:
@@ -340,34 +367,75 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
         *key_scales.stride(),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, SPLIT=num_splits > 1, QUANT=scales is not None,
-        INTERPRETER=q.device.type == "cpu",  # CPU tensors only run under TRITON_INTERPRET=1
+        INTERPRETER=interpreting(),
         # float32 caches (tests, debugging) get exact products, not TF32 tensor-core ones.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_m <= 16 else 8,  # 64-row tiles spill registers with 4 warps (sm_90)
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
-        splits_p2 = triton.next_power_of_2(num_splits)
-        # Heads per program: a [splits, heads, head_dim] fp32 tile of at most 4096 elements.
-        block_h = min(triton.next_power_of_2(num_heads), max(1, 4096 // (splits_p2 * head_dim)))
-        _reduce_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        # One variant for every split count (a constexpr per count would compile mid-serving):
+        # _MAX_SPLITS rows, those past num_splits masked off. A head per program.
+        _reduce_splits_kernel[(num_tokens, num_heads)](
             out, part_max, part_sum, part_acc, num_tokens, num_heads, num_splits,
-            *out.stride(), SPLITS=splits_p2, BLOCK_H=block_h, HEAD_DIM=head_dim,
+            *out.stride(), SPLITS=_MAX_SPLITS, BLOCK_H=1, HEAD_DIM=head_dim,
+            num_warps=4 if head_dim <= 128 else 8,
         )
     return out
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How ``paged_attention`` tiles a step."""
+
+    block_m: int  # tile rows: query rows x the KV head's query heads (rows past a multiple idle)
+    block_n: int  # keys per inner step: any multiple of 16 (each key looks up its own block)
+    num_warps: int
+    num_stages: int  # software-pipelined K/V loads in flight
+
+
+def launch_config(group: int, max_query_len: int, head_dim: int,
+                  element_size: int = 2) -> LaunchConfig:
+    """Tiles for a step: 16 rows while every sequence decodes (or verifies a few drafts: one
+    query row x the group's heads fills them), 64 once prefill chunks are present, with 4
+    warps (one sm_90 warpgroup: 8 warps over 64 rows would split each product, not share it).
+    Keys go 64 at a time whatever the cache's block size. Wide heads and float32 take fewer
+    stages, then narrower tiles, until q's tile and the K/V tiles in flight fit an sm_90
+    block's shared memory (``tests/engine/test_triton_gpu_budgets.py`` compiles each).
+    Measured on an H200 (``gpu_check --sections sweep``): docs/operations.md, GPU check."""
+    decode = group * max_query_len <= 16
+    least_m = max(16, triton.next_power_of_2(group))
+    block_m, block_n, stages = max(16 if decode else 64, least_m), 64, 3
+
+    def shared() -> int:
+        return (block_m + 2 * stages * block_n) * head_dim * element_size
+
+    while shared() > _SHARED_BUDGET and stages > 2:
+        stages -= 1
+    while shared() > _SHARED_BUDGET and block_n > 16:
+        block_n //= 2
+    while shared() > _SHARED_BUDGET and block_m > least_m:
+        block_m //= 2
+    return LaunchConfig(block_m, block_n, 4 if block_m <= 64 else 8, stages)
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                       num_sms: int = 132) -> int:
-    """Key splits for a step: double while the (sequence, KV head) programs leave SMs idle and
-    every split keeps at least _MIN_KEYS_PER_SPLIT keys. 1 for prefill-sized queries."""
+    """Key splits for a step: double while the (sequence, KV head) programs number fewer than
+    _PROGRAMS_PER_SM per SM and every split keeps at least _MIN_KEYS_PER_SPLIT keys. 1 for
+    prefill-sized queries."""
     if max_query_len > _MAX_DECODE_QUERY_LEN:
         return 1
     programs = num_seqs * num_kv_heads
     splits = 1
-    while (splits < _MAX_SPLITS and programs * splits < num_sms
+    while (splits < _MAX_SPLITS and programs * splits < _PROGRAMS_PER_SM * num_sms
            and max_seq_len // (2 * splits) >= _MIN_KEYS_PER_SPLIT):
         splits *= 2
     return splits
+
+
+def interpreting() -> bool:
+    """Whether kernels run under the Triton interpreter (CPU tensors; tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _is_power_of_two(n: int) -> bool:
