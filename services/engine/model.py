@@ -2,7 +2,9 @@
 
 Covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
 (q/k norm). Numerics follow Hugging Face's implementation (RMSNorm in float32, rotate-half RoPE)
-so greedy output matches transformers on the same weights.
+so greedy output matches transformers on the same weights. With the triton attention backend a
+layer's small ops (norms, residual adds, rotary embedding with the K/V store, SiLU's product)
+run as fused Triton kernels rounding where torch rounds (``attention/triton_ops.py``).
 
 Tensor parallelism (``Shard``): a rank keeps a contiguous run of KV heads with their query
 heads (q/k/v rows and the o columns of those heads, biases with their rows) and a contiguous
@@ -19,7 +21,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,9 @@ from services.engine.cpu_layers import CpuLayers
 from services.engine.cpu_linear import AmxLinear, Linear, packing_available
 from services.engine.int4_linear import Int4Linear, Q4Weight
 from services.engine.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from services.engine.attention.triton_backend import TritonAttention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,6 +78,13 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, object]) -> torch.T
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _triton_ops() -> ModuleType:
+    """Our fused Triton kernels' module (imported only with the triton backend: Triton is
+    optional on a CPU)."""
+    from services.engine.attention import triton_ops
+    return triton_ops
 
 
 def split_evenly(n: int, parts: int, index: int) -> range:
@@ -181,6 +194,10 @@ class LlamaModel(nn.Module):
         # The cpu backend's model runs RMSNorm, the rotary embedding and SwiGLU's product as
         # our fused kernels too (engine/cpu_kernels.py; bfloat16 only, like the backend).
         self.kernels = cpu_kernels.load() if attention.name == "cpu" else None
+        # The triton backend's model runs each layer's small ops as our fused Triton kernels
+        # (attention/triton_ops.py: the norms with the residual adds before them, the rotary
+        # embedding with the K/V store, SiLU with the product): ``_fused_layers``.
+        self.triton_ops = _triton_ops() if attention.name == "triton" else None
         self.kernel_threads = kernel_threads
         w = {name: t.to(device)
              for name, t in _shard_weights(weights, config, self.shard).items()}
@@ -244,6 +261,17 @@ class LlamaModel(nn.Module):
             config.head_dim, local.intermediate_size, config.rms_norm_eps, self.cos, self.sin,
             kernel_threads, sharded=self.shard.world_size > 1 or all_reduce is not None)
 
+    def with_attention(self, attention: AttentionBackend) -> LlamaModel:
+        """This model's weights behind another attention backend (the GPU check compares
+        backends on one set of weights). Not to or from the cpu backend, whose kernels the
+        layers were built for."""
+        if "cpu" in (attention.name, self.attention.name):
+            raise ValueError("the cpu backend's layers are built for it: load the model again")
+        other = copy.copy(self)
+        other.attention = attention
+        other.triton_ops = _triton_ops() if attention.name == "triton" else None
+        return other
+
     def first_layers(self, num_layers: int) -> LlamaModel:
         """A model of this one's first ``num_layers`` layers plus its final norm and head,
         sharing every weight (the self-draft for speculative decoding)."""
@@ -265,6 +293,9 @@ class LlamaModel(nn.Module):
                plan: Any) -> torch.Tensor:
         """Every layer over the step's tokens (storing their K/V): the last hidden states.
         A tensor-parallel follower runs only this."""
+        if self.triton_ops is not None:
+            return self._fused_layers(F.embedding(input_ids, self.embed), positions, kv_cache,
+                                      plan)
         c = self.config
         heads, kv_heads = self.num_heads, self.num_kv_heads
         q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
@@ -308,6 +339,29 @@ class LlamaModel(nn.Module):
             x = self._add(x, layer.down, act)
         return x
 
+    def _fused_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                      plan: Any) -> torch.Tensor:
+        """``hidden``'s layers with the triton backend: the same ops, the small ones as our
+        fused kernels (a layer launches its 4 projections, 2 norms, the rotary embedding with
+        the K/V store, the attention and SiLU's product); the residual adds take the
+        projections' outputs once summed over the ranks."""
+        ops, eps = self.triton_ops, self.config.rms_norm_eps
+        assert ops is not None
+        attention = cast("TritonAttention", self.attention)
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        for index, layer in enumerate(self.layers):
+            q = ops.rotary_store(layer.qkv(h), positions, self.cos, self.sin, kv_cache, index,
+                                 plan.step.slot_mapping, self.num_heads, self.num_kv_heads,
+                                 layer.q_norm, layer.k_norm, eps)
+            attn = attention.attend(index, q, kv_cache, plan)  # K/V stored above
+            x, h = ops.add_rms_norm(x, self._reduced(layer.o(attn)), layer.post_norm, eps)
+            out = self._reduced(layer.down(ops.silu_mul(layer.gate_up(h))))
+            if index + 1 < len(self.layers):
+                x, h = ops.add_rms_norm(x, out, self.layers[index + 1].input_norm, eps)
+            else:  # the final norm runs on the logits rows only (``forward``)
+                x = x + out
+        return x
+
     def _add(self, x: torch.Tensor, projection: Projection, h: torch.Tensor) -> torch.Tensor:
         """``x + projection(h)`` (the projection summed over the ranks first); our AMX kernel
         adds it into ``x`` in place as it writes the projection (the same bits)."""
@@ -316,6 +370,8 @@ class LlamaModel(nn.Module):
         return x + self._reduced(projection(h))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.triton_ops is not None:
+            return self.triton_ops.rms_norm(x, weight, self.config.rms_norm_eps)
         if self.kernels is not None:
             return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps,
                                          self.kernel_threads)

@@ -2,7 +2,9 @@
 
 ``prepare`` only picks the split-KV factor for the step (from host numbers, no sync); each
 layer stores its new K/V (``store_kv``) and runs one kernel launch over every sequence of the
-step, decoding or prefilling (``paged_attention``; kernels in ``triton_kernels.py``).
+step, decoding or prefilling (``paged_attention``; kernels in ``triton_kernels.py``). The
+model's own path for this backend stores K/V with the rotary embedding
+(``triton_ops.rotary_store``) and calls ``attend``, the attention alone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from services.engine.attention.triton_kernels import (
     paged_attention,
     store_kv,
 )
-from services.engine.kv_cache import KVCache, QuantizedKV
+from services.engine.attention.triton_ops import cache_parts
+from services.engine.kv_cache import KVCache
 
 
 @dataclass
@@ -42,10 +45,16 @@ class TritonAttention:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, plan: TritonPlan) -> torch.Tensor:
+        values, scales = cache_parts(kv_cache)
+        store_kv(values, layer, k, v, plan.step.slot_mapping, scales)
+        return self.attend(layer, q, kv_cache, plan)
+
+    def attend(self, layer: int, q: torch.Tensor, kv_cache: KVCache,
+               plan: TritonPlan) -> torch.Tensor:
+        """``forward`` without the store: the attention of q [T, Hq, D] over the cache, whose
+        K/V for the step's tokens are in place already; [T, Hq * D]."""
         step = plan.step
-        values, scales = ((kv_cache.values, kv_cache.scales) if isinstance(kv_cache, QuantizedKV)
-                          else (kv_cache, None))
-        store_kv(values, layer, k, v, step.slot_mapping, scales)
+        values, scales = cache_parts(kv_cache)
         out = paged_attention(q, values, layer, step.query_start, step.seq_lens,
                               step.block_tables, step.max_query_len, step.max_seq_len,
                               self.scale, num_splits=plan.num_splits, scales=scales)
