@@ -62,14 +62,24 @@ def eager_capture(run: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]
     return run
 
 
+# A graph's inputs: one entry per row, the block tables one row per row.
+_INPUTS = (("input_ids", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
+           ("seq_lens", torch.int32), ("block_tables", torch.int32))
+
+
 @dataclass
 class _Graph:
+    """One batch size's static inputs, each its own device tensor (never a view at an offset
+    into another: the kernels are compiled for 16-byte aligned pointers), and its twin on the
+    host (pinned on a GPU) where a step writes them before one copy each."""
+
     size: int
-    input_ids: torch.Tensor  # [size] int64
-    positions: torch.Tensor  # [size] int64
-    slot_mapping: torch.Tensor  # [size] int64, -1 on padding rows
-    seq_lens: torch.Tensor  # [size] int32, 1 on padding rows
-    block_tables: torch.Tensor  # [size, max_blocks] int32
+    device: dict[str, torch.Tensor]  # _INPUTS by name; padding rows: slot -1, seq_len 1
+    host: dict[str, torch.Tensor]
+    # What each block-table row holds on the host: a sequence's table grows by a block every
+    # block_size steps, so a step rewrites only what changed, not every row's every entry.
+    rows: list[list[int]]
+    copied: torch.cuda.Event | None = None  # the last host-to-device copies (pinned memory)
     replay: Callable[[], torch.Tensor] | None = None
 
 
@@ -105,48 +115,81 @@ class DecodeGraphs:
         ``input_ids[i]`` at position ``seq_lens[i] - 1`` into its ``block_tables[i]``."""
         n = len(input_ids)
         graph = self.graphs[min(size for size in self.graphs if size >= n)]
-        pad = graph.size - n
+        if graph.copied is not None:  # the last step's copies have read the host buffers
+            graph.copied.synchronize()
         bs = self.block_size
+        host = {name: t.numpy() for name, t in graph.host.items()}
         positions = [length - 1 for length in seq_lens]
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions,
-                                                                   strict=True)]
-        # Only the columns in use: entries past a sequence's length are never read, and a
-        # padding row reads its first entry alone (any block id is a valid read).
-        width = max(len(t) for t in block_tables)
-        tables = [t + [0] * (width - len(t)) for t in block_tables]
-        for buffer, values in ((graph.input_ids, input_ids + [0] * pad),
-                               (graph.positions, positions + [0] * pad),
-                               (graph.slot_mapping, slots + [-1] * pad),
-                               (graph.seq_lens, seq_lens + [1] * pad),
-                               (graph.block_tables[:n, :width], tables)):
-            buffer.copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        host["input_ids"][:n], host["positions"][:n] = input_ids, positions
+        host["slot_mapping"][:n] = [table[p // bs] * bs + p % bs
+                                    for table, p in zip(block_tables, positions, strict=True)]
+        host["seq_lens"][:n] = seq_lens
+        # Padding rows keep what _buffers gave them: token 0 at position 0, no K/V stored
+        # (slot -1), one key of block 0 read; their logits are dropped.
+        tables = host["block_tables"]
+        for row, table in enumerate(block_tables):
+            # Entries past a sequence's length are never read, so stale ones may stay.
+            held = graph.rows[row]
+            kept = len(held) if len(table) >= len(held) and table[:len(held)] == held else 0
+            if kept < len(table):
+                tables[row, kept:len(table)] = table[kept:]
+                graph.rows[row] = list(table)
+        for name, _ in _INPUTS:
+            graph.device[name].copy_(graph.host[name], non_blocking=True)
+        if graph.copied is not None:
+            graph.copied.record()
         if graph.replay is None:
             graph.replay = self._capture(self._forward(graph))
         self.replays += 1
         return graph.replay()[:n]
 
-    def _buffers(self, size: int) -> _Graph:
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
+    def self_check(self, block_ids: list[int], steps: int = 3) -> str | None:
+        """Why the graphs cannot be trusted here (None: they can): ``steps`` decode steps of
+        one sequence in blocks ``block_ids`` (free blocks: their contents are overwritten),
+        each through the smallest graph and then eagerly on the same inputs, must give the
+        same logits (to 1% of their largest magnitude: a graph replaying stale inputs or
+        storing K/V in the wrong place is off by far more). Each step reads the K/V the one
+        before stored. Run before serving; it leaves the replay count at 0."""
+        assert steps <= len(block_ids) * self.block_size
+        size = min(self.graphs)
+        for step in range(steps):
+            seq_len = step + 1
+            table = list(block_ids[:-(-seq_len // self.block_size)])
+            graphed = self.run([7 * step + 1], [seq_len], [table])[0].float()
+            eager = self._forward(self.graphs[size])()[0].float()  # the same inputs, eagerly
+            worst = (graphed - eager).abs().max().item()
+            if not worst <= 0.01 * eager.abs().max().item():  # NaN fails too
+                return (f"decode step {step + 1} through the CUDA graph differs from the same "
+                        f"step run eagerly (largest logit difference {worst:.3g})")
+        self.replays = 0
+        return None
 
-        return _Graph(size, zeros(size, dtype=torch.long), zeros(size, dtype=torch.long),
-                      zeros(size, dtype=torch.long) - 1, zeros(size, dtype=torch.int32) + 1,
-                      zeros(size, self.max_blocks, dtype=torch.int32))
+    def _buffers(self, size: int) -> _Graph:
+        on_gpu = torch.device(self.device).type == "cuda"
+        host = {name: torch.zeros((size, self.max_blocks) if name == "block_tables" else size,
+                                  dtype=dtype, pin_memory=on_gpu) for name, dtype in _INPUTS}
+        host["slot_mapping"] -= 1
+        host["seq_lens"] += 1
+        device = {name: t.to(self.device, copy=True) for name, t in host.items()}
+        return _Graph(size, device, host, [[] for _ in range(size)],
+                      torch.cuda.Event() if on_gpu else None)
 
     def _forward(self, graph: _Graph) -> Callable[[], torch.Tensor]:
         """The step on ``graph``'s buffers; its plan is made for the longest context, so one
         graph serves every context length."""
         size = graph.size
+        inputs = graph.device
         step = StepMetadata(
-            slot_mapping=graph.slot_mapping,
+            slot_mapping=inputs["slot_mapping"],
             query_start=torch.arange(size + 1, dtype=torch.int32, device=self.device),
-            seq_lens=graph.seq_lens, block_tables=graph.block_tables,
+            seq_lens=inputs["seq_lens"], block_tables=inputs["block_tables"],
             block_size=self.block_size, query_lens_host=[1] * size,
             seq_lens_host=[self.max_model_len] * size, num_decodes=size)
         plan = self.model.attention.prepare(step)
         rows = torch.arange(size, device=self.device)
 
         def forward() -> torch.Tensor:
-            return self.model(graph.input_ids, graph.positions, self.kv_cache, plan, rows)
+            return self.model(inputs["input_ids"], inputs["positions"], self.kv_cache, plan,
+                              rows)
 
         return forward

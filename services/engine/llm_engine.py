@@ -154,9 +154,14 @@ class LLMEngine:
             graphs = DecodeGraphs(model, self.kv_cache, config.block_size, config.max_num_seqs,
                                   self.max_model_len, config.device)
             graphs.capture_all()
-            self.runner.graphs = graphs
-            log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
-                     sorted(graphs.graphs), time.monotonic() - began)
+            # Every block is free yet: the check's steps write the first ones.
+            problem = graphs.self_check(list(range(-(-3 // config.block_size))))
+            if problem is None:
+                self.runner.graphs = graphs
+                log.info("captured decode CUDA graphs for batch sizes %s in %.1f s",
+                         sorted(graphs.graphs), time.monotonic() - began)
+            else:
+                log.error("decode steps run eagerly: %s", problem)
         # Seeds for sampled requests that come without one (the gateway sends one always).
         self._seeds = random.Random(config.seed)
         spec = config.speculative

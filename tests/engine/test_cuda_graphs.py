@@ -82,3 +82,48 @@ def test_padding_rows_store_nothing(short_model) -> None:  # type: ignore[no-unt
     for block, offset in written:
         rows = (cache[block] != before[block]).flatten(3).any(-1)  # [layers, 2, block_size]
         assert rows.any(0).any(0).nonzero().flatten().tolist() == [offset]
+
+
+def test_block_tables_follow_every_change_between_steps(short_model) -> None:  # type: ignore[no-untyped-def]
+    # A step rewrites only the table entries that changed since that graph's last step: a
+    # table that grew, a row taken by another sequence (sharing a prefix block or not), a
+    # table trimmed and regrown with other blocks. The device tables must equal the step's.
+    engine = _engine(short_model, graphs=True)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    bs = engine.config.block_size
+    steps = [[[1], [2, 3], [4, 5, 6]],
+             [[1, 7], [2, 3], [4, 5, 6]],  # the first grew by a block
+             [[1, 7], [2, 8, 9], [4, 5, 6]],  # the second: same first block, others changed
+             [[10], [2, 8, 9, 11], [12, 13]],  # a new sequence in row 0, row 2 replaced
+             [[10, 14], [2, 8], [12, 13]]]  # row 1 trimmed
+    for tables in steps:
+        seq_lens = [len(t) * bs for t in tables]
+        graphs.run([1, 2, 3], seq_lens, tables)
+        inputs = graphs.graphs[4].device
+        device = inputs["block_tables"].cpu()
+        for row, table in enumerate(tables):
+            assert device[row, :len(table)].tolist() == table
+        assert inputs["seq_lens"].tolist() == seq_lens + [1]
+        assert inputs["slot_mapping"].tolist() == [t[-1] * bs + bs - 1 for t in tables] + [-1]
+    # Every input its own tensor: no view at an offset into another (alignment).
+    assert all(t.storage_offset() == 0 for t in inputs.values())
+
+
+def test_self_check_passes_the_graphs_and_catches_one_that_replays_stale_work(short_model  # type: ignore[no-untyped-def]
+                                                                              ) -> None:
+    engine = _engine(short_model, graphs=True)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    assert graphs.self_check([3]) is None
+    assert graphs.replays == 0
+
+    def frozen(run):  # type: ignore[no-untyped-def]
+        """A 'graph' whose replays do nothing: the output of the step it was captured at."""
+        out = run()
+        return lambda: out
+
+    broken = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.config.block_size, 8,
+                          GRAPH_CONTEXT, "cpu", capture=frozen)
+    problem = broken.self_check([3])
+    assert problem is not None and problem.startswith("decode step 2 through the CUDA graph")
