@@ -24,6 +24,7 @@ from services import tracing
 from services.control.auth import ClusterKey
 from services.control.rpc import Handler, RpcServer
 from services.engine.config import EngineConfig
+from services.engine.kv_cache import kv_storage
 from services.engine.llm_engine import LLMEngine
 from services.kv_transfer.factory import make_transport
 from services.kv_transfer.transport import KVTransport, TransferFaults
@@ -84,7 +85,8 @@ async def run_worker(spec: WorkerSpec, build: Callable[[LLMEngine, KVTransport, 
            else None)
     engine = LLMEngine(EngineConfig(**spec.engine))
     transport = make_transport(spec.transport, spec.worker_id, TransferFaults(**spec.faults),
-                               spec.host, engine.config.device, key)
+                               spec.host, engine.config.device, key,
+                               kv_storage(engine.transfer_cache))
     worker = build(engine, transport, spec)
     tracing.configure(str(getattr(worker, "role", "worker")))
     await worker.start()

@@ -419,6 +419,8 @@ class LLMEngine:
             logits = result.logits[row:row + 1 + len(seq.spec_token_ids)]
             tokens = emitted[i] if i in emitted else self._verify(seq, logits)
             outputs.append(self._append_tokens(seq, tokens, logits))
+        if self.tp is not None:  # after the tokens' host sync: a collective NCCL timed out
+            self.tp.check()  # gave partial sums, and this step's tokens must not go out
         return outputs
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:

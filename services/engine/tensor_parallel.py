@@ -21,7 +21,9 @@ collective, and every message to a follower, times out after ``tensor_parallel_t
 follower exits when its stdin closes (rank 0 is gone) or a collective fails. When a follower
 dies, rank 0's next collective fails at once (its connection closes); one that hangs, at the
 timeout. The group is then broken, its followers are stopped, and this and every later call
-raise ``TensorParallelError``, which stops the engine (as a device error does).
+raise ``TensorParallelError``, which stops the engine (as a device error does). On CUDA the
+host does not wait for an all-reduce (the stream does, ``wait_all_reduce``): NCCL's watchdog
+times it out and aborts the communicator, and rank 0's next call raises (``_process_group``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -91,15 +93,69 @@ def rank_device(device: str, rank: int) -> str:
 
 def _process_group(store: dist.Store, rank: int, world_size: int, device: str,
                    timeout_s: float) -> Any:
-    timeout = datetime.timedelta(seconds=timeout_s)
+    """This rank's process group: gloo on a CPU, whose waits each take the timeout
+    (``wait_all_reduce``); NCCL on CUDA, whose watchdog thread times out a collective after
+    ``timeout_s`` (``_timeout``: the deadline of the stream-ordered all-reduces, which no host
+    waits for). Rank 0's watchdog then aborts the communicator, which ends the hung kernel, so
+    rank 0's stream and host go on, and leaves the process up (CleanUpOnly): rank 0's next call
+    raises ``TensorParallelError`` (``group_problem``). A follower's watchdog takes its process
+    down (torch's default), which rank 0 sees. The operator's own ``TORCH_NCCL_*`` settings
+    win."""
     if torch.device(device).type == "cuda":
         nccl = dist.ProcessGroupNCCL.Options()
-        nccl._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, nccl)
+        nccl._timeout = datetime.timedelta(seconds=timeout_s)
+        # Read when the group is built. 2: CleanUpOnly. The dump wait: how long the watchdog
+        # gives a flight-recorder dump before it acts on a timeout (60 s in torch 2.11).
+        settings = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+                    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000"} if rank == 0 else {}
+        with _unless_set(settings):
+            return dist.ProcessGroupNCCL(store, rank, world_size, nccl)
     gloo = dist.ProcessGroupGloo._Options()
-    gloo._timeout = timeout
+    gloo._timeout = datetime.timedelta(seconds=START_TIMEOUT_S)  # to connect (a rank may load)
     gloo._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    return dist.ProcessGroupGloo(store, rank, world_size, gloo)
+    group = dist.ProcessGroupGloo(store, rank, world_size, gloo)
+    # Then each operation's: one that timed out gives up in gloo's thread too (else a follower
+    # that failed would not exit until the connect timeout ran out as well).
+    group._set_default_timeout(datetime.timedelta(seconds=timeout_s))
+    return group
+
+
+@contextlib.contextmanager
+def _unless_set(variables: dict[str, str]) -> Iterator[None]:
+    """Environment ``variables`` that are not set already, for the ``with`` block only."""
+    added = {k: v for k, v in variables.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+def wait_all_reduce(work: Any, device: str, timeout: datetime.timedelta) -> None:
+    """Wait for an all-reduce on ``device``'s process group (``_process_group``).
+
+    On CUDA the wait is stream-ordered: ``wait()`` with no timeout makes the current stream wait
+    for NCCL's and returns at once. With a timeout torch's NCCL backend would have the host poll
+    the work, sleeping 1 ms between polls (its blocking-wait path): at least 1 ms each, for the
+    2 all-reduces of every layer of every step. The deadline there is the NCCL watchdog's
+    (``_process_group``). On gloo the host waits, at most ``timeout``.
+    """
+    if torch.device(device).type == "cuda":
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+def group_problem(group: Any) -> str | None:
+    """What the group's NCCL watchdog found (a collective that timed out or failed: the group
+    is unusable), None if nothing; gloo reports its failures in its waits."""
+    if not isinstance(group, getattr(dist, "ProcessGroupNCCL", ())):
+        return None
+    error = group.get_error()  # an ErrorType: SUCCESS, TIMEOUT, COMM_ERROR, REMOTE_ERROR
+    if error.name == "SUCCESS":
+        return None
+    return f"NCCL's watchdog reports {error.name}: a collective failed or hung"
 
 
 def head_slices(cache: KVCache, block_ids: Sequence[int], heads: slice) -> list[torch.Tensor]:
@@ -157,7 +213,9 @@ class TensorParallelGroup:
         """``settings``: every follower's (``store_port`` is filled in here); ``shards``: the
         ranks' ``Shard``s, rank 0's first."""
         self.world_size = settings.world_size
+        self.device = settings.device
         self.timeout_s = settings.timeout_s
+        self._group_timeout = datetime.timedelta(seconds=self.timeout_s)
         self.kv_heads = [slice(s.kv_heads.start, s.kv_heads.stop) for s in shards]
         self._broken: str | None = None
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True,
@@ -179,11 +237,10 @@ class TensorParallelGroup:
         try:
             self._wait_ready()
             self._group = _process_group(self._store, 0, self.world_size, settings.device,
-                                         START_TIMEOUT_S)
+                                         self.timeout_s)
         except BaseException:
             self.close()
             raise
-        self._group_timeout = datetime.timedelta(seconds=self.timeout_s)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -214,7 +271,7 @@ class TensorParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> None:
         """Sum ``x`` in place over the ranks."""
-        self._wait(lambda: self._group.allreduce([x]), "all_reduce")
+        self._wait(lambda: self._group.allreduce([x]), "all_reduce", all_reduce=True)
 
     def scatter(self, source: KVCache, source_ids: Sequence[int], cache: KVCache,
                 block_ids: Sequence[int]) -> None:
@@ -259,7 +316,7 @@ class TensorParallelGroup:
     def _send(self, message: torch.Tensor) -> None:
         """Write a message to every follower, each within the collective timeout (a follower
         that stopped reading, e.g. hung, must not hold rank 0 once its pipe is full)."""
-        self._check()
+        self.check()
         frame = memoryview(_LENGTH.pack(message.numel() * 8) + message.numpy().tobytes())
         for rank, process in enumerate(self.followers, 1):
             assert process.stdin is not None
@@ -274,14 +331,26 @@ class TensorParallelGroup:
             except OSError as exc:  # BrokenPipeError, TimeoutError
                 raise self._fail(f"cannot reach rank {rank}: {exc!r}") from None
 
-    def _wait(self, start: Any, what: str) -> None:
-        self._check()
+    def _wait(self, start: Any, what: str, all_reduce: bool = False) -> None:
+        """Start a collective and wait for it: an all-reduce as ``wait_all_reduce`` waits
+        (stream-ordered on CUDA); a send or receive of KV blocks on the host, within the
+        timeout (rare, and what comes next, a peer's read of staging blocks, is ordered by no
+        stream)."""
+        self.check()
         try:
-            start().wait(self._group_timeout)
+            work = start()
+            if all_reduce:
+                wait_all_reduce(work, self.device, self._group_timeout)
+            else:
+                work.wait(self._group_timeout)
         except RuntimeError as exc:
             raise self._fail(f"{what} failed: {exc}") from None
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise once the group is broken: by an earlier failure, or as NCCL's watchdog found
+        (a stream-ordered all-reduce that failed or ran past the timeout: ``_process_group``)."""
+        if self._broken is None and (problem := group_problem(self._group)) is not None:
+            raise self._fail(f"{problem} (tensor_parallel_timeout_s {self.timeout_s:g})")
         if self._broken is not None:
             raise TensorParallelError(self._broken)
 
@@ -354,7 +423,7 @@ def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
     timeout = datetime.timedelta(seconds=settings.timeout_s)
 
     def all_reduce(x: torch.Tensor) -> None:
-        group.allreduce([x]).wait(timeout)
+        wait_all_reduce(group.allreduce([x]), device, timeout)
 
     model = LlamaModel(loaded.config, loaded.weights,
                        get_attention_backend(settings.attention_backend, device, local.num_heads,
@@ -366,9 +435,11 @@ def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
     ready.flush()
     store = dist.TCPStore("127.0.0.1", settings.store_port, settings.world_size, False,
                           timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-    group = _process_group(store, rank, settings.world_size, device, START_TIMEOUT_S)
+    group = _process_group(store, rank, settings.world_size, device, settings.timeout_s)
     everything = slice(None)
     while (message := _read_message(sys.stdin.buffer)) is not None:
+        if (problem := group_problem(group)) is not None:
+            raise TensorParallelError(f"rank {rank}: {problem}")
         kind, body = message[0], message[1:]
         if kind == _STOP:
             return

@@ -9,6 +9,8 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from services.control.auth import ClusterKey
     from services.kv_transfer.transport import KVTransport, TransferFaults
 
@@ -17,44 +19,61 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("nixl", "tcp", "auto")
 
 
-def nixl_problem(device: str) -> str | None:
-    """Why NIXL cannot move this worker's KV cache (None: it can): not installed, or it
-    cannot register memory on ``device`` (a GPU whose memory its UCX cannot reach)."""
-    try:
-        from services.kv_transfer.nixl_transport import vram_problem
-    except ImportError as exc:
-        return f"NIXL is not installed ({exc})"
-    return vram_problem(device)
-
-
 def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
                    host: str = "127.0.0.1", device: str = "cpu",
-                   key: ClusterKey | None = None) -> KVTransport:
+                   key: ClusterKey | None = None,
+                   kv_cache: torch.Tensor | None = None) -> KVTransport:
     """The transport for a worker whose KV cache lives on ``device``; ``key``: the cluster
     secret its connections prove (services/control/auth.py). ``auto`` takes NIXL
     when it can move that memory, else TCP (through host memory for a GPU cache): a fallback
-    a GPU worker logs as a warning and reports (``fallback_reason``, a metric)."""
+    the worker logs as a warning and reports (``fallback_reason``, a metric).
+
+    ``kv_cache``: the tensor the worker will ``start`` the transport with. Given, NIXL
+    registers it here: the real cache, tens of GB on a GPU, can fail where a small probe
+    (``vram_problem``, all there is without it) passed. ``auto`` then falls back to TCP, and
+    ``nixl`` raises ``KVTransferError`` naming the cache's size and NIXL's error."""
     if kind not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
-    fallback_reason = None
-    if kind == "auto":
-        fallback_reason = nixl_problem(device)
-        kind = "tcp" if fallback_reason is not None else "nixl"
-        if fallback_reason is not None and device != "cpu":
-            log.warning("KV transport: TCP through host memory, because %s", fallback_reason)
-        else:
-            log.info("KV transport: %s", kind)
-            fallback_reason = None  # on a CPU, TCP is a choice, not a fallback
-    if kind == "nixl":
-        try:
-            from services.kv_transfer.nixl_transport import NixlTransport
-        except ImportError as exc:
-            from services.kv_transfer.transport import KVTransferError
+    if kind == "tcp":
+        return _tcp(name, faults, host, key)
+    from services.kv_transfer.transport import KVTransferError
 
+    on_gpu = (str(kv_cache.device) if kv_cache is not None else device) != "cpu"
+    try:
+        from services.kv_transfer.nixl_transport import NixlTransport, vram_problem
+    except ImportError as exc:
+        if kind == "nixl":
             raise KVTransferError(
                 f"the NIXL transport needs the nixl-cu12 package ({exc}); use transport 'tcp'"
             ) from None
-        return NixlTransport(name, faults, key)
+        if not on_gpu:  # on a CPU, TCP for want of NIXL is a choice, not a fallback
+            log.info("KV transport: tcp (NIXL is not installed)")
+            return _tcp(name, faults, host, key)
+        return _fallback(name, faults, host, key, f"NIXL is not installed ({exc})", on_gpu)
+    transport = NixlTransport(name, faults, key)
+    try:
+        if kv_cache is not None:
+            transport.register(kv_cache)
+        elif kind == "auto" and (problem := vram_problem(device)) is not None:
+            raise KVTransferError(problem)
+    except KVTransferError as exc:
+        if kind == "nixl":
+            raise
+        return _fallback(name, faults, host, key, str(exc), on_gpu)
+    log.info("KV transport: nixl")
+    return transport
+
+
+def _fallback(name: str, faults: TransferFaults | None, host: str, key: ClusterKey | None,
+              reason: str, on_gpu: bool) -> KVTransport:
+    """TCP where ``auto`` wanted NIXL and NIXL cannot: one warning line says why."""
+    log.warning("KV transport: TCP%s, because %s", " through host memory" if on_gpu else "",
+                reason)
+    return _tcp(name, faults, host, key, reason)
+
+
+def _tcp(name: str, faults: TransferFaults | None, host: str, key: ClusterKey | None,
+         fallback_reason: str | None = None) -> KVTransport:
     from services.kv_transfer.tcp_transport import TcpTransport
 
     transport = TcpTransport(name, faults, host=host, key=key)

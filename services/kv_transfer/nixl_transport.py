@@ -66,15 +66,30 @@ class NixlTransport(KVTransport):
         self.agent_name = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._agent: Any = None
         self._local = _Region(0, "DRAM", 0)
+        self._local_bytes = 0
         self._remote: dict[str, tuple[str, _Region]] = {}  # peer id -> (agent name, cache)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="nixl-xfer")
         self._progress_task: asyncio.Task[None] | None = None
 
-    async def _start(self, kv_cache: torch.Tensor) -> None:
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                   backends=["UCX"],
-                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        agent = nixl_agent(self.agent_name, config)
+    def register(self, kv_cache: torch.Tensor) -> None:
+        """Register the whole KV cache with a new agent, once (``start`` does it when this was
+        not called first; ``make_transport`` calls it to choose a transport). The real cache,
+        tens of GB on a GPU, can fail where a small probe passed (registration, BAR or pinned
+        memory limits): ``KVTransferError`` then names its size and NIXL's error."""
+        where = _Region(kv_cache.data_ptr(), "VRAM" if kv_cache.is_cuda else "DRAM",
+                        kv_cache.device.index or 0)
+        if self._agent is not None:
+            if (where, kv_cache.nbytes) != (self._local, self._local_bytes):
+                raise RuntimeError(f"transport {self.name} registered another KV cache")
+            return
+        what = f"the KV cache of {_size(kv_cache.nbytes)} on {kv_cache.device}"
+        try:
+            config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                       backends=["UCX"],
+                                       sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            agent = nixl_agent(self.agent_name, config)
+        except Exception as exc:
+            raise KVTransferError(f"NIXL cannot start an agent for {what}: {exc}") from None
         if "UCX" not in agent.backends:
             raise KVTransferError("NIXL loaded, but its UCX backend did not")
         if kv_cache.is_cuda and "VRAM_SEG" not in agent.get_backend_mem_types("UCX"):
@@ -83,11 +98,11 @@ class NixlTransport(KVTransport):
         try:
             agent.register_memory(kv_cache)
         except Exception as exc:
-            raise KVTransferError(f"NIXL cannot register the KV cache ({kv_cache.device}): "
-                                  f"{exc}") from None
-        self._agent = agent
-        self._local = _Region(kv_cache.data_ptr(), "VRAM" if kv_cache.is_cuda else "DRAM",
-                              kv_cache.device.index or 0)
+            raise KVTransferError(f"NIXL cannot register {what}: {exc}") from None
+        self._agent, self._local, self._local_bytes = agent, where, kv_cache.nbytes
+
+    async def _start(self, kv_cache: torch.Tensor) -> None:
+        self.register(kv_cache)
         self._progress_task = asyncio.create_task(self._progress(), name="nixl-progress")
 
     async def _close(self) -> None:
@@ -197,7 +212,8 @@ class NixlTransport(KVTransport):
 
 def vram_problem(device: str | torch.device) -> str | None:
     """Why NIXL cannot move KV memory on ``device`` here (None: it can): a throwaway agent
-    registers a small tensor there, as a worker would its cache."""
+    registers a small tensor there. Only a probe: the real cache can still fail to register
+    (``NixlTransport.register``, which ``make_transport`` runs when it has the cache)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -214,6 +230,14 @@ def vram_problem(device: str | torch.device) -> str | None:
     except Exception as exc:
         return f"NIXL cannot register GPU memory: {exc}"
     return None
+
+
+def _size(nbytes: int) -> str:
+    """A byte count as people read it, exact bytes after."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit} ({nbytes} bytes)"
+    return f"{nbytes} bytes"
 
 
 @dataclass(frozen=True)

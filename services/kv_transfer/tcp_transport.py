@@ -9,7 +9,9 @@ which proves the reader's name; a connection that fails it is closed before any 
 
 Bytes go straight between the socket and a host cache; a GPU cache is staged through host
 memory (the blocks gathered and copied out before sending, received into a host buffer and
-copied in), which is how ``auto`` moves GPU KV where NIXL cannot.
+copied in), which is how ``auto`` moves GPU KV where NIXL cannot. Those copies run in the
+transport's copy threads, not on the event loop: a copy of many MB would stall every other
+connection's I/O meanwhile.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 MAX_BLOCKS_PER_READ = 1 << 16
 
+T = TypeVar("T")
+
 
 class TcpTransport(KVTransport):
     kind = "tcp"
@@ -53,6 +58,7 @@ class TcpTransport(KVTransport):
         self._handlers: set[asyncio.Task[None]] = set()
         self._addresses: dict[str, tuple[str, int]] = {}
         self._idle: dict[str, list[socket.socket]] = {}
+        self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-tcp-copy")
 
     # -- serving --------------------------------------------------------------------------
 
@@ -94,8 +100,7 @@ class TcpTransport(KVTransport):
                 await loop.sock_sendall(conn, encode_frame(
                     {"ok": True, "nbytes": len(ids) * blocks.shape[1]}))
                 if self.staged:  # one gather and one copy out, then the bytes as one run
-                    index = torch.tensor(ids, dtype=torch.long, device=blocks.device)
-                    staged = blocks.index_select(0, index).cpu()
+                    staged = await self._off_loop(_copy_out, blocks, ids)
                     await loop.sock_sendall(conn, memoryview(staged.numpy().reshape(-1)))
                     continue
                 host = blocks.numpy()
@@ -151,6 +156,21 @@ class TcpTransport(KVTransport):
             for conn in conns:
                 conn.close()
         self._idle.clear()
+        self._copier.shutdown(wait=True)
+
+    async def _off_loop(self, copy: Callable[..., T], *args: Any) -> T:
+        """``copy(*args)`` in a copy thread. Cancelled (a read's timeout), it still returns only
+        once the copy ended: a copy into the cache must not outlive the read that made it."""
+        done = asyncio.get_running_loop().run_in_executor(self._copier, copy, *args)
+        cancelled = False
+        while not done.done():
+            try:
+                await asyncio.wait([done])
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        return done.result()
 
     # -- reading --------------------------------------------------------------------------
 
@@ -192,8 +212,7 @@ class TcpTransport(KVTransport):
             if self.staged:  # into a host buffer, then one copy in
                 staging = torch.empty(len(local), blocks.shape[1], dtype=torch.uint8)
                 await sock_recv_into(loop, conn, memoryview(staging.numpy().reshape(-1)))
-                index = torch.tensor(local, dtype=torch.long, device=blocks.device)
-                blocks.index_copy_(0, index, staging.to(blocks.device))
+                await self._off_loop(_copy_in, blocks, local, staging)
             else:
                 host = blocks.numpy()
                 for block_id in local:
@@ -237,3 +256,18 @@ class TcpTransport(KVTransport):
                 conn.close()
                 raise
         return conn
+
+
+def _copy_out(blocks: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """Blocks ``ids`` of a device cache, gathered into one host tensor."""
+    index = torch.tensor(ids, dtype=torch.long, device=blocks.device)
+    return blocks.index_select(0, index).cpu()
+
+
+def _copy_in(blocks: torch.Tensor, ids: list[int], staging: torch.Tensor) -> None:
+    """Host rows ``staging`` into blocks ``ids`` of a device cache, landed when this returns
+    (the read's promise: nothing writes into its blocks after it)."""
+    index = torch.tensor(ids, dtype=torch.long, device=blocks.device)
+    blocks.index_copy_(0, index, staging.to(blocks.device))
+    if blocks.is_cuda:
+        torch.cuda.current_stream(blocks.device).synchronize()

@@ -30,6 +30,7 @@ from services.control.auth import ClusterKey
 from services.decode.config import DecodeConfig
 from services.decode.worker import DecodeWorker
 from services.engine.faults import fault_hook_from_env, planned_faults
+from services.engine.kv_cache import kv_storage
 from services.engine.llm_engine import LLMEngine
 from services.kv_transfer.factory import make_transport
 from services.kv_transfer.pairing import PairingError, PairingInfo
@@ -79,7 +80,8 @@ class _Replica:
 
     def _transport(self):  # type: ignore[no-untyped-def]
         return make_transport(self.config.kv_transport, self.worker_id, host=self.host,
-                              device=self.engine.config.device, key=self.key)
+                              device=self.engine.config.device, key=self.key,
+                              kv_cache=kv_storage(self.engine.transfer_cache))
 
     def _check_route(self, route_to: str | None) -> None:
         if route_to is not None and route_to != self.worker_id:

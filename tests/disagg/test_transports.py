@@ -1,20 +1,25 @@
 """The transports alone: TCP staged through host buffers (how a GPU cache moves where NIXL
-cannot), and ``auto``'s choice, with its fallback said in the log, the status and a metric."""
+cannot; the copies off the event loop), and ``auto``'s choice, made by registering the real
+cache, with its fallback said in the log, the status and a metric."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
+import threading
+from typing import Any
 
 import pytest
 import torch
 
 from services.control.auth import ClusterKey
 from services.engine.outputs import EngineStats
+from services.kv_transfer import nixl_transport
 from services.kv_transfer.factory import make_transport
 from services.kv_transfer.framing import encode_frame, read_frame
 from services.kv_transfer.tcp_transport import TcpTransport
-from services.kv_transfer.transport import KVTransferError
+from services.kv_transfer.transport import KVTransferError, KVTransport
 from services.prefill.leases import LeaseTable
 from services.serving.cluster_view import WorkerSnapshot
 from services.serving.metrics import WorkerCollector
@@ -53,6 +58,112 @@ def test_staged_tcp_moves_exactly_the_named_blocks(server_staged: bool,
             assert await reader.read_blocks("p0", [], [], timeout_s=10,
                                             lease_id=lease.lease_id) == 0
         finally:
+            await reader.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def _watched(cache: torch.Tensor, calls: list[tuple[str, int]]) -> torch.Tensor:
+    """``cache`` (no copy), noting in ``calls`` each torch call on it or its views, and the
+    thread that made it."""
+    class Watched(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            calls.append((getattr(func, "__name__", repr(func)), threading.get_ident()))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return cache.as_subclass(Watched)
+
+
+COPIES = {"index_select", "index_copy_", "cpu", "to", "copy_", "clone", "contiguous",
+          "__getitem__", "__setitem__"}  # what copies blocks of a cache (or writes them)
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "host cache"])
+def test_staging_copies_run_off_the_event_loop_and_a_host_cache_has_none(staged: bool) -> None:
+    """A GPU cache's gather and copy out (serving) and copy in (reading) block for as long as
+    the device takes: they run in the transport's threads, never on the event loop, which
+    serves every other connection meanwhile. A host cache is not copied at all: the socket
+    reads and writes its blocks in place."""
+    calls: list[tuple[str, int]] = []
+
+    async def scenario() -> int:
+        source, dest = _cache(1), _cache(2)
+        expected = dest.clone()
+        server = TcpTransport("p0", staged=staged)
+        reader = TcpTransport("d0", staged=staged)
+        leases = LeaseTable(30)
+        server.reads_allowed = leases.covers
+        await server.start(_watched(source, calls))
+        await reader.start(_watched(dest, calls))
+        try:
+            reader.add_peer("p0", server.metadata())
+            remote, local = [7, 0, 11, 3], [2, 9, 0, 5]
+            lease = leases.grant("r", remote, reader="d0")
+            calls.clear()
+            await reader.read_blocks("p0", remote, local, timeout_s=10, lease_id=lease.lease_id)
+            moved = list(calls)
+            calls.clear()
+            expected[local] = source[remote]
+            assert torch.equal(dest, expected)
+        finally:
+            await reader.close()
+            await server.close()
+        calls[:] = moved
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(scenario())
+    copies = [(name, thread) for name, thread in calls if name in COPIES]
+    if staged:
+        assert {"index_select", "index_copy_"} <= {name for name, _ in copies}
+        assert [name for name, thread in copies if thread == loop_thread] == []
+    else:
+        assert copies == []
+
+
+def test_a_cancelled_read_returns_only_once_its_copy_in_ended() -> None:
+    """A read cancelled (its timeout) while its copy into the cache runs in a copy thread
+    returns only after that copy: the caller may reuse the blocks at once."""
+    entered, gate, ended = threading.Event(), threading.Event(), threading.Event()
+
+    class Gated(torch.Tensor):  # its copy in waits for the gate
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if getattr(func, "__name__", "") != "index_copy_":
+                return super().__torch_function__(func, types, args, kwargs or {})
+            entered.set()
+            gate.wait(30)
+            try:
+                return super().__torch_function__(func, types, args, kwargs or {})
+            finally:
+                ended.set()
+
+    async def scenario() -> None:
+        source, dest = _cache(1), _cache(2)
+        server, reader = TcpTransport("p0"), TcpTransport("d0", staged=True)
+        leases = LeaseTable(30)
+        server.reads_allowed = leases.covers
+        await server.start(source)
+        await reader.start(dest.as_subclass(Gated))
+        try:
+            reader.add_peer("p0", server.metadata())
+            lease = leases.grant("r", [1, 2], reader="d0")
+            read = asyncio.create_task(reader.read_blocks("p0", [1, 2], [3, 4], timeout_s=30,
+                                                          lease_id=lease.lease_id))
+            await asyncio.to_thread(entered.wait, 30)
+            read.cancel()
+            done, _ = await asyncio.wait([read], timeout=0.2)
+            assert not done  # the loop runs on, the read waits for its copy
+            gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await read
+            assert ended.is_set()
+            assert torch.equal(dest[3:5], source[1:3])  # the copy it waited for
+        finally:
+            gate.set()
             await reader.close()
             await server.close()
 
@@ -176,6 +287,66 @@ def test_auto_falls_back_to_tcp_when_nixl_cannot_move_gpu_memory(
     assert "TCP through host memory, because torch sees no CUDA device" in record.getMessage()
     # An explicit choice is not a fallback.
     assert make_transport("tcp", "w1", device="cuda").fallback_reason is None
+
+
+class _LimitedAgent(nixl_transport.nixl_agent):  # type: ignore[misc]
+    """NIXL's own agent, but refusing, with NIXL's error, to register more than 4 KB at once:
+    as a GPU's registration or BAR limits refuse a cache of tens of GB that a 4 KB probe
+    passed."""
+
+    def register_memory(self, reg_list: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(reg_list, torch.Tensor) and reg_list.nbytes > 4096:
+            errors = importlib.import_module(f"{nixl_transport._nixl.__name__}._bindings")
+            raise errors.nixlBackendError("NIXL_ERR_BACKEND")
+        return super().register_memory(reg_list, *args, **kwargs)
+
+
+async def _read_all(server: KVTransport, reader: KVTransport, source: torch.Tensor,
+                    dest: torch.Tensor) -> None:
+    """Start both, read every block of ``source`` into ``dest`` (reversed), check, close."""
+    leases = LeaseTable(30)
+    server.reads_allowed = leases.covers
+    await server.start(source)
+    await reader.start(dest)
+    try:
+        reader.add_peer("p0", server.metadata())
+        server.expect_reads(30)
+        remote = list(range(NUM_BLOCKS))
+        lease = leases.grant("r", remote, reader="d0")
+        await reader.read_blocks("p0", remote, remote[::-1], timeout_s=30,
+                                 lease_id=lease.lease_id)
+        assert torch.equal(dest, source.flip(0))
+    finally:
+        await reader.close()
+        await server.close()
+
+
+def test_auto_registers_the_real_cache_and_reads_over_nixl() -> None:
+    source, dest = _cache(1), _cache(2)
+    server = make_transport("auto", "p0", kv_cache=source)
+    reader = make_transport("auto", "d0", kv_cache=dest)
+    assert reader.describe() == {"kv_transport": "nixl", "kv_transport_fallback": None}
+    asyncio.run(_read_all(server, reader, source, dest))  # start() kept the registration
+
+
+def test_auto_falls_back_to_tcp_when_nixl_cannot_register_the_real_cache(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(nixl_transport, "nixl_agent", _LimitedAgent)
+    source, dest = _cache(1), _cache(2)  # 18432 bytes each
+    with caplog.at_level(logging.INFO, logger="services.kv_transfer.factory"):
+        reader = make_transport("auto", "d0", kv_cache=dest)
+    reason = ("NIXL cannot register the KV cache of 18.0 KiB (18432 bytes) on cpu: "
+              "NIXL_ERR_BACKEND")
+    assert isinstance(reader, TcpTransport)
+    assert reader.describe() == {"kv_transport": "tcp", "kv_transport_fallback": reason}
+    [record] = caplog.records
+    assert (record.levelno, record.getMessage()) == (
+        logging.WARNING, f"KV transport: TCP, because {reason}")
+    asyncio.run(_read_all(TcpTransport("p0"), reader, source, dest))  # and KV moves
+    # Asked for by name, NIXL fails the worker's start instead, saying why.
+    with pytest.raises(KVTransferError, match=r"^NIXL cannot register the KV cache of 18\.0 "
+                                              r"KiB \(18432 bytes\) on cpu: NIXL_ERR_BACKEND$"):
+        make_transport("nixl", "d1", kv_cache=dest)
 
 
 def test_the_fallback_is_a_metric() -> None:

@@ -6,12 +6,14 @@ are refused by name."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import signal
 import time
 from collections.abc import Iterator
 
 import pytest
+from torch._C._distributed_c10d import PythonCallbackWork
 
 from services.engine.async_engine import AsyncEngine
 from services.engine.config import EngineConfig, SpeculativeConfig
@@ -20,7 +22,7 @@ from services.engine.model import Shard, split_evenly
 from services.engine.model_loader import LoadedModel
 from services.engine.outputs import EngineDeadError, EngineOverloadedError
 from services.engine.sampling_params import SamplingParams
-from services.engine.tensor_parallel import TensorParallelError
+from services.engine.tensor_parallel import TensorParallelError, wait_all_reduce
 from tests.engine.helpers import chat
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -156,6 +158,38 @@ def test_a_hung_follower_fails_the_step_at_the_timeout(loaded_model: LoadedModel
         assert follower.returncode == -signal.SIGKILL  # the broken group killed it
     finally:
         engine.close()
+
+
+def test_a_follower_fails_an_all_reduce_rank_0_never_joins_at_the_timeout(
+        loaded_model: LoadedModel) -> None:
+    """The follower's side of the deadline (gloo): rank 0 sends a step but does not run it, so
+    the follower's first all-reduce has no partner; it gives up at the timeout and exits."""
+    engine = LLMEngine(EngineConfig(**ENGINE, tensor_parallel_size=2,
+                                    tensor_parallel_timeout_s=2.0), loaded_model)
+    assert engine.tp is not None
+    follower = engine.tp.followers[0]
+    try:
+        began = time.monotonic()
+        engine.tp.step([1, 2, 3], [0, 1, 2], [3], [3], [[0]], 0)
+        assert follower.wait(10) == 1  # its collective failed (its error is in stderr)
+        assert 2.0 <= time.monotonic() - began < 8
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(("device", "waited"), [("cuda", datetime.timedelta(0)),
+                                                ("cuda:1", datetime.timedelta(0)),
+                                                ("cpu", datetime.timedelta(seconds=7))])
+def test_an_all_reduce_waits_on_the_stream_on_cuda_on_the_host_on_a_cpu(
+        device: str, waited: datetime.timedelta) -> None:
+    """A timed wait on NCCL polls from the host, sleeping 1 ms a poll (>= 64 ms a step for 32
+    layers): on CUDA the stream waits, no timeout given (``timedelta(0)``, torch's
+    ``kNoTimeout``: what ``Work.wait()`` passes), and NCCL's watchdog keeps the deadline; on
+    gloo the host waits, at most the timeout. The work is torch's own, recording its wait."""
+    seen: list[datetime.timedelta] = []
+    work = PythonCallbackWork(lambda timeout: seen.append(timeout) or True)
+    wait_all_reduce(work, device, datetime.timedelta(seconds=7))
+    assert seen == [waited]
 
 
 @pytest.mark.parametrize(("settings", "problem"), [
