@@ -2,7 +2,7 @@
 # only the tests' set-up needs root, for the servers they start).
 PY := .venv/bin/python
 
-.PHONY: setup test-setup up run test lint bench helm-check
+.PHONY: setup test-setup up run test lint bench helm-check gpu-check
 
 setup:
 	bash .ci/setup
@@ -28,3 +28,10 @@ bench: setup
 # The Helm chart and Dockerfile checks alone (real helm, Kubernetes and KubeRay schemas, hadolint).
 helm-check: test-setup
 	.venv/bin/pytest -q tests/deploy
+
+# The engine's GPU path on one NVIDIA GPU with torch and Triton installed (nothing else; not
+# part of `make test`): numerics against the torch reference, then decode and prefill timings
+# against the HBM floor and SDPA, one JSON line per check in $(OUT) (docs/operations.md).
+OUT ?= results/gpu_check
+gpu-check:
+	python3 -m loadtest.gpu_check --sections kernels sampler sweep recompiles decode prefill agreement --out $(OUT)

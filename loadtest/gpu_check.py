@@ -1,54 +1,70 @@
-"""The engine's GPU path on one device: correctness against the torch backend, then timings.
+"""The engine's GPU path on one device: numerics against the torch reference, then timings.
 
-    python -m loadtest.gpu_check --out results/gpu_check         # an H200 (not yet run on one)
-    TRITON_INTERPRET=1 python -m loadtest.gpu_check --tiny       # the same code on a CPU (CI)
+    make gpu-check                                      # = python3 -m loadtest.gpu_check
+    TRITON_INTERPRET=1 python -m loadtest.gpu_check --tiny --out DIR   # the same code on a CPU
 
-Needs only torch and Triton (no Ray, NIXL or flash-attn; nothing downloaded): a model of
-Llama-3-8B's shape with random bfloat16 weights (``--tiny``: a 2-layer toy in float32).
-Sections, printed and written to ``--out``/gpu_check.json:
+Needs only torch and Triton (no Ray, NIXL or flash-attn; nothing downloaded or carried): a
+model of Llama-3-8B's shape with random bfloat16 weights (``--tiny``: a 2-layer toy in
+float32). Each check is one JSON line, printed and appended to ``--out``/gpu_check.jsonl as
+it finishes (a crash keeps what ran); the last lines are one verdict per target. Sections:
 
-- ``kernels``: the triton backend's attention (store + paged kernel) against the torch
-  backend's on random paged steps: decodes, speculative rows, a prefill chunk over cached
-  context, a mixed step, split-KV.
-- ``sampler``: the sampler's noise on the device equals the CPU's bit for bit; a seeded
-  request draws the same tokens alone and in a batch of 32.
-- ``decode``: one decode step's time at batch 1, 16, 64 with 1k and 8k contexts for the triton
-  backend (eager, and through the engine's CUDA graphs: ``DecodeGraphs.run``, its input
-  copies included) and the torch backend, against the HBM floor measured
-  in the same run (the bytes a step must read, at the bandwidth of a device-to-device copy).
-- ``prefill``: tokens/s of a 2k and an 8k prompt through the model with each backend, and the
-  paged kernel against SDPA (flash) on contiguous tensors for one layer's attention.
-- ``agreement``: greedy tokens of both backends over a few decode steps.
+- ``kernels``: each backend's attention (store + kernel; triton, triton over an int8 cache,
+  flash_attn where installed) against the torch backend's on random paged steps over a
+  random cache: decodes, draft rows, a prefill chunk over cached context, a mixed step,
+  split-KV; the int8 store's bytes equal to ``quantize_int8``'s.
+- ``sampler``: the device's noise equals the CPU's bit for bit; a seeded request draws the
+  same tokens alone and in a batch of 32.
+- ``recompiles``: kernel variants Triton compiles over eager steps of every batch size from 1
+  to 64 after the first (0 expected).
+- ``agreement``: greedy tokens of the torch and triton backends, and of CUDA graphs.
+- ``decode``: one decode step at batch 1, 16, 64 with 1k and 8k contexts over a random cache:
+  triton eager, triton through the engine's CUDA graphs (``DecodeGraphs.run``, its input
+  copies included), torch eager, against the HBM floor measured in the same run (the bytes a
+  step must read at the bandwidth of a device-to-device copy).
+- ``prefill``: tokens/s of a 2k and an 8k prompt through the model per backend; one layer's
+  attention, the paged kernel against SDPA's flash kernel on contiguous tensors.
+- ``sweep`` (``--sections ... sweep``): the attention kernel's tile choices and split counts
+  timed side by side.
 
-Targets (issue 15; benchmark figures, not tests): decode <= 1.15x the floor at batch 1 and
-64; prefill >= 0.8x contiguous flash SDPA.
+Targets (issue 42; benchmark figures, not tests): decode <= 1.15x the floor at batch 1 and
+64; prefill attention >= 0.8x SDPA's flash kernel; every numeric check ok.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention import StepMetadata, build_step_metadata, get_attention_backend
+from services.engine.attention import (
+    StepMetadata,
+    build_step_metadata,
+    get_attention_backend,
+    triton_kernels,
+    triton_ops,
+)
+from services.engine.attention.triton_kernels import LaunchConfig, paged_attention, store_kv
 from services.engine.config import ModelConfig
 from services.engine.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
+from services.engine.kv_cache import KVCache, QuantizedKV, quantize_int8
 from services.engine.model import LlamaModel
 from services.engine.sampler import exponential_noise, sample
 from services.engine.sampling_params import SamplingParams
 
-PROG = "python -m loadtest.gpu_check"
+PROG = "python3 -m loadtest.gpu_check"
 LLAMA3_8B = ModelConfig("llama-3-8b-shaped", vocab_size=128256, hidden_size=4096,
                         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                         head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -58,6 +74,8 @@ TINY = ModelConfig("tiny", vocab_size=512, hidden_size=128, intermediate_size=25
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
                    rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
                    eos_token_ids=(2,))
+DECODE_TARGET = 1.15  # a decode step's time over the HBM floor, at most
+PREFILL_TARGET = 0.8  # the paged kernel's speed over SDPA's flash kernel, at least
 
 
 @dataclass(frozen=True)
@@ -71,14 +89,37 @@ class Plan:
     prompts: tuple[int, ...]
     iters: int
     copy_bytes: int
-    graphs: bool
+
+    @property
+    def tiny(self) -> bool:
+        return self.config.model_id == TINY.model_id
 
 
 def make_plan(tiny: bool) -> Plan:
     if tiny:
-        return Plan(TINY, torch.float32, "cpu", 16, (1, 2), (32, 64), (48,), 2, 1 << 24, True)
+        return Plan(TINY, torch.float32, "cpu", 16, (1, 2), (32, 64), (48,), 2, 1 << 24)
     return Plan(LLAMA3_8B, torch.bfloat16, "cuda", 16, (1, 16, 64), (1024, 8192),
-                (2048, 8192), 20, 4 << 30, True)
+                (2048, 8192), 20, 4 << 30)
+
+
+class Report:
+    """Each row a JSON line, on stdout and appended to the file as soon as it is made."""
+
+    def __init__(self, file: TextIO) -> None:
+        self.file = file
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, section: str, **fields: Any) -> dict[str, Any]:
+        row = {"section": section, **fields}
+        self.rows.append(row)
+        line = json.dumps(row, default=str)
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+        return row
+
+    def section(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["section"] == name]
 
 
 # -- the model and its inputs ------------------------------------------------------------------
@@ -105,19 +146,18 @@ def random_model(plan: Plan, backend: str) -> LlamaModel:
                     p + "mlp.gate_proj.weight": w(c.intermediate_size, c.hidden_size),
                     p + "mlp.up_proj.weight": w(c.intermediate_size, c.hidden_size),
                     p + "mlp.down_proj.weight": w(c.hidden_size, c.intermediate_size)}
-    attention = get_attention_backend(backend, plan.device, c.num_heads, c.num_kv_heads,
-                                      c.head_dim)
-    return LlamaModel(c, weights, attention, c.max_position_embeddings, plan.device)
+    return LlamaModel(c, weights, backend_of(plan, backend), c.max_position_embeddings,
+                      plan.device)
+
+
+def backend_of(plan: Plan, name: str) -> Any:
+    c = plan.config
+    return get_attention_backend(name, plan.device, c.num_heads, c.num_kv_heads, c.head_dim)
 
 
 def with_backend(model: LlamaModel, plan: Plan, backend: str) -> LlamaModel:
     """The same weights behind another attention backend."""
-    c = plan.config
-    other = LlamaModel.__new__(LlamaModel)
-    other.__dict__ = dict(model.__dict__)
-    other.attention = get_attention_backend(backend, plan.device, c.num_heads, c.num_kv_heads,
-                                            c.head_dim)
-    return other
+    return model.with_attention(backend_of(plan, backend))
 
 
 def step_read_bytes(model: LlamaModel, kv_tokens: int, plan: Plan) -> int:
@@ -130,10 +170,22 @@ def step_read_bytes(model: LlamaModel, kv_tokens: int, plan: Plan) -> int:
     return layers + head + kv
 
 
-def kv_cache(plan: Plan, num_blocks: int) -> torch.Tensor:
-    c = plan.config
-    return torch.zeros(num_blocks, c.num_layers, 2, plan.block_size, c.num_kv_heads, c.head_dim,
-                       dtype=plan.dtype, device=plan.device)
+def random_cache(plan: Plan, num_blocks: int, layers: int | None = None,
+                 quantized: bool = False, seed: int = 1) -> KVCache:
+    """A cache of random K/V (never zeros: they would hide unwritten or misread entries and can
+    run faster than real data); int8: random values and positive scales."""
+    c, gen = plan.config, torch.Generator(plan.device).manual_seed(seed)
+    shape = (num_blocks, c.num_layers if layers is None else layers, 2, plan.block_size,
+             c.num_kv_heads, c.head_dim)
+    if not quantized:
+        cache = torch.empty(shape, dtype=plan.dtype, device=plan.device)
+        for block in cache.split(max(1, (1 << 30) // cache[0].nbytes)):  # 1 GB at a time
+            block.copy_(torch.randn(block.shape, generator=gen, device=plan.device))
+        return cache
+    values = torch.randint(-127, 128, shape, generator=gen, device=plan.device,
+                           dtype=torch.int8)
+    scales = torch.rand(shape[:-1], generator=gen, device=plan.device) * 0.02 + 1e-3
+    return QuantizedKV(values.view(num_blocks, -1), values, scales)
 
 
 @dataclass
@@ -165,12 +217,16 @@ def uniform_step(plan: Plan, seqs: list[tuple[int, int]], num_decodes: int) -> I
                   torch.tensor(rows, device=device))
 
 
-def forward(model: LlamaModel, inputs: Inputs, cache: torch.Tensor
-            ) -> Callable[[], torch.Tensor]:
+def forward(model: LlamaModel, inputs: Inputs, cache: KVCache) -> Callable[[], torch.Tensor]:
     """One step of ``model`` on ``inputs`` (the backend's plan made once, as the runner does)."""
     plan = model.attention.prepare(inputs.step)
     return functools.partial(model, inputs.input_ids, inputs.positions, cache, plan,
                              inputs.logits_rows)
+
+
+def _capture(plan: Plan) -> Any:
+    """CUDA graphs on a GPU; on a CPU (--tiny) the step run eagerly on the graph's buffers."""
+    return cuda_graph_capture if plan.device == "cuda" else eager_capture
 
 
 def blocks_for(plan: Plan, seqs: list[tuple[int, int]]) -> int:
@@ -179,8 +235,10 @@ def blocks_for(plan: Plan, seqs: list[tuple[int, int]]) -> int:
 
 # -- timing ------------------------------------------------------------------------------------
 
-def timed_ms(fn: Callable[[], Any], plan: Plan) -> float:
-    """Median milliseconds of ``fn`` over ``plan.iters`` runs after two warm-ups."""
+def timed_ms(fn: Callable[[], Any], plan: Plan, repeats: int = 5) -> float:
+    """Median milliseconds of ``fn`` over ``plan.iters`` rounds after two warm-ups; a round
+    times ``repeats`` calls back to back and divides, so a short kernel is not timed with the
+    gap its launch from Python leaves before it (a device that waits on the host)."""
     for _ in range(2):
         fn()
     times = []
@@ -188,10 +246,11 @@ def timed_ms(fn: Callable[[], Any], plan: Plan) -> float:
         if plan.device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(repeats):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / repeats)
         else:
             began = time.perf_counter()
             fn()
@@ -207,7 +266,7 @@ def copy_bandwidth(plan: Plan) -> float:
     return 2 * plan.copy_bytes / (ms / 1e3)
 
 
-# -- sections ----------------------------------------------------------------------------------
+# -- numerics ----------------------------------------------------------------------------------
 
 KERNEL_CASES = {  # (query_len, seq_len) per sequence; how many lead as decodes
     "decode": ([(1, 1), (1, 17), (1, 300), (1, 1000)], 4),
@@ -221,38 +280,47 @@ TINY_KERNEL_CASES = {
 }
 
 
-def check_kernels(plan: Plan) -> dict[str, Any]:
-    """Each case through both backends on the same random cache and q/k/v."""
+def attention_backends(plan: Plan) -> Iterator[tuple[str, str, bool, str | None]]:
+    """(label, backend, int8 cache, why it cannot run here) for each backend to check."""
+    yield "triton", "triton", False, None
+    yield "triton_int8", "triton", True, None
+    flash = importlib.util.find_spec("flash_attn") is not None
+    yield ("flash_attn", "flash_attn", False,
+           None if flash and plan.block_size % 256 == 0 else
+           "flash_attn is not installed" if not flash else "needs blocks of 256 tokens")
+
+
+def check_kernels(plan: Plan, report: Report) -> None:
+    """Each case through each backend and the torch backend on the same random cache and
+    q/k/v: outputs within the dtype's tolerance, caches written alike."""
     c = plan.config
-    torch_backend = get_attention_backend("torch", plan.device, c.num_heads, c.num_kv_heads,
-                                          c.head_dim)
-    triton_backend = get_attention_backend("triton", plan.device, c.num_heads, c.num_kv_heads,
-                                           c.head_dim)
     tolerance = 1e-4 if plan.dtype == torch.float32 else 3e-2
-    results: dict[str, Any] = {}
     gen = torch.Generator(plan.device).manual_seed(1)
-    for name, (seqs, decodes) in (TINY_KERNEL_CASES if plan.config is TINY
-                                  else KERNEL_CASES).items():
-        inputs = uniform_step(plan, seqs, decodes)
-        cache = torch.randn(blocks_for(plan, seqs), 1, 2, plan.block_size, c.num_kv_heads,
-                            c.head_dim, generator=gen, device=plan.device).to(plan.dtype)
-        tokens = inputs.input_ids.numel()
-        q, k, v = (torch.randn(tokens, h, c.head_dim, generator=gen, device=plan.device)
-                   .to(plan.dtype) for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
-        expected_cache = cache.clone()
-        expected = torch_backend.forward(0, q, k, v, expected_cache,
-                                         torch_backend.prepare(inputs.step))
-        got = triton_backend.forward(0, q, k, v, cache, triton_backend.prepare(inputs.step))
-        error = (got.float() - expected.float()).abs().max().item()
-        results[name] = {"max_abs_error": error, "cache_equal": bool(torch.equal(cache,
-                                                                                 expected_cache)),
-                         "ok": error <= tolerance and torch.equal(cache, expected_cache)}
-    # Split-KV against one pass, on the longest decode case.
-    from services.engine.attention.triton_kernels import paged_attention
-    seqs = [(1, 40), (1, 64)] if plan.config is TINY else [(1, 4000), (1, 8000)]
+    reference = backend_of(plan, "torch")
+    for label, name, quantized, problem in attention_backends(plan):
+        if problem is not None:
+            report.add("kernels", backend=label, skipped=problem)
+            continue
+        backend = backend_of(plan, name)
+        for case, (seqs, decodes) in (TINY_KERNEL_CASES if plan.tiny else KERNEL_CASES).items():
+            inputs = uniform_step(plan, seqs, decodes)
+            cache = random_cache(plan, blocks_for(plan, seqs), layers=1, quantized=quantized,
+                                 seed=len(report.rows))
+            tokens = inputs.input_ids.numel()
+            q, k, v = (torch.randn(tokens, h, c.head_dim, generator=gen, device=plan.device)
+                       .to(plan.dtype) for h in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
+            expected_cache = _clone(cache)
+            expected = reference.forward(0, q, k, v, expected_cache,
+                                         reference.prepare(inputs.step))
+            got = backend.forward(0, q, k, v, cache, backend.prepare(inputs.step))
+            error = (got.float() - expected.float()).abs().max().item()
+            same_cache = _equal(cache, expected_cache)
+            report.add("kernels", backend=label, case=case, max_abs_error=error,
+                       cache_equal=same_cache, ok=error <= tolerance and same_cache)
+    # Split-KV against one pass, on long decodes.
+    seqs = [(1, 40), (1, 64)] if plan.tiny else [(1, 4000), (1, 8000)]
     inputs = uniform_step(plan, seqs, len(seqs))
-    cache = torch.randn(blocks_for(plan, seqs), 1, 2, plan.block_size, c.num_kv_heads,
-                        c.head_dim, generator=gen, device=plan.device).to(plan.dtype)
+    cache = random_cache(plan, blocks_for(plan, seqs), layers=1)
     q = torch.randn(len(seqs), c.num_heads, c.head_dim, generator=gen,
                     device=plan.device).to(plan.dtype)
     s = inputs.step
@@ -260,11 +328,42 @@ def check_kernels(plan: Plan) -> dict[str, Any]:
                             s.max_query_len, s.max_seq_len, c.head_dim ** -0.5, num_splits=n)
             for n in (1, 4)]
     error = (outs[0].float() - outs[1].float()).abs().max().item()
-    results["split_kv"] = {"max_abs_error": error, "ok": error <= tolerance}
-    return results
+    report.add("kernels", backend="triton", case="split_kv", max_abs_error=error,
+               ok=error <= tolerance)
+    # The int8 store rounds as quantize_int8 does, byte for byte (the GPU's float32 division
+    # differs from torch's unless the kernel asks for IEEE rounding).
+    tokens = 4096 if not plan.tiny else 64
+    k, v = (torch.randn(tokens, c.num_kv_heads, c.head_dim, generator=gen,
+                        device=plan.device).to(plan.dtype) for _ in range(2))
+    quantized = random_cache(plan, -(-tokens // plan.block_size), layers=1, quantized=True)
+    assert isinstance(quantized, QuantizedKV)
+    slots = torch.arange(tokens, device=plan.device)
+    store_kv(quantized.values, 0, k, v, slots, quantized.scales)
+    mismatched = 0
+    for kv, x in enumerate((k, v)):
+        values, scales = quantize_int8(x)
+        stored = quantized.values[:, 0, kv].reshape(tokens, *values.shape[1:])
+        stored_scales = quantized.scales[:, 0, kv].reshape(tokens, -1)
+        mismatched += int((stored != values).sum()) + int((stored_scales != scales).sum())
+    report.add("kernels", backend="triton", case="int8_store_bytes", mismatched=mismatched,
+               ok=mismatched == 0)
 
 
-def check_sampler(plan: Plan) -> dict[str, Any]:
+def _clone(cache: KVCache) -> KVCache:
+    if isinstance(cache, QuantizedKV):
+        values, scales = cache.values.clone(), cache.scales.clone()
+        return QuantizedKV(values.view(values.shape[0], -1), values, scales)
+    return cache.clone()
+
+
+def _equal(a: KVCache, b: KVCache) -> bool:
+    if isinstance(a, QuantizedKV) and isinstance(b, QuantizedKV):
+        return torch.equal(a.values, b.values) and torch.equal(a.scales, b.scales)
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return torch.equal(a, b)
+
+
+def check_sampler(plan: Plan, report: Report) -> None:
     vocab = plan.config.vocab_size
     same_noise = all(torch.equal(exponential_noise(seed, pos, vocab, device=plan.device).cpu(),
                                  exponential_noise(seed, pos, vocab))
@@ -276,15 +375,88 @@ def check_sampler(plan: Plan) -> dict[str, Any]:
     positions = list(range(32))
     batched = sample(logits, params, positions)
     alone = [sample(logits[i:i + 1], [params[i]], [positions[i]])[0] for i in range(32)]
-    return {"noise_equals_cpu": same_noise, "batch_equals_alone": batched == alone,
-            "ok": same_noise and batched == alone}
+    report.add("sampler", noise_equals_cpu=same_noise, batch_equals_alone=batched == alone,
+               ok=same_noise and batched == alone)
 
 
-def decode_timings(plan: Plan, model: LlamaModel, bandwidth: float) -> list[dict[str, Any]]:
+def check_recompiles(plan: Plan, report: Report, model: LlamaModel) -> None:
+    """Kernel variants compiled over eager decode steps of 1..64 sequences of different
+    lengths, after one step of each kind has compiled what serving needs."""
+    if plan.device != "cuda":
+        report.add("recompiles", skipped="the interpreter compiles nothing", ok=True)
+        return
+    kernels = [triton_kernels._paged_attention_kernel, triton_kernels._store_kv_kernel,
+               triton_kernels._reduce_splits_kernel, triton_ops._rms_norm_kernel,
+               triton_ops._rotary_store_kernel, triton_ops._silu_mul_kernel]
+
+    def variants() -> int:
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    cache = random_cache(plan, 64 * 40 + 8)
+    forward(model, uniform_step(plan, [(1, 33)], 1), cache)()  # the first decode step
+    before, began = variants(), time.perf_counter()
+    for batch in range(1, 65):
+        seqs = [(1, 17 + (7 * i + batch) % 600) for i in range(batch)]
+        forward(model, uniform_step(plan, seqs, batch), cache)()
+    torch.cuda.synchronize()
+    added = variants() - before
+    report.add("recompiles", steps=64, variants_added=added,
+               seconds=round(time.perf_counter() - began, 2), ok=added == 0)
+
+
+def check_agreement(plan: Plan, report: Report, model: LlamaModel, steps: int = 8) -> None:
+    """Greedy tokens after a 64-token prompt: torch and triton backends, and the engine's
+    decode graphs, each on its own cache. A variant that fails is reported by name."""
+    tokens: dict[str, list[int]] = {}
+    prompt = [(11 * i + 5) % plan.config.vocab_size for i in range(64)]
+    blocks = -(-(64 + steps) // plan.block_size)
+    try:  # the engine's own start-up check of its graphs
+        graphs = DecodeGraphs(model, random_cache(plan, blocks), plan.block_size, 4,
+                              len(prompt) + steps, plan.device, capture=_capture(plan))
+        problem = graphs.self_check(list(range(blocks)))
+    except Exception as exc:
+        problem = repr(exc)[:300]
+    report.add("agreement", variant="graph_self_check", problem=problem, ok=problem is None)
+    for name in ("torch", "triton", "triton_graph"):
+        try:
+            tokens[name] = _greedy(plan, model, name, prompt, blocks, steps)
+        except Exception as exc:
+            report.add("agreement", variant=name, error=repr(exc)[:300], ok=False)
+            return
+    graph_equal = tokens["triton_graph"] == tokens["triton"]
+    equal = sum(a == b for a, b in zip(tokens["torch"], tokens["triton"], strict=True))
+    # bfloat16 backends may part at a near tie; the graph replays the eager kernels exactly.
+    report.add("agreement", steps=steps, torch_triton_equal=equal, graph_equals_eager=graph_equal,
+               tokens=tokens, ok=graph_equal and (equal == steps or plan.dtype != torch.float32))
+
+
+def _greedy(plan: Plan, model: LlamaModel, name: str, prompt: list[int], blocks: int,
+            steps: int) -> list[int]:
+    m = with_backend(model, plan, "torch" if name == "torch" else "triton")
+    cache = random_cache(plan, blocks)
+    graphs = (DecodeGraphs(m, cache, plan.block_size, 1, len(prompt) + steps, plan.device,
+                           capture=_capture(plan)) if name == "triton_graph" else None)
+    inputs = uniform_step(plan, [(len(prompt), len(prompt))], 0)
+    inputs.input_ids = torch.tensor(prompt, device=plan.device)
+    out = [int(forward(m, inputs, cache)()[-1].argmax())]
+    for _ in range(steps - 1):
+        n = len(prompt) + len(out)
+        if graphs is not None:
+            logits = graphs.run(out[-1:], [n], [list(range(-(-n // plan.block_size)))])
+        else:
+            inputs = uniform_step(plan, [(1, n)], 1)
+            inputs.input_ids = torch.tensor(out[-1:], device=plan.device)
+            logits = forward(m, inputs, cache)()
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+# -- timings -----------------------------------------------------------------------------------
+
+def decode_timings(plan: Plan, report: Report, model: LlamaModel, bandwidth: float) -> None:
     models = {"triton": model, "torch": with_backend(model, plan, "torch")}
     most = max(plan.batches) * (max(plan.contexts) + 1)
-    cache = kv_cache(plan, -(-most // plan.block_size) + max(plan.batches))
-    rows = []
+    cache = random_cache(plan, -(-most // plan.block_size) + max(plan.batches))
     for batch in plan.batches:
         for context in plan.contexts:
             seqs = [(1, context + 1)] * batch
@@ -294,115 +466,205 @@ def decode_timings(plan: Plan, model: LlamaModel, bandwidth: float) -> list[dict
             row: dict[str, Any] = {"batch": batch, "context": context,
                                    "floor_ms": round(floor_ms, 3)}
             for name, m in models.items():
-                run = forward(m, inputs, cache)
-                row[f"{name}_ms"] = round(timed_ms(run, plan), 3)
-                if name == "triton" and plan.graphs:  # the engine's own graph path
-                    graphs = DecodeGraphs(m, cache, plan.block_size, batch, context + 1,
-                                          plan.device, capture=(
-                                              cuda_graph_capture if plan.device == "cuda"
-                                              else eager_capture))  # --tiny: the bookkeeping
-                    tables = [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)]
-                    replay = functools.partial(graphs.run, [5] * batch, [context + 1] * batch,
-                                               tables)
-                    row["triton_graph_ms"] = round(timed_ms(replay, plan), 3)
+                row[f"{name}_ms"] = round(timed_ms(forward(m, inputs, cache), plan), 3)
+            graphs = DecodeGraphs(model, cache, plan.block_size, batch, context + 1, plan.device,
+                                  capture=_capture(plan))
+            tables = [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)]
+            replay = functools.partial(graphs.run, [5] * batch, [context + 1] * batch, tables)
+            row["triton_graph_ms"] = round(timed_ms(replay, plan), 3)
             for key in [k for k in row if k.endswith("_ms") and k != "floor_ms"]:
-                row[key.replace("_ms", "_x_floor")] = round(row[key] / floor_ms, 2)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
+                row[key.replace("_ms", "_x_floor")] = round(row[key] / floor_ms, 3)
+            report.add("decode", **row)
+            del graphs
+            if plan.device == "cuda":
+                torch.cuda.empty_cache()
 
 
-def prefill_timings(plan: Plan, model: LlamaModel) -> list[dict[str, Any]]:
+def prefill_timings(plan: Plan, report: Report, model: LlamaModel) -> None:
     models = {"triton": model, "torch": with_backend(model, plan, "torch")}
-    c = plan.config
-    rows = []
     for n in plan.prompts:
-        cache = kv_cache(plan, -(-n // plan.block_size))
+        cache = random_cache(plan, -(-n // plan.block_size))
         inputs = uniform_step(plan, [(n, n)], 0)
         row: dict[str, Any] = {"prompt_tokens": n}
         for name, m in models.items():
             row[f"{name}_tokens_per_s"] = round(n / (timed_ms(forward(m, inputs, cache),
                                                               plan) / 1e3))
-        # One layer's attention: the paged kernel over the cache vs SDPA on contiguous q/k/v.
-        from services.engine.attention.triton_kernels import paged_attention
-        gen = torch.Generator(plan.device).manual_seed(3)
-        q = torch.randn(n, c.num_heads, c.head_dim, generator=gen, device=plan.device).to(
-            plan.dtype)
-        k, v = (torch.randn(n, c.num_kv_heads, c.head_dim, generator=gen,
-                            device=plan.device).to(plan.dtype) for _ in range(2))
-        s, scale = inputs.step, c.head_dim ** -0.5
-        paged_ms = timed_ms(functools.partial(paged_attention, q, cache, 0, s.query_start,
-                                              s.seq_lens, s.block_tables, n, n, scale), plan)
-        q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
-        sdpa_ms = timed_ms(functools.partial(F.scaled_dot_product_attention, q4, k4, v4,
-                                             is_causal=True, enable_gqa=True), plan)
-        row |= {"paged_attention_ms": round(paged_ms, 3), "sdpa_contiguous_ms": round(sdpa_ms, 3),
-                "paged_vs_sdpa_speed": round(sdpa_ms / paged_ms, 2)}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
+        paged_ms, sdpa_ms = prefill_attention_ms(plan, n, cache)
+        row |= {"paged_attention_ms": round(paged_ms, 3), "sdpa_flash_ms": round(sdpa_ms, 3),
+                "paged_vs_sdpa_speed": round(sdpa_ms / paged_ms, 3)}
+        report.add("prefill", **row)
 
 
-def greedy_agreement(plan: Plan, model: LlamaModel, steps: int = 8) -> dict[str, Any]:
-    """Greedy tokens after a 64-token prompt, each backend on its own cache."""
-    tokens: dict[str, list[int]] = {}
-    for name in ("torch", "triton"):
-        m = with_backend(model, plan, name)
-        cache = kv_cache(plan, -(-(64 + steps) // plan.block_size))
-        ids = [(11 * i + 5) % plan.config.vocab_size for i in range(64)]
-        out: list[int] = []
-        query = ids
-        for _ in range(steps):
-            n = len(ids) + len(out)
-            inputs = uniform_step(plan, [(len(query), n)], 1 if len(query) == 1 else 0)
-            inputs.input_ids = torch.tensor(query, device=plan.device)
-            logits = m(inputs.input_ids, inputs.positions, cache,
-                       m.attention.prepare(inputs.step), inputs.logits_rows)
-            out.append(int(logits[-1].argmax()))
-            query = out[-1:]
-        tokens[name] = out
-    equal = sum(a == b for a, b in zip(tokens["torch"], tokens["triton"], strict=True))
-    return {"steps": steps, "equal": equal, "tokens": tokens}
+def prefill_attention_ms(plan: Plan, n: int, cache: KVCache,
+                         config: LaunchConfig | None = None) -> tuple[float, float]:
+    """One layer's attention over an ``n``-token prompt: our paged kernel over ``cache``, and
+    SDPA's flash kernel on contiguous q/k/v (K/V heads repeated for it beforehand)."""
+    c = plan.config
+    gen = torch.Generator(plan.device).manual_seed(3)
+    q = torch.randn(n, c.num_heads, c.head_dim, generator=gen, device=plan.device).to(plan.dtype)
+    inputs = uniform_step(plan, [(n, n)], 0)
+    s, scale = inputs.step, c.head_dim ** -0.5
+    assert isinstance(cache, torch.Tensor)
+    paged_ms = timed_ms(functools.partial(paged_attention, q, cache, 0, s.query_start,
+                                          s.seq_lens, s.block_tables, n, n, scale,
+                                          config=config), plan)
+    group = c.num_heads // c.num_kv_heads
+    k, v = (torch.randn(n, c.num_kv_heads, c.head_dim, generator=gen, device=plan.device)
+            .to(plan.dtype).repeat_interleave(group, 1) for _ in range(2))
+    q4, k4, v4 = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
+    sdpa = functools.partial(F.scaled_dot_product_attention, q4, k4, v4, is_causal=True)
+    if plan.device == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def flash() -> torch.Tensor:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return sdpa()
+        return paged_ms, timed_ms(flash, plan)
+    return paged_ms, timed_ms(sdpa, plan)
 
 
-def run(plan: Plan) -> dict[str, Any]:
+def sweep(plan: Plan, report: Report) -> None:
+    """The attention kernel's tile choices side by side: decode at batch 1 and 64 over 8k
+    keys (against the KV bytes at the copy bandwidth) and an 8k prefill (against SDPA)."""
+    c = plan.config
+    group = c.num_heads // c.num_kv_heads
+    context = max(plan.contexts)
+    decode_configs = [LaunchConfig(16, n, w, s) for n, w, s in (
+        (32, 2, 3), (64, 4, 3), (64, 2, 4), (128, 4, 4))]
+    prefill_configs = [LaunchConfig(m, n, w, s) for m, n, w, s in (
+        (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2))]
+    if plan.tiny:
+        decode_configs, prefill_configs = decode_configs[:2], prefill_configs[:2]
+    default = triton_kernels.launch_config(group, 1, c.head_dim, plan.dtype.itemsize)
+    for batch in (1, max(plan.batches)):
+        seqs = [(1, context + 1)] * batch
+        s = uniform_step(plan, seqs, batch).step
+        cache = random_cache(plan, blocks_for(plan, seqs), layers=1)
+        q = torch.randn(batch, c.num_heads, c.head_dim, device=plan.device).to(plan.dtype)
+        splits = triton_kernels.choose_num_splits(batch, c.num_kv_heads, 1, context + 1)
+        kv_bytes = batch * (context + 1) * 2 * c.num_kv_heads * c.head_dim * plan.dtype.itemsize
+        for config in decode_configs:
+            try:
+                ms = timed_ms(functools.partial(
+                    paged_attention, q, cache, 0, s.query_start, s.seq_lens, s.block_tables,
+                    1, context + 1, c.head_dim ** -0.5, num_splits=splits, config=config), plan)
+            except Exception as exc:  # a variant past the chip's limits: say so, go on
+                report.add("sweep", kind="decode", batch=batch, config=config.__dict__,
+                           error=repr(exc)[:200])
+                continue
+            report.add("sweep", kind="decode", batch=batch, splits=splits,
+                       config=config.__dict__, default=config == default, ms=round(ms, 4),
+                       kv_gb_s=round(kv_bytes / ms / 1e6, 1))
+        for other in (4, 8, 16, 32, 64) if batch == 1 else ():  # the split count, by hand
+            ms = timed_ms(functools.partial(
+                paged_attention, q, cache, 0, s.query_start, s.seq_lens, s.block_tables,
+                1, context + 1, c.head_dim ** -0.5, num_splits=other), plan)
+            report.add("sweep", kind="decode_splits", batch=batch, splits=other,
+                       default=other == splits, ms=round(ms, 4),
+                       kv_gb_s=round(kv_bytes / ms / 1e6, 1))
+    n = max(plan.prompts)
+    cache = random_cache(plan, -(-n // plan.block_size), layers=1)
+    default = triton_kernels.launch_config(group, n, c.head_dim, plan.dtype.itemsize)
+    for config in prefill_configs:
+        try:
+            paged_ms, sdpa_ms = prefill_attention_ms(plan, n, cache, config)
+        except Exception as exc:
+            report.add("sweep", kind="prefill", config=config.__dict__, error=repr(exc)[:200])
+            continue
+        report.add("sweep", kind="prefill", prompt_tokens=n, config=config.__dict__,
+                   default=config == default, ms=round(paged_ms, 3),
+                   vs_sdpa=round(sdpa_ms / paged_ms, 3))
+
+
+# -- verdicts ----------------------------------------------------------------------------------
+
+def verdicts(plan: Plan, report: Report) -> bool:
+    """One line per target; True when every one is met."""
+    lines: list[tuple[str, bool]] = []
+    checks = [r for r in report.rows if r["section"] in ("kernels", "sampler", "recompiles",
+                                                         "agreement") and "ok" in r]
+    failed = [r for r in checks if not r["ok"]]
+    lines.append((f"numerics: {len(checks) - len(failed)} of {len(checks)} checks ok"
+                  + (f" (failed: {[r.get('case', r['section']) for r in failed]})"
+                     if failed else ""), not failed))
+    for row in report.section("decode"):
+        if row["batch"] in (1, max(plan.batches)):
+            x = row["triton_graph_x_floor"]
+            lines.append((f"decode batch {row['batch']} context {row['context']}: {x}x the HBM "
+                          f"floor with CUDA graphs ({row['triton_graph_ms']} ms, floor "
+                          f"{row['floor_ms']} ms; target <= {DECODE_TARGET}x)",
+                          x <= DECODE_TARGET))
+    for row in report.section("prefill"):
+        x = row["paged_vs_sdpa_speed"]
+        lines.append((f"prefill {row['prompt_tokens']} tokens: attention at {x}x SDPA flash's "
+                      f"speed ({row['paged_attention_ms']} vs {row['sdpa_flash_ms']} ms; "
+                      f"target >= {PREFILL_TARGET}x)", x >= PREFILL_TARGET))
+    for text, met in lines:
+        report.add("verdict", met=met, text=text)
+    for text, met in lines:
+        print(f"VERDICT {'MET ' if met else 'MISSED'} {text}", flush=True)
+    return all(met for _, met in lines)
+
+
+SECTIONS = ("kernels", "sampler", "sweep", "recompiles", "decode", "prefill", "agreement")
+
+
+def run(plan: Plan, report: Report, sections: set[str]) -> bool:
+    """The sections asked for, then the verdicts; True when every numeric check passed (the
+    timings are figures: the verdicts say which targets were met)."""
     import triton
 
-    info = {"torch": torch.__version__, "triton": triton.__version__, "device": plan.device,
-            "name": torch.cuda.get_device_name() if plan.device == "cuda" else "cpu",
-            "model": plan.config.model_id, "dtype": str(plan.dtype)}
-    print(json.dumps(info), flush=True)
-    results: dict[str, Any] = {"info": info, "kernels": check_kernels(plan),
-                               "sampler": check_sampler(plan)}
-    print(json.dumps({"kernels": results["kernels"], "sampler": results["sampler"]}), flush=True)
+    report.add("info", torch=torch.__version__, triton=triton.__version__, device=plan.device,
+               name=torch.cuda.get_device_name() if plan.device == "cuda" else "cpu",
+               model=plan.config.model_id, layers=plan.config.num_layers, dtype=str(plan.dtype))
+    if "kernels" in sections:
+        check_kernels(plan, report)
+    if "sampler" in sections:
+        check_sampler(plan, report)
     bandwidth = copy_bandwidth(plan)
-    results["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    report.add("bandwidth", copy_gb_s=round(bandwidth / 1e9, 1))
+    if "sweep" in sections:
+        sweep(plan, report)
     model = random_model(plan, "triton")
-    results["agreement"] = greedy_agreement(plan, model)
-    results["decode"] = decode_timings(plan, model, bandwidth)
-    results["prefill"] = prefill_timings(plan, model)
-    results["ok"] = (all(r["ok"] for r in results["kernels"].values())
-                     and results["sampler"]["ok"])
-    return results
+    if "recompiles" in sections:
+        check_recompiles(plan, report, model)
+    if "decode" in sections:
+        decode_timings(plan, report, model, bandwidth)
+    if "prefill" in sections:
+        prefill_timings(plan, report, model)
+    if "agreement" in sections:  # last: a device fault there leaves every figure above
+        check_agreement(plan, report, model)
+    verdicts(plan, report)
+    return all(r["ok"] for r in report.rows if "ok" in r)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true",
                    help="a toy model on the CPU (needs TRITON_INTERPRET=1): the script's own test")
-    p.add_argument("--out", type=Path, default=Path("results/gpu_check"))
+    p.add_argument("--sections", nargs="+", choices=SECTIONS,
+                   default=[x for x in SECTIONS if x != "sweep"],
+                   help="what to run (default: all but sweep, the tile choices side by side)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the model's layers (default: all 32; fewer for a quick look)")
+    p.add_argument("--out", type=Path, default=Path("results/gpu_check"),
+                   help="folder for gpu_check.jsonl (appended to)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.tiny and os.environ.get("TRITON_INTERPRET") != "1":
         p.error("--tiny runs the Triton kernels on the CPU: set TRITON_INTERPRET=1")
     if not args.tiny and not torch.cuda.is_available():
         p.error("no CUDA device here (use --tiny with TRITON_INTERPRET=1 on a CPU)")
     torch.manual_seed(0)
-    with torch.inference_mode():
-        results = run(make_plan(args.tiny))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps({"ok": results["ok"], "out": str(args.out / "gpu_check.json")}))
-    return 0 if results["ok"] else 1
+    path = args.out / "gpu_check.jsonl"
+    with path.open("a") as file, torch.inference_mode():
+        plan = make_plan(args.tiny)
+        if args.layers is not None:
+            plan = dataclasses.replace(plan, config=dataclasses.replace(
+                plan.config, num_layers=args.layers))
+        ok = run(plan, Report(file), set(args.sections))
+    print(json.dumps({"ok": ok, "out": str(path)}), flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

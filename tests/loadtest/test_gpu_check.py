@@ -17,19 +17,37 @@ if not torch.cuda.is_available():  # before the kernels' module is imported
 from loadtest import gpu_check  # noqa: E402
 
 
-def test_tiny_run_checks_and_times_every_section(tmp_path: Path) -> None:
-    assert gpu_check.main(["--tiny", "--out", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert results["ok"]
-    assert set(results["kernels"]) == {"decode", "mixed", "split_kv"}
-    assert all(case["ok"] for case in results["kernels"].values())
-    assert results["sampler"] == {"noise_equals_cpu": True, "batch_equals_alone": True,
-                                  "ok": True}
-    assert results["agreement"]["equal"] == results["agreement"]["steps"]  # float32: exact
-    assert len(results["decode"]) == 4
+def test_tiny_run_checks_and_times_every_section(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_check.main(["--tiny", "--out", str(tmp_path), "--sections",
+                           *gpu_check.SECTIONS]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    printed = capsys.readouterr().out
+    assert all(json.dumps(row) in printed for row in rows)  # each line printed as it was made
+    by = {}
+    for row in rows:
+        by.setdefault(row["section"], []).append(row)
+    assert by["info"][0]["model"] == "tiny"
+    kernels = {(r["backend"], r.get("case")): r for r in by["kernels"]}
+    assert {case for backend, case in kernels if backend == "triton_int8"} == {"decode", "mixed"}
+    assert kernels[("triton", "int8_store_bytes")]["mismatched"] == 0
+    assert "skipped" in kernels[("flash_attn", None)]  # not installed here
+    assert all(r["ok"] for r in by["kernels"] if "ok" in r)
+    assert by["sampler"][0]["ok"]
+    agreement = {r.get("variant", "tokens"): r for r in by["agreement"]}
+    assert agreement["graph_self_check"]["problem"] is None
+    assert agreement["tokens"]["torch_triton_equal"] == 8  # float32: exact
+    assert agreement["tokens"]["graph_equals_eager"]
+    assert len(by["decode"]) == 4
     assert all(row["triton_ms"] > 0 and row["torch_ms"] > 0 and row["floor_ms"] > 0
-               and row["triton_graph_ms"] > 0 for row in results["decode"])
-    assert results["prefill"][0]["triton_tokens_per_s"] > 0
+               and row["triton_graph_ms"] > 0 for row in by["decode"])
+    assert by["prefill"][0]["triton_tokens_per_s"] > 0
+    assert {r["kind"] for r in by["sweep"]} == {"decode", "decode_splits", "prefill"}
+    # One verdict per target: numerics, decode at batch 1 and the largest batch per context,
+    # prefill per prompt; each also printed as a VERDICT line.
+    verdicts = by["verdict"]
+    assert len(verdicts) == 1 + 4 + 1 and verdicts[0]["met"]
+    assert printed.count("VERDICT ") == len(verdicts)
 
 
 def test_refuses_to_run_without_a_device() -> None:
