@@ -40,7 +40,8 @@ def test_tiny_run_checks_and_times_every_section(tmp_path: Path,
     assert agreement["tokens"]["graph_equals_eager"]
     assert len(by["decode"]) == 4
     assert all(row["triton_ms"] > 0 and row["torch_ms"] > 0 and row["floor_ms"] > 0
-               and row["triton_graph_ms"] > 0 for row in by["decode"])
+               and row["triton_graph_ms"] > 0 and row["projections_graph_ms"] > 0
+               for row in by["decode"])
     assert by["prefill"][0]["triton_tokens_per_s"] > 0
     assert {r["kind"] for r in by["sweep"]} == {"decode", "decode_splits", "prefill"}
     # One verdict per target: numerics, decode at batch 1 and the largest batch per context,
