@@ -230,13 +230,20 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     if not shards:
         raise ModelLoadError(f"{path}: no .safetensors weight files")
 
+    fp8 = _fp8_scheme(hf, path)
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, torch.Tensor] = {}  # FP8 weights and their scales, kept to the end
     for shard in tqdm(shards, desc=f"loading {path.name}", disable=not progress, leave=False):
         try:
             tensors = load_file(str(shard))
         except Exception as exc:
             raise ModelLoadError(f"{shard}: cannot read safetensors ({exc})") from exc
-        weights.update({k: v.to(dtype) for k, v in tensors.items()})
+        for name, tensor in tensors.items():
+            if tensor.dtype in _FP8 or name.endswith(_SCALES):
+                quantized[name] = tensor
+            else:
+                weights[name] = tensor.to(dtype)
+    weights |= {name: t.to(dtype) for name, t in _dequantize_fp8(quantized, fp8, path).items()}
 
     num_heads = int(hf["num_attention_heads"])
     tie = bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in weights
@@ -262,6 +269,83 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     )
     _check_weights(config, weights, path)
     return LoadedModel(config=config, weights=weights, tokenizer=metadata.tokenizer, source=path)
+
+
+# quantization_config methods: fp8 is read (below); these are refused by name, never loaded
+# as if their packed integers were weights.
+_REFUSED_QUANTIZATION = ("gptq", "awq", "bitsandbytes", "compressed-tensors", "aqlm", "eetq",
+                         "hqq", "marlin", "quanto", "torchao", "bitnet", "mxfp4", "vptq")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+
+
+@dataclass(frozen=True)
+class _Fp8Scheme:
+    block: tuple[int, int] | None  # weight_block_size (rows, columns); None: per tensor/row
+
+
+def _fp8_scheme(hf: dict[str, object], path: Path) -> _Fp8Scheme | None:
+    """The checkpoint's FP8 weight scheme from ``quantization_config`` (None: unquantized);
+    any other method is refused naming it."""
+    quant = hf.get("quantization_config")
+    if quant is None:
+        return None
+    method = str(quant.get("quant_method", "?")) if isinstance(quant, dict) else "?"
+    if method != "fp8":
+        known = " (a known method Tandem does not run)" if method in _REFUSED_QUANTIZATION else ""
+        raise ModelLoadError(f"{path}: quantization method {method!r}{known} is not supported; "
+                             f"Tandem reads unquantized checkpoints and fp8 (per tensor, per "
+                             f"row or block-wise weight scales)")
+    assert isinstance(quant, dict)
+    block = quant.get("weight_block_size")
+    if block is not None and not (isinstance(block, list) and len(block) == 2
+                                  and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(f"{path}: quantization_config weight_block_size {block!r} is not "
+                             f"two positive integers")
+    return _Fp8Scheme(tuple(block) if block is not None else None)  # type: ignore[arg-type]
+
+
+def _dequantize_fp8(weights: dict[str, torch.Tensor], scheme: _Fp8Scheme | None,
+                    path: Path) -> dict[str, torch.Tensor]:
+    """FP8 weights times their scales, in float32: ``X.weight_scale_inv`` per block of
+    ``weight_block_size`` (transformers' and DeepSeek's layout; multiplied, whatever the name),
+    or ``X.weight_scale`` per tensor or per row (vLLM's fp8). Activation scales
+    (``input_scale``) are dropped: the projections run in the model dtype. An FP8 tensor
+    without a scale, or one in a checkpoint that declares no fp8 method, is refused."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        if name.endswith(_SCALES):
+            continue
+        if tensor.dtype not in _FP8:
+            out[name] = tensor
+            continue
+        base = name.removesuffix(".weight")
+        if scheme is None:
+            raise ModelLoadError(f"{path}: {name} is {tensor.dtype} but config.json declares "
+                                 f"no fp8 quantization_config")
+        scale = weights.get(base + ".weight_scale_inv", weights.get(base + ".weight_scale"))
+        if scale is None:
+            raise ModelLoadError(f"{path}: {name} is {tensor.dtype} without a weight_scale_inv "
+                                 f"or weight_scale")
+        out[name] = _scaled(tensor.float(), scale.float(), scheme, name, path)
+    return out
+
+
+def _scaled(weight: torch.Tensor, scale: torch.Tensor, scheme: _Fp8Scheme, name: str,
+            path: Path) -> torch.Tensor:
+    rows, cols = weight.shape
+    if scale.numel() == 1:
+        return weight * scale.reshape(())
+    if scale.shape in ((rows,), (rows, 1)):
+        return weight * scale.reshape(rows, 1)
+    if scheme.block is not None:
+        br, bc = scheme.block
+        if scale.shape == (-(-rows // br), -(-cols // bc)):
+            full = scale.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+            return weight * full
+    raise ModelLoadError(f"{path}: {name} {tuple(weight.shape)} has a scale of shape "
+                         f"{tuple(scale.shape)}, which fits no fp8 layout (per tensor, per row, "
+                         f"or blocks of {scheme.block})")
 
 
 def _hf_rope_scaling(hf: dict[str, object]) -> dict[str, object] | None:
