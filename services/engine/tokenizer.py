@@ -7,9 +7,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from services.engine.chat_template import ChatTemplates
 
 # tokenizer.ggml.token_type values (llama.cpp's, from SentencePiece's piece types).
 _GGUF_NORMAL, _GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 1, 2, 3, 4
@@ -66,20 +67,15 @@ class Tokenizer:
         eos_token_ids: Sequence[int],
         bos_token_id: int | None = None,
         add_bos: bool = False,
-        chat_template: str | None = None,
+        chat_template: str | list[dict[str, str]] | None = None,
     ) -> None:
+        """``chat_template``: one template, or named ones (``chat_template.ChatTemplates``)."""
         self.backend = backend
         self.eos_token_ids = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
-        self._template = (
-            ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-                chat_template
-            )
-            if chat_template
-            else None
-        )
+        self._templates = ChatTemplates.of(chat_template or None)
 
     @property
     def vocab_size(self) -> int:
@@ -103,7 +99,7 @@ class Tokenizer:
     @property
     def template_renders_tools(self) -> bool:
         """Whether the chat template shows a ``tools`` list itself."""
-        return "tools" in (self.chat_template or "")
+        return self._templates is not None and self._templates.renders_tools
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
@@ -112,14 +108,14 @@ class Tokenizer:
     ) -> str:
         """``extra``: more variables for the template (a request's ``chat_template_kwargs``);
         they cannot replace the ones set here (``TEMPLATE_VARIABLES``)."""
-        if self._template is None:
+        if self._templates is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         clash = sorted(set(extra or ()) & set(TEMPLATE_VARIABLES))
         if clash:
             raise ValueError(f"chat template variable {clash[0]!r} is set by the server")
-        return self._template.render(
+        return self._templates.pick(bool(tools)).render(
             **(extra or {}),
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
