@@ -108,15 +108,35 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "metrics_require_key": "metrics_require_key",
              "tenant_requests_per_minute": "tenant_requests_per_minute",
              "tenant_tokens_per_minute": "tenant_tokens_per_minute",
-             "tls_cert_file": "tls_cert_file", "tls_key_file": "tls_key_file"}
+             "tls_cert_file": "tls_cert_file", "tls_key_file": "tls_key_file",
+             "served_model_name": "served_model_name", "max_num_seqs": "max_num_seqs",
+             "max_model_len": "max_model_len"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     up = sub.add_parser("up", help="start a local Ray Serve cluster and serve the model",
                         argument_default=argparse.SUPPRESS)
-    up.add_argument("--config", help="YAML file of AppConfig settings (flags override it)")
     up.add_argument("--model", help="a .gguf file or a Hugging Face directory (default: "
                                     "built-in SmolLM2-135M-Instruct)")
+    _add_up_arguments(up)
+    # `vllm serve MODEL [flags]`'s shape: the model first, then the same flags as `up`.
+    serve = sub.add_parser("serve", help="`tandem up` with the model first, as `vllm serve "
+                                         "MODEL` takes it (vLLM's flag names where Tandem has "
+                                         "the setting; any other flag is refused)",
+                           argument_default=argparse.SUPPRESS)
+    serve.add_argument("model", help="a .gguf file or a Hugging Face directory")
+    _add_up_arguments(serve)
+
+
+def _add_up_arguments(up: argparse.ArgumentParser) -> None:
+    up.add_argument("--config", help="YAML file of AppConfig settings (flags override it)")
+    up.add_argument("--served-model-name", metavar="NAME",
+                    help="the model's name in the API (default: the model's own id)")
+    up.add_argument("--max-num-seqs", type=int, metavar="N",
+                    help="sequences an engine runs at once (32)")
+    up.add_argument("--max-model-len", type=int, metavar="N",
+                    help="the longest prompt + output, in tokens (default: the model's, "
+                         "capped by what the KV cache holds)")
     up.add_argument("--dtype", choices=["float32", "bfloat16"])
     up.add_argument("--device", choices=["auto", "cpu", "cuda"],
                     help="where engines run (auto: cuda when a worker sees a GPU)")
@@ -149,7 +169,7 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     up.add_argument("--host-kv-cache-gb", type=float, metavar="GB",
                     help="host-memory KV tier per engine: evicted prefix-cache blocks kept in "
                          "this much host RAM and copied back on a hit (default 0: off)")
-    up.add_argument("--tensor-parallel-size", type=int, metavar="N",
+    up.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
                     help="ranks per engine (prefill, decode, colocated): heads and MLP "
                          "split over N processes, a GPU each on CUDA (default 1)")
     up.add_argument("--routing-policy", choices=ROUTING_POLICIES,

@@ -220,3 +220,37 @@ def test_a_shape_in_the_config_file_is_kept(tmp_path: Path):
     config.write_text("colocated: false\n")
     settings = _up_settings("--config", str(config))
     assert default_shape(settings, cpus=2, gpu=False) == (settings, None)
+
+
+def test_serve_takes_a_vllm_serve_command_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # `tandem serve MODEL` with vLLM's names for the settings Tandem has; the same settings as
+    # `tandem up --model MODEL` with them.
+    import argparse
+
+    from services.cli import _add_up_parser, up_settings
+
+    parser = argparse.ArgumentParser()
+    _add_up_parser(parser.add_subparsers())
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    flags = ["--served-model-name", "smol", "--max-num-seqs", "8", "--max-model-len", "2048",
+             "-tp", "1", "--max-num-batched-tokens", "256", "--kv-cache-dtype", "int8",
+             "--dtype", "bfloat16", "--port", "8100"]
+    served = up_settings(parser.parse_args(["serve", str(model), *flags]))
+    assert served == up_settings(parser.parse_args(["up", "--model", str(model), *flags]))
+    assert served == {"model": str(model), "served_model_name": "smol", "max_num_seqs": 8,
+                      "max_model_len": 2048, "tensor_parallel_size": 1,
+                      "max_num_batched_tokens": 256, "kv_cache_dtype": "int8",
+                      "dtype": "bfloat16", "port": 8100}
+    config = AppConfig.from_dict(served, "command line")
+    assert (config.served_model_name, config.max_num_seqs, config.max_model_len) == (
+        "smol", 8, 2048)
+
+
+def test_a_vllm_flag_tandem_lacks_is_refused_naming_it(capsys) -> None:  # type: ignore[no-untyped-def]
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "/some/model", "--gpu-memory-utilization", "0.9"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --gpu-memory-utilization 0.9" in capsys.readouterr().err
