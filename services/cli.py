@@ -137,7 +137,9 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--max-model-len", type=int, metavar="N",
                     help="the longest prompt + output, in tokens (default: the model's, "
                          "capped by what the KV cache holds)")
-    up.add_argument("--dtype", choices=["float32", "bfloat16"])
+    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                    help="auto (default): bfloat16 on a GPU and on a CPU where our kernels run "
+                         "(AVX-512 BF16), else float32; the ready line says which and why")
     up.add_argument("--device", choices=["auto", "cpu", "cuda"],
                     help="where engines run (auto: cuda when a worker sees a GPU)")
     up.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),

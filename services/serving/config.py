@@ -25,7 +25,7 @@ from services.kv_transfer.factory import TRANSPORTS
 if TYPE_CHECKING:
     from services.gateway.tls import ServerTLS
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -36,7 +36,9 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class AppConfig:
     model: str | None = None  # .gguf file or HF directory; None: the built-in model
-    dtype: str = "float32"
+    # auto: bfloat16 on a GPU, and on a CPU where our kernels run (AVX-512 BF16: the fast
+    # path), else float32; float32 when asked (exact against transformers' float32)
+    dtype: str = "auto"
     device: str = "auto"  # where engines run: auto (cuda when the worker sees a GPU) | cpu | cuda
     # auto (triton on CUDA, torch on CPU) | torch | triton | flash_attn (the flash-attn package;
     # blocks of a multiple of 256 tokens: block_size defaults to 256 with it)
@@ -145,7 +147,7 @@ class AppConfig:
         if self.kv_cache_dtype == "int8" and self.attention_backend in ("flash_attn", "cpu"):
             raise ConfigError(f"kv_cache_dtype int8 needs attention_backend auto, triton or "
                               f"torch ({self.attention_backend} reads only a 16-bit cache)")
-        if self.attention_backend == "cpu" and self.dtype != "bfloat16":
+        if self.attention_backend == "cpu" and self.dtype not in ("bfloat16", "auto"):
             raise ConfigError(f"attention_backend cpu needs dtype bfloat16 (its kernel reads a "
                               f"bfloat16 cache), got {self.dtype!r}")
         _at_least("host_kv_cache_gb", self.host_kv_cache_gb, 0)
@@ -216,7 +218,8 @@ class AppConfig:
                               f"got {self.redis_url!r}")
 
     def _check_int4(self) -> None:
-        refused = [(self.dtype != "bfloat16", f"dtype {self.dtype!r} (use bfloat16)"),
+        refused = [(self.dtype not in ("bfloat16", "auto"), f"dtype {self.dtype!r} (use "
+                                                             f"bfloat16)"),
                    (self.device == "cuda", "device 'cuda' (use cpu or auto on a CPU)"),
                    (self.tensor_parallel_size != 1,
                     f"tensor_parallel_size {self.tensor_parallel_size} (use 1)"),
@@ -233,7 +236,7 @@ class AppConfig:
         speculative = SpeculativeConfig(method=self.spec if decodes else "none", k=self.spec_k,
                                         draft_model=self.draft_model)
         return EngineConfig(speculative=speculative, device=self.engine_device(),
-            model=self.model, dtype=self.dtype, block_size=self.block_size,
+            model=self.model, dtype=self.engine_dtype()[0], block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
             kv_cache_dtype=self.kv_cache_dtype, host_kv_cache_gb=self.host_kv_cache_gb,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
@@ -284,6 +287,21 @@ class AppConfig:
         """Engine ranks of the shape on one machine."""
         tp = self.tensor_parallel_size
         return tp * (1 if self.colocated else self.prefill_replicas + self.decode_replicas)
+
+    def engine_dtype(self) -> tuple[str, str]:
+        """The engines' dtype and why it was chosen ("" when set): ``dtype``, or for auto
+        (resolved where the engine is built) bfloat16 on a GPU and on a CPU where our kernels
+        run, else float32."""
+        if self.dtype != "auto":
+            return self.dtype, ""
+        if self.engine_device() == "cuda":
+            return "bfloat16", "auto on a GPU"
+        from services.engine import cpu_kernels
+
+        reason = cpu_kernels.unavailable_reason()
+        if reason is None:
+            return "bfloat16", "auto: our CPU kernels run here"
+        return "float32", f"auto: our CPU kernels cannot run here ({reason})"
 
     def engine_device(self) -> str:
         """Resolved where the engine is built (a GPU worker pod, not the machine that wrote

@@ -96,6 +96,8 @@ def ready_line(config: AppConfig) -> str:
         shape += " (+1 for our CPU kernels)"
     if config.threads_per_worker is None:
         shape += f", from {len(os.sched_getaffinity(0))} CPUs"
+    dtype, why = config.engine_dtype()
+    shape += f"; dtype {dtype}" + (f" ({why})" if why else "")
     keys = "API keys on" if config.api_keys_file else "no API keys"
     tls = "" if config.tls_cert_file is None else " (TLS)"
     return (f"Tandem ready: HTTP {config.http_url()}/v1  "

@@ -44,17 +44,22 @@ class UpProcess:
     @classmethod
     def from_settings(cls, root: Path, settings: dict[str, object],
                       env: dict[str, str] | None = None) -> UpProcess:
-        """`tandem up --config` with ``settings`` written to ``root``/tandem.yaml (not started)."""
+        """`tandem up --config` with ``settings`` written to ``root``/tandem.yaml (not started);
+        float32 unless they name a dtype (``start``)."""
         config = root / "tandem.yaml"
-        config.write_text(yaml.safe_dump(settings))
+        config.write_text(yaml.safe_dump({"dtype": "float32", **settings}))
         return cls(["--config", str(config)], root / "tandem-up.log", env=env or {})
 
     def start(self) -> UpProcess:
         port, grpc_port = free_port(), free_port()
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", **self.env}
         started = time.monotonic()
+        # float32 unless the test names a dtype: the clusters' outputs are compared with
+        # transformers' float32 ones (plain `tandem up` would pick bfloat16 on this machine).
+        named = "--dtype" in self.args or "--config" in self.args
         self.process = subprocess.Popen(
-            [str(TANDEM), "up", "--port", str(port), "--grpc-port", str(grpc_port), *self.args],
+            [str(TANDEM), "up", "--port", str(port), "--grpc-port", str(grpc_port),
+             *([] if named else ["--dtype", "float32"]), *self.args],
             stdout=subprocess.PIPE, stderr=self.log_path.open("w"), text=True, env=env)
         line = _read_line(self.process, self.ready_timeout_s)
         match = READY.match(line or "")

@@ -63,12 +63,12 @@ def test_engine_threads_come_from_the_cpus_unless_set():
     with pytest.raises(ConfigError, match="threads_per_worker must be >= 1"):
         AppConfig(threads_per_worker=0)
     # `tandem up` says which shape it chose, and from what.
-    line = ready_line(AppConfig(kernel_threads=1))
+    line = ready_line(AppConfig(kernel_threads=1, dtype="float32"))
     assert line.endswith(f"(1 prefill, 1 decode; {max(1, (cpus - 1) // 2)} torch thread"
                          f"{'s' if (cpus - 1) // 2 > 1 else ''} per engine, from {cpus} CPUs; "
-                         "no API keys)")
-    assert ready_line(AppConfig(colocated=True, threads_per_worker=2)).endswith(
-        "(colocated; 2 torch threads per engine; no API keys)")
+                         "dtype float32; no API keys)")
+    assert ready_line(AppConfig(colocated=True, threads_per_worker=2, dtype="bfloat16")).endswith(
+        "(colocated; 2 torch threads per engine; dtype bfloat16; no API keys)")
     keyed = AppConfig(api_keys_file="keys", cluster_secret_file="secret")
     assert ready_line(keyed).endswith("; API keys on)")
 
@@ -82,9 +82,9 @@ def test_kernel_threads_take_a_cpu_an_engine_of_one_thread_leaves(monkeypatch) -
     # prefill and a decode engine already have a CPU each.
     assert on(2, colocated=True).engine_kernel_threads() == 2
     assert on(2, colocated=True).engine_config().kernel_threads == 2
-    assert ready_line(on(2, colocated=True)).endswith(
+    assert ready_line(on(2, colocated=True, dtype="bfloat16")).endswith(
         "(colocated; 1 torch thread per engine (+1 for our CPU kernels), from 2 CPUs; "
-        "no API keys)")
+        "dtype bfloat16; no API keys)")
     assert on(2).engine_kernel_threads() == 1
     assert on(4).engine_kernel_threads() == 2  # 1 torch thread each, 2 CPUs each
     assert on(8).engine_kernel_threads() == 1  # 3 torch threads each: oneDNN's projections
@@ -138,8 +138,9 @@ def test_tensor_parallel_size_reaches_every_engine_and_their_threads():
     cpus = len(os.sched_getaffinity(0))
     assert config.engine_threads() == max(1, (cpus - 1) // 4)  # 2 prefill + 2 decode ranks
     assert config.replace(colocated=True).engine_threads() == max(1, (cpus - 1) // 2)
-    assert ready_line(config.replace(threads_per_worker=1)).endswith(
-        "(1 prefill, 1 decode (2 ranks each); 1 torch thread per engine rank; no API keys)")
+    assert ready_line(config.replace(threads_per_worker=1, dtype="float32")).endswith(
+        "(1 prefill, 1 decode (2 ranks each); 1 torch thread per engine rank; dtype float32; "
+        "no API keys)")
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -185,7 +186,8 @@ def test_weight_format_up_flag_reaches_the_engine_config():
     default = AppConfig.from_dict(_up_settings(), "-")
     assert default.weight_format == "dense" and default.engine_config().weight_format == "dense"
     with pytest.raises(ConfigError, match="weight_format int4 does not support dtype 'float32'"):
-        AppConfig.from_dict(_up_settings("--weight-format", "int4"), "command line")
+        AppConfig.from_dict(_up_settings("--weight-format", "int4", "--dtype", "float32"),
+                            "command line")
 
 
 def test_tandem_up_without_a_shape_colocates_on_a_small_cpu_machine():
@@ -254,3 +256,25 @@ def test_a_vllm_flag_tandem_lacks_is_refused_naming_it(capsys) -> None:  # type:
         main(["serve", "/some/model", "--gpu-memory-utilization", "0.9"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --gpu-memory-utilization 0.9" in capsys.readouterr().err
+
+
+def test_dtype_auto_is_the_fast_path_where_it_runs_and_says_why() -> None:
+    from services.engine import cpu_kernels
+
+    # The default: bfloat16 where our CPU kernels run (this machine's AVX-512 BF16), else
+    # float32; an explicit dtype is taken as it is, float32 (exact against transformers) too.
+    reason = cpu_kernels.unavailable_reason()
+    default = AppConfig()
+    assert default.dtype == "auto"
+    dtype, why = default.engine_dtype()
+    assert default.engine_config().dtype == dtype
+    if reason is None:
+        assert (dtype, why) == ("bfloat16", "auto: our CPU kernels run here")
+    else:
+        assert dtype == "float32" and reason in why
+    assert f"; dtype {dtype} ({why}); " in ready_line(default)
+    assert AppConfig(dtype="float32").engine_config().dtype == "float32"
+    assert AppConfig(dtype="float32").engine_dtype() == ("float32", "")
+    assert AppConfig(device="cpu", weight_format="int4").weight_format == "int4"  # auto allows
+    with pytest.raises(ConfigError, match="dtype must be one of auto, float32, bfloat16"):
+        AppConfig(dtype="float16")
