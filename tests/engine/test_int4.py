@@ -223,7 +223,8 @@ def test_int4_is_refused_where_it_does_not_apply(tmp_path) -> None:  # type: ign
     with pytest.raises(ValueError, match="weight_format must be one of dense, int4"):
         EngineConfig(weight_format="q4")
     with pytest.raises(ConfigError, match="weight_format int4 does not support dtype"):
-        AppConfig(weight_format="int4")
+        AppConfig(weight_format="int4", dtype="float32")
+    assert AppConfig(weight_format="int4").dtype == "auto"  # bfloat16 where int4 can run
     with pytest.raises(ConfigError, match="weight_format int4 does not support device"):
         AppConfig(weight_format="int4", dtype="bfloat16", device="cuda")
     with pytest.raises(ConfigError, match="Hugging Face directory"):
