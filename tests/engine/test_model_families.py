@@ -45,18 +45,24 @@ def test_tiny_hf_models_match_transformers(family, tmp_path, loaded_model):
     assert loaded.config.attention_bias == (family == "qwen2")
     if family == "llama3":
         assert loaded.config.rope_scaling and loaded.config.rope_scaling["rope_type"] == "llama3"
+    # Positions past 64 exercise the Llama-3 long-context frequencies.
+    assert_greedy_matches_transformers(hf, loaded, prompt_len=150, max_tokens=12, seed=1)
+
+
+def assert_greedy_matches_transformers(hf, loaded, prompt_len: int, max_tokens: int,  # type: ignore[no-untyped-def]
+                                       seed: int) -> None:
+    """Our engine's greedy tokens and logprobs on ``loaded`` against a teacher-forced
+    transformers pass of ``hf`` over the same tokens (a random prompt)."""
     engine = LLMEngine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48), loaded)
-    prompt = [int(t) for t in torch.randint(3, 49152, (150,), generator=torch.Generator()
-                                             .manual_seed(1))]
-    engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0,
+    prompt = [int(t) for t in torch.randint(3, 49152, (prompt_len,),
+                                             generator=torch.Generator().manual_seed(seed))]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                    ignore_eos=True, logprobs=0))
     tokens, logprobs = [], []
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens += out.new_token_ids
             logprobs += [lp.logprob for lp in out.new_logprobs]
-    # Teacher-forced transformers pass over the same tokens (positions past 64 exercise the
-    # Llama-3 long-context frequencies).
     with torch.inference_mode():
         ids = torch.tensor([prompt + tokens[:-1]])
         ref = hf(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)

@@ -12,11 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
 from services.engine.model_loader import ModelLoadError, load_model
-from services.engine.sampling_params import SamplingParams
-from tests.engine.test_model_families import tiny_model
+from tests.engine.test_model_families import assert_greedy_matches_transformers, tiny_model
 
 BLOCK = 16  # the tiny models' dimensions (64, 128) are multiples of it
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -75,22 +72,7 @@ def test_fp8_checkpoints_load_dequantized_and_match_transformers(layout, tmp_pat
     for name, expected in dequantized.items():
         assert torch.equal(loaded.weights[name], expected), name
     assert not any(n.endswith(("_scale", "_scale_inv")) for n in loaded.weights)
-    engine = LLMEngine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48), loaded)
-    prompt = [int(t) for t in torch.randint(3, 49152, (40,), generator=torch.Generator()
-                                             .manual_seed(2))]
-    engine.add_request("r", prompt, SamplingParams(max_tokens=8, temperature=0.0,
-                                                   ignore_eos=True, logprobs=0))
-    tokens, logprobs = [], []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            logprobs += [lp.logprob for lp in out.new_logprobs]
-    with torch.inference_mode():
-        ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
-        ref = ref.float().log_softmax(-1)
-    ref_lp = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
-    torch.testing.assert_close(torch.tensor(logprobs), ref_lp, atol=1e-4, rtol=0)
-    assert bool((ref.max(-1).values - ref_lp < 1e-3).all())
+    assert_greedy_matches_transformers(hf, loaded, prompt_len=40, max_tokens=8, seed=2)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "bitsandbytes", "compressed-tensors",
