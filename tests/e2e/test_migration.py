@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from services.engine.sampling_params import SamplingParams, StructuredOutput
-from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
+from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, per_worker, wait_for
 
 # A decode stream silent for 8 s is a hung worker (Serve's health check kills one after ~10 s).
 SETTINGS = {"prefill_replicas": 1, "decode_replicas": 2, "kv_transport": "tcp",
@@ -188,9 +188,17 @@ def test_streams_survive_decode_workers_killed_every_10_s(
     kills: list[int] = []
     done: list[tuple[int, list[int]]] = []
 
-    def replaced() -> bool:  # both decode workers up and reporting (with the prefill worker)
+    def replaced() -> bool:  # both decode workers up and reporting (with the prefill worker),
+        # each with streams in flight, so the kill has streams to migrate (a kill that found a
+        # just-replaced worker still idle once migrated none, and the count below failed)
         blocks = metric_values(cluster.http_url, "tandem_kv_cache_blocks")
-        return len(_decode_replicas(cluster)) == 2 and len(blocks) == 3
+        if len(_decode_replicas(cluster)) != 2 or len(blocks) != 3:
+            return False
+        running = per_worker(metric_values(cluster.http_url, "tandem_num_requests_running"))
+        decode = [dict(labels)["worker"] for labels in
+                  metric_values(cluster.http_url, "tandem_worker_info")
+                  if dict(labels)["role"] == "decode"]
+        return len(decode) == 2 and all(running.get(w, 0) > 0 for w in decode)
 
     async def killer() -> None:
         for _ in range(CHURN_KILLS):
