@@ -25,6 +25,11 @@ it finishes (a crash keeps what ran); the last lines are one verdict per target.
   attention, the paged kernel against SDPA's flash kernel on contiguous tensors.
 - ``sweep`` (``--sections ... sweep``): the attention kernel's tile choices and split counts
   timed side by side.
+- ``projections`` (asked for): each projection's weight times 1 and 16 rows, cuBLAS against
+  our Triton kernel (``engine/triton_linear.py``) at its default tile and a sweep of tiles, in
+  GB/s of weight read; then decode steps through CUDA graphs with every projection ours.
+- ``profile`` (asked for): torch.profiler's kernel table of batch-1 decode steps, eager and
+  graphed (``--out``/profile_*.txt).
 
 Targets (issue 42; benchmark figures, not tests): decode <= 1.15x the floor at batch 1 and
 64; prefill attention >= 0.8x SDPA's flash kernel; every numeric check ok.
@@ -33,6 +38,7 @@ Targets (issue 42; benchmark figures, not tests): decode <= 1.15x the floor at b
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import importlib.util
@@ -49,6 +55,7 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
+from services.engine import triton_linear
 from services.engine.attention import (
     StepMetadata,
     build_step_metadata,
@@ -600,13 +607,158 @@ def sweep(plan: Plan, report: Report) -> None:
                    vs_sdpa=round(sdpa_ms / paged_ms, 3))
 
 
+# -- projections: our Triton kernel for a few rows against cuBLAS --------------------------------
+
+L2_BYTES = 256 << 20  # more than any GPU's L2: a timing cycles through this much weight
+PROJECTION_CONFIGS = {  # rows bucket -> the tile choices the sweep times
+    1: [triton_linear.LaunchConfig(n, k, w, 3) for n in (16, 32, 64) for k in (256, 512)
+        for w in (4, 8)],
+    16: [triton_linear.LaunchConfig(n, k, 4, s) for n in (16, 32, 64) for k in (64, 128)
+         for s in (3, 4)],
+}
+
+
+def projection_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
+    layer = model.layers[0]
+    return {"qkv": layer.qkv.weight, "o": layer.o.weight, "gate_up": layer.gate_up.weight,
+            "down": layer.down.weight, "head": model.lm_head}
+
+
+def check_projections(plan: Plan, report: Report, model: LlamaModel) -> None:
+    """Each projection's weight times 1 and 16 rows: cuBLAS (F.linear) against our kernel
+    (triton_linear) at its default tile and at each tile of the sweep, in GB/s of weight read
+    (a timing cycles through copies of the weight larger than the L2 together). Numerics: our
+    error against a float32 product at most twice cuBLAS's. The best tile per shape goes into
+    ``triton_linear.TUNED`` for the decode figures after."""
+    configs = {r: cs[:2] for r, cs in PROJECTION_CONFIGS.items()} if plan.tiny \
+        else PROJECTION_CONFIGS
+    gen = torch.Generator(plan.device).manual_seed(3)
+    for rows in (1, 16):
+        for name, weight in projection_weights(model).items():
+            n, k = weight.shape
+            extra = 0 if plan.tiny else min(7, -(-L2_BYTES // weight.nbytes) - 1)
+            copies = [weight] + [torch.randn(weight.shape, generator=gen, device=plan.device)
+                                 .mul_(0.02).to(weight.dtype) for _ in range(extra)]
+            x = torch.randn(rows, k, generator=gen, device=plan.device).to(weight.dtype)
+            reference = x.float() @ weight.float().T
+            scale = reference.abs().max().item()
+
+            def error(out: torch.Tensor, ref: torch.Tensor = reference, s: float = scale
+                      ) -> float:
+                return (out.float() - ref).abs().max().item() / s
+
+            def per_call_ms(op: Callable[[torch.Tensor], torch.Tensor],
+                            ws: list[torch.Tensor] = copies) -> float:
+                graph = _capture(plan)(lambda: [op(w) for w in ws][-1])
+                return timed_ms(graph, plan) / len(ws)
+
+            row: dict[str, Any] = {"rows": rows, "projection": name, "n": n, "k": k,
+                                   "weight_mb": round(weight.nbytes / 2**20, 1)}
+            row["err_cublas"] = error(F.linear(x, weight))
+            row["err_triton"] = error(triton_linear.linear(x, weight))
+            row["cublas_ms"] = round(per_call_ms(functools.partial(F.linear, x)), 4)
+            row["triton_default_ms"] = round(per_call_ms(
+                functools.partial(triton_linear.linear, x)), 4)
+            best = (row["triton_default_ms"], triton_linear.launch_config(rows, n, k))
+            for config in configs[rows]:
+                try:
+                    err = error(triton_linear.linear(x, weight, config=config))
+                    ms = per_call_ms(functools.partial(triton_linear.linear, x, config=config))
+                except Exception as exc:  # a tile past the chip's limits: say so, go on
+                    report.add("projections_sweep", rows=rows, projection=name,
+                               config=config.__dict__, error=repr(exc)[:200])
+                    continue
+                if err > max(2 * row["err_cublas"], 1e-6):  # a wrong tile is never the best
+                    report.add("projections_sweep", rows=rows, projection=name,
+                               config=config.__dict__, err=err, ok=False)
+                    continue
+                best = min(best, (ms, config), key=lambda b: b[0])
+            triton_linear.TUNED[(triton_linear.rows_bucket(rows), n, k)] = best[1]
+            row |= {"triton_best_ms": round(best[0], 4), "best_config": best[1].__dict__,
+                    "cublas_gb_s": round(weight.nbytes / row["cublas_ms"] / 1e6, 1),
+                    "triton_best_gb_s": round(weight.nbytes / best[0] / 1e6, 1),
+                    "best_vs_cublas_speed": round(row["cublas_ms"] / best[0], 3),
+                    "ok": row["err_triton"] <= max(2 * row["err_cublas"], 1e-6)}
+            report.add("projections", **row)
+            del copies
+    triton_model = with_triton_projections(model)
+    bandwidth = report.section("bandwidth")[-1]["copy_gb_s"] * 1e9
+    most = 16 * (max(plan.contexts) + 1)
+    cache = random_cache(plan, -(-most // plan.block_size) + 16)
+    for batch in (1, 16) if not plan.tiny else (1,):
+        for context in plan.contexts:
+            blocks = -(-(context + 1) // plan.block_size)
+            floor_ms = step_read_bytes(model, batch * (context + 1), plan) / bandwidth * 1e3
+            graphs = DecodeGraphs(triton_model, cache, plan.block_size, batch, context + 1,
+                                  plan.device, capture=_capture(plan))
+            tables = [list(range(s * blocks, (s + 1) * blocks)) for s in range(batch)]
+            ms = timed_ms(functools.partial(graphs.run, [5] * batch, [context + 1] * batch,
+                                            tables), plan)
+            report.add("decode_triton_projections", batch=batch, context=context,
+                       floor_ms=round(floor_ms, 3), projections_graph_ms=round(timed_ms(
+                           _capture(plan)(_projections(triton_model, batch)), plan), 3),
+                       triton_graph_ms=round(ms, 3), triton_graph_x_floor=round(ms / floor_ms, 3))
+            del graphs
+
+
+def with_triton_projections(model: LlamaModel) -> LlamaModel:
+    """The same weights, every projection through ``triton_linear`` (up to 16 rows)."""
+    def swap(p: Any) -> triton_linear.TritonLinear:
+        return triton_linear.TritonLinear.of(p.weight, p.bias)
+
+    other = copy.copy(model)
+    other.layers = [dataclasses.replace(layer, qkv=swap(layer.qkv), o=swap(layer.o),
+                                        gate_up=swap(layer.gate_up), down=swap(layer.down))
+                    for layer in model.layers]
+    other.head = swap(model.head)
+    return other
+
+
+def profile_decode(plan: Plan, report: Report, model: LlamaModel, out: Path) -> None:
+    """Where a batch-1 decode step's device time goes: torch.profiler's kernel table of three
+    steps, eager and through a CUDA graph (written to ``out``/profile_*.txt; the top kernels
+    reported)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    context = min(plan.contexts)
+    cache = random_cache(plan, -(-(context + 1) // plan.block_size))
+    inputs = uniform_step(plan, [(1, context + 1)], 1)
+    graphs = DecodeGraphs(model, cache, plan.block_size, 1, context + 1, plan.device,
+                          capture=_capture(plan))
+    table = [list(range(-(-(context + 1) // plan.block_size)))]
+    runs = {"eager": forward(model, inputs, cache),
+            "graph": functools.partial(graphs.run, [5], [context + 1], table)}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if plan.device == "cuda"
+                                           else [])
+    for label, fn in runs.items():
+        for _ in range(2):
+            fn()
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                fn()
+            if plan.device == "cuda":
+                torch.cuda.synchronize()
+        averages = prof.key_averages()
+        key = "device_time_total" if plan.device == "cuda" else "cpu_time_total"
+        text = averages.table(sort_by=key, row_limit=40)
+        (out / f"profile_{label}.txt").write_text(text)
+        kernels = [e for e in averages if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        kernels = kernels or list(averages)  # on a CPU: the ops
+        top = sorted(kernels, key=lambda e: -getattr(e, key))[:12]
+        report.add("profile", run=label, steps=3,
+                   kernel_us_per_step=round(sum(getattr(e, key) for e in kernels) / 3, 1),
+                   launches_per_step=round(sum(e.count for e in kernels) / 3, 1),
+                   top=[{"name": e.key[:60], "calls": e.count, "us": round(getattr(e, key), 1)}
+                        for e in top])
+
+
 # -- verdicts ----------------------------------------------------------------------------------
 
 def verdicts(plan: Plan, report: Report) -> bool:
     """One line per target; True when every one is met."""
     lines: list[tuple[str, bool]] = []
     checks = [r for r in report.rows if r["section"] in ("kernels", "sampler", "recompiles",
-                                                         "agreement") and "ok" in r]
+                                                         "agreement", "projections") and "ok" in r]
     failed = [r for r in checks if not r["ok"]]
     lines.append((f"numerics: {len(checks) - len(failed)} of {len(checks)} checks ok"
                   + (f" (failed: {[r.get('case', r['section']) for r in failed]})"
@@ -631,10 +783,12 @@ def verdicts(plan: Plan, report: Report) -> bool:
     return all(met for _, met in lines)
 
 
-SECTIONS = ("kernels", "sampler", "sweep", "recompiles", "decode", "prefill", "agreement")
+SECTIONS = ("kernels", "sampler", "sweep", "recompiles", "decode", "prefill", "agreement",
+            "projections", "profile")
+OPTIONAL = ("sweep", "projections", "profile")  # tile sweeps and the profiler's tables
 
 
-def run(plan: Plan, report: Report, sections: set[str]) -> bool:
+def run(plan: Plan, report: Report, sections: set[str], out: Path) -> bool:
     """The sections asked for, then the verdicts; True when every numeric check passed (the
     timings are figures: the verdicts say which targets were met)."""
     import triton
@@ -657,6 +811,10 @@ def run(plan: Plan, report: Report, sections: set[str]) -> bool:
         decode_timings(plan, report, model, bandwidth)
     if "prefill" in sections:
         prefill_timings(plan, report, model)
+    if "projections" in sections:
+        check_projections(plan, report, model)
+    if "profile" in sections:
+        profile_decode(plan, report, model, out)
     if "agreement" in sections:  # last: a device fault there leaves every figure above
         check_agreement(plan, report, model)
     verdicts(plan, report)
@@ -668,8 +826,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true",
                    help="a toy model on the CPU (needs TRITON_INTERPRET=1): the script's own test")
     p.add_argument("--sections", nargs="+", choices=SECTIONS,
-                   default=[x for x in SECTIONS if x != "sweep"],
-                   help="what to run (default: all but sweep, the tile choices side by side)")
+                   default=[x for x in SECTIONS if x not in OPTIONAL],
+                   help="what to run (default: all but sweep, projections and profile)")
     p.add_argument("--layers", type=int, default=None,
                    help="the model's layers (default: all 32; fewer for a quick look)")
     p.add_argument("--out", type=Path, default=Path("results/gpu_check"),
@@ -687,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.layers is not None:
             plan = dataclasses.replace(plan, config=dataclasses.replace(
                 plan.config, num_layers=args.layers))
-        ok = run(plan, Report(file), set(args.sections))
+        ok = run(plan, Report(file), set(args.sections), args.out)
     print(json.dumps({"ok": ok, "out": str(path)}), flush=True)
     return 0 if ok else 1
 

@@ -44,6 +44,14 @@ def test_tiny_run_checks_and_times_every_section(tmp_path: Path,
                for row in by["decode"])
     assert by["prefill"][0]["triton_tokens_per_s"] > 0
     assert {r["kind"] for r in by["sweep"]} == {"decode", "decode_splits", "prefill"}
+    projections = {(r["rows"], r["projection"]) for r in by["projections"]}
+    assert projections == {(rows, name) for rows in (1, 16)
+                           for name in ("qkv", "o", "gate_up", "down", "head")}
+    assert all(r["ok"] and r["triton_best_ms"] > 0 for r in by["projections"])
+    assert [r["batch"] for r in by["decode_triton_projections"]] == [1, 1]  # two contexts
+    assert {r["run"] for r in by["profile"]} == {"eager", "graph"}
+    assert all(r["launches_per_step"] > 0 for r in by["profile"])
+    assert (tmp_path / "profile_graph.txt").read_text()
     # One verdict per target: numerics, decode at batch 1 and the largest batch per context,
     # prefill per prompt; each also printed as a VERDICT line.
     verdicts = by["verdict"]
