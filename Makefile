@@ -23,7 +23,7 @@ test: test-setup lint
 	.venv/bin/pytest -q --durations=25
 
 bench: setup
-	$(PY) -m loadtest.engine_bench
+	$(PY) -m tandem.loadtest.engine_bench
 
 # The Helm chart and Dockerfile checks alone (real helm, Kubernetes and KubeRay schemas, hadolint).
 helm-check: test-setup
@@ -34,4 +34,4 @@ helm-check: test-setup
 # against the HBM floor and SDPA, one JSON line per check in $(OUT) (docs/operations.md).
 OUT ?= results/gpu_check
 gpu-check:
-	python3 -m loadtest.gpu_check --sections kernels sampler sweep recompiles decode prefill agreement --out $(OUT)
+	python3 -m tandem.loadtest.gpu_check --sections kernels sampler sweep recompiles decode prefill agreement --out $(OUT)

@@ -1,7 +1,7 @@
 """`tandem batch` (in-process engine) against the online cluster (`tandem up --colocated`) at
 saturation, on the same requests: output tokens/s of each, and their ratio.
 
-    python -m loadtest.batch_vs_online [--requests 96] [--output-len 32] [--rounds 2]
+    python -m tandem.loadtest.batch_vs_online [--requests 96] [--output-len 32] [--rounds 2]
 
 Each round runs `tandem batch --restart` as a subprocess (the tokens/s of its summary line: the
 requests' time, without loading the model), then starts `tandem up --colocated` and sends the
@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.tandem_up import TandemUp
-from services.batch import batch_file, runner
+from tandem.loadtest.tandem_up import TandemUp
+from tandem.services.batch import batch_file, runner
 
 TANDEM = Path(sys.executable).with_name("tandem")
 SUMMARY = re.compile(r"(\d+) requests \((\d+) failed\).* ([\d.]+) output tokens/s")
@@ -83,7 +83,7 @@ def online_round(requests: list[batch_file.BatchRequest], workdir: Path, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.batch_vs_online",
+    parser = argparse.ArgumentParser(prog="python -m tandem.loadtest.batch_vs_online",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=32)

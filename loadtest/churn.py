@@ -8,7 +8,7 @@ none), migrations by reason, the time from a worker's death to a migrated stream
 recomputed vs found in their prefix caches: a migration recomputes the prompt and the tokens
 sent, unless cached), and whether every KV block is free at the end.
 
-    python -m loadtest.churn --requests 64 --kill-every 30 --out results/churn
+    python -m tandem.loadtest.churn --requests 64 --kill-every 30 --out results/churn
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.bench.arrivals import Load
-from loadtest.bench.cli import prompt_maker
-from loadtest.bench.clients import ClientOptions, Target, make_client
-from loadtest.bench.runner import run_workload
-from loadtest.bench.workloads import LengthRange, WorkloadSpec, build_workload
-from loadtest.tandem_up import LaunchError, TandemUp
+from tandem.loadtest.bench.arrivals import Load
+from tandem.loadtest.bench.cli import prompt_maker
+from tandem.loadtest.bench.clients import ClientOptions, Target, make_client
+from tandem.loadtest.bench.runner import run_workload
+from tandem.loadtest.bench.workloads import LengthRange, WorkloadSpec, build_workload
+from tandem.loadtest.tandem_up import LaunchError, TandemUp
 
-PROG = "python -m loadtest.churn"
+PROG = "python -m tandem.loadtest.churn"
 
 
 def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -1,6 +1,6 @@
 """Decode step time with the torch backend's decode rows against gathering every step.
 
-    python -m loadtest.decode_rows_bench [--dtype bfloat16] [--batches 1 8 32]
+    python -m tandem.loadtest.decode_rows_bench [--dtype bfloat16] [--batches 1 8 32]
         [--contexts 250 1000] [--rounds 8]
 
 For each batch size and context length, two engines on the same weights hold the same
@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.sampling_params import SamplingParams
 
 STEPS_PER_ROUND = 5
 

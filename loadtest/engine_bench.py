@@ -1,12 +1,13 @@
 """Offline engine benchmark: Tandem's engine against transformers' batched generate, same run.
 
-    python -m loadtest.engine_bench [--dtypes float32 bfloat16] [--num-requests 64]
+    python -m tandem.loadtest.engine_bench [--dtypes float32 bfloat16] [--num-requests 64]
         [--attention-backends torch cpu] ...
 
 Reports output tokens/s for both and their ratio, decode step time at batch 1 and 32 against the
 model forward alone (engine overhead), and prefill tokens/s for a 1,000-token prompt.
 
-    python -m loadtest.engine_bench --weight-formats dense int4 [--batches 1 8 32] [--rounds 5]
+    python -m tandem.loadtest.engine_bench --weight-formats dense int4 [--batches 1 8 32] \
+        [--rounds 5]
 
 instead compares weight formats (bfloat16, the built-in model loaded once with int4, so dense
 runs the very same weights, dequantized from the packs): decode tok/s per batch size, rounds
@@ -23,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.config import ATTENTION_BACKENDS, WEIGHT_FORMATS, EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.config import ATTENTION_BACKENDS, WEIGHT_FORMATS, EngineConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.sampling_params import SamplingParams
 
 
 @dataclass

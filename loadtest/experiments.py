@@ -1,7 +1,8 @@
-"""Tandem configurations side by side on one workload: ``python -m loadtest.experiments NAME``.
+"""Tandem configurations side by side on one workload:
+``python -m tandem.loadtest.experiments NAME``.
 
-    python -m loadtest.experiments disagg-vs-colocated --out bench-results/disagg
-    python -m loadtest.experiments prefix-vs-roundrobin --out bench-results/prefix
+    python -m tandem.loadtest.experiments disagg-vs-colocated --out bench-results/disagg
+    python -m tandem.loadtest.experiments prefix-vs-roundrobin --out bench-results/prefix
 
 Each experiment starts every configuration with ``tandem up --config FILE`` (a subprocess on
 free loopback ports, the YAML written to ``OUT/configs/``), runs the same deterministic
@@ -20,13 +21,13 @@ of the figures the experiment is about (each against the first configuration) on
 - ``tandem-vs-vllm``: vLLM's CPU backend (``--vllm``: its own venv), and llama.cpp's
   ``llama-server`` with ``--llama-server``, against ``tandem up`` in the shapes ``--tandem``
   names (1P+1D and colocated; ``default``: no shape, ``tandem up``'s own choice), on the same
-  weights (``loadtest.export_hf``; llama.cpp: the GGUF itself) and prompts; output tok/s, TTFT
-  and ITL at concurrency 1, 8 and 32.
+  weights (``tandem.loadtest.export_hf``; llama.cpp: the GGUF itself) and prompts; output
+  tok/s, TTFT and ITL at concurrency 1, 8 and 32.
 - ``tandem-vs-vllm-prefix``: the same servers on the multi-tenant shared-prefix workload
   (every tenant's system prompt cached by all of them after its first request); TTFT and the
   prefix-cache hit rate the responses report.
 
-``python -m loadtest.peer_compare`` runs the last two and checks issue 16's targets.
+``python -m tandem.loadtest.peer_compare`` runs the last two and checks issue 16's targets.
 """
 
 from __future__ import annotations
@@ -43,19 +44,19 @@ from typing import Any
 
 import yaml
 
-from loadtest.bench import cli as bench
-from loadtest.bench.clients import Target, TargetError
-from loadtest.bench.compare import Metric, ratio
-from loadtest.bench.metrics import Summary
-from loadtest.bench.results import Cell
-from loadtest.bench.server_metrics import RoleCounters
-from loadtest.export_hf import export
-from loadtest.peers import LlamaCppServer, VllmServer
-from loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
-from services.engine.model_loader import load_model
-from services.engine.tokenizer_loader import builtin_model_path
+from tandem.loadtest.bench import cli as bench
+from tandem.loadtest.bench.clients import Target, TargetError
+from tandem.loadtest.bench.compare import Metric, ratio
+from tandem.loadtest.bench.metrics import Summary
+from tandem.loadtest.bench.results import Cell
+from tandem.loadtest.bench.server_metrics import RoleCounters
+from tandem.loadtest.export_hf import export
+from tandem.loadtest.peers import LlamaCppServer, VllmServer
+from tandem.loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
+from tandem.services.engine.model_loader import load_model
+from tandem.services.engine.tokenizer_loader import builtin_model_path
 
-PROG = "python -m loadtest.experiments"
+PROG = "python -m tandem.loadtest.experiments"
 
 
 @dataclass(frozen=True)
@@ -326,7 +327,7 @@ class Prepared:
 
 def prepare(args: argparse.Namespace) -> Prepared:
     """Check everything that can be checked before any server starts (raises ValueError)."""
-    from services.serving.config import AppConfig  # validates every setting, names the field
+    from tandem.services.serving.config import AppConfig  # validates every setting, names the field
 
     experiment = EXPERIMENTS[args.experiment]
     if args.workload != experiment.workload:

@@ -1,7 +1,7 @@
 """Write a model as a Hugging Face directory, read by our own loader: for peers that take one.
 
-    python -m loadtest.export_hf --out models/smollm2-hf               # the built-in model
-    python -m loadtest.export_hf --model path/to/model.gguf --out DIR --dtype bfloat16
+    python -m tandem.loadtest.export_hf --out models/smollm2-hf               # the built-in model
+    python -m tandem.loadtest.export_hf --model path/to/model.gguf --out DIR --dtype bfloat16
 
 vLLM's CPU backend and transformers serve the same weights as Tandem from this directory
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
@@ -19,9 +19,9 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.model_loader import LoadedModel, load_model
 
-PROG = "python -m loadtest.export_hf"
+PROG = "python -m tandem.loadtest.export_hf"
 
 
 def hf_config(model: LoadedModel, dtype: str) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Gateway overhead: TTFT and ITL through `tandem up` over HTTP versus the engine called directly.
 
-    python -m loadtest.gateway_overhead [--prefill 1 --decode 1] [--requests 32] [--max-tokens 32]
+    python -m tandem.loadtest.gateway_overhead [--prefill 1 --decode 1] [--requests 32] \
+        [--max-tokens 32]
 
 Starts `tandem up` on free loopback ports, reports its time to ready and the idle RSS of every
 process it started, streams greedy completions at concurrency 1 and 16, stops it, then runs the
@@ -26,10 +27,10 @@ from pathlib import Path
 import httpx
 import psutil
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.sampling_params import SamplingParams
 
 READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1")
 

@@ -1,7 +1,7 @@
 """The engine's GPU path on one device: numerics against the torch reference, then timings.
 
-    make gpu-check                                      # = python3 -m loadtest.gpu_check
-    TRITON_INTERPRET=1 python -m loadtest.gpu_check --tiny --out DIR   # the same code on a CPU
+    make gpu-check                            # = python3 -m tandem.loadtest.gpu_check
+    TRITON_INTERPRET=1 python -m tandem.loadtest.gpu_check --tiny --out DIR   # on a CPU
 
 Needs only torch and Triton (no Ray, NIXL or flash-attn; nothing downloaded or carried): a
 model of Llama-3-8B's shape with random bfloat16 weights (``--tiny``: a 2-layer toy in
@@ -55,23 +55,23 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
-from services.engine import triton_linear
-from services.engine.attention import (
+from tandem.services.engine import triton_linear
+from tandem.services.engine.attention import (
     StepMetadata,
     build_step_metadata,
     get_attention_backend,
     triton_kernels,
     triton_ops,
 )
-from services.engine.attention.triton_kernels import LaunchConfig, paged_attention, store_kv
-from services.engine.config import ModelConfig
-from services.engine.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
-from services.engine.kv_cache import KVCache, QuantizedKV, quantize_int8
-from services.engine.model import LlamaModel
-from services.engine.sampler import exponential_noise, sample
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.attention.triton_kernels import LaunchConfig, paged_attention, store_kv
+from tandem.services.engine.config import ModelConfig
+from tandem.services.engine.cuda_graphs import DecodeGraphs, cuda_graph_capture, eager_capture
+from tandem.services.engine.kv_cache import KVCache, QuantizedKV, quantize_int8
+from tandem.services.engine.model import LlamaModel
+from tandem.services.engine.sampler import exponential_noise, sample
+from tandem.services.engine.sampling_params import SamplingParams
 
-PROG = "python3 -m loadtest.gpu_check"
+PROG = "python3 -m tandem.loadtest.gpu_check"
 LLAMA3_8B = ModelConfig("llama-3-8b-shaped", vocab_size=128256, hidden_size=4096,
                         intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                         head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,

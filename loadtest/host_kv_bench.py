@@ -1,7 +1,7 @@
 """Host-memory KV tier: time to first token of a revisited prefix, restored from host memory
 against recomputed.
 
-    python -m loadtest.host_kv_bench [--prefix 2048] [--runs 5] [--dtype bfloat16] ...
+    python -m tandem.loadtest.host_kv_bench [--prefix 2048] [--runs 5] [--dtype bfloat16] ...
 
 Two engines with the same small device KV cache (``--device-blocks``), one with a host pool.
 Each run sends the ``--prefix``-token prompt (cached), then a filler prompt of as many tokens
@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.sampling_params import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 

@@ -1,4 +1,4 @@
-"""CPU an idle Tandem cluster burns: `python -m loadtest.idle_cpu [--colocated]`.
+"""CPU an idle Tandem cluster burns: `python -m tandem.loadtest.idle_cpu [--colocated]`.
 
 Starts `tandem up` (the default shape, or colocated) on free loopback ports, lets it settle,
 then reads the CPU time of every process it started (its session, Ray's included) over a
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.tandem_up import TandemUp
+from tandem.loadtest.tandem_up import TandemUp
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -64,7 +64,7 @@ def process_cpu(pid: int) -> tuple[float, float]:
 def ray_actor_floor(settle_s: float, window_s: float) -> tuple[float, float]:
     """Share of one core a Ray actor that does nothing uses (and its main thread), on a local
     Ray started as `tandem up` starts it: the floor each Serve replica and the controller pay."""
-    from services.serving import up
+    from tandem.services.serving import up
     up._quiet_ray_when_idle()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -1,6 +1,6 @@
 """int8 KV cache against the model's dtype: capacity and decode speed on this machine.
 
-    python -m loadtest.kv_int8_bench [--memory-gb 1 16] [--context 2048] [--batch 8] ...
+    python -m tandem.loadtest.kv_int8_bench [--memory-gb 1 16] [--context 2048] [--batch 8] ...
 
 Capacity: KV blocks in ``kv_cache_memory_gb`` as the engine sizes them (``KVCacheSpec``), and
 the sequences of ``--context`` tokens that fit at once. Decode: the median ``engine.step()``
@@ -14,10 +14,10 @@ import argparse
 
 import torch
 
-from loadtest.engine_bench import StepTiming, bench_decode_step
-from services.engine.config import KV_CACHE_DTYPES
-from services.engine.kv_cache import KVCacheSpec
-from services.engine.model_loader import load_model
+from tandem.loadtest.engine_bench import StepTiming, bench_decode_step
+from tandem.services.engine.config import KV_CACHE_DTYPES
+from tandem.services.engine.kv_cache import KVCacheSpec
+from tandem.services.engine.model_loader import load_model
 
 
 def main() -> None:

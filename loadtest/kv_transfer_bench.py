@@ -1,6 +1,6 @@
 """KV transfer benchmark: NIXL and the TCP transport against a raw loopback socket.
 
-    python -m loadtest.kv_transfer_bench [--transports nixl tcp] [--prompt-lens 512 4096]
+    python -m tandem.loadtest.kv_transfer_bench [--transports nixl tcp] [--prompt-lens 512 4096]
                                          [--repeats 5] [--threads 1]
 
 For each transport a prefill and a decode worker run as separate processes, as in a cluster.
@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.control.auth import ClusterKey
-from services.control.process import WorkerSpec, spawn_workers
-from services.decode.service import RemoteDecode
-from services.engine.sampling_params import SamplingParams
-from services.prefill.service import RemotePrefill
+from tandem.services.control.auth import ClusterKey
+from tandem.services.control.process import WorkerSpec, spawn_workers
+from tandem.services.decode.service import RemoteDecode
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.prefill.service import RemotePrefill
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 GIB = 2**30
@@ -113,7 +113,7 @@ def bench_raw_socket(nbytes: int, repeats: int) -> float:
     """Median seconds for a child process to send ``nbytes`` over loopback TCP on request."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        child = subprocess.Popen([sys.executable, "-m", "loadtest.kv_transfer_bench",
+        child = subprocess.Popen([sys.executable, "-m", "tandem.loadtest.kv_transfer_bench",
                                   "--raw-sender", str(port), str(nbytes), str(repeats + 1)])
         conn, _ = server.accept()
     buf = bytearray(nbytes)

@@ -1,7 +1,7 @@
 """A decode step's projections: our AMX kernel (``cpu_linear.AmxLinear``) against oneDNN's
 prepacked linear (``cpu_linear.Linear``), on the built-in model's shapes.
 
-    python -m loadtest.linear_bench [--tokens 1 8 32 128 512] [--rounds 5] [--two-threads]
+    python -m tandem.loadtest.linear_bench [--tokens 1 8 32 128 512] [--rounds 5] [--two-threads]
 
 Each round runs the 120 projections of a SmolLM2-135M forward pass (30 layers of q/k/v, o,
 gate/up and down: 212 MB of bfloat16 weights, one distinct weight per layer, so they stream
@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from services.engine import cpu_kernels
-from services.engine.cpu_linear import AmxLinear, Linear
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.cpu_linear import AmxLinear, Linear
 
 LAYERS = 30
 HIDDEN, INTERMEDIATE, QKV = 576, 1536, 960  # SmolLM2-135M
@@ -41,7 +41,7 @@ def step(projections: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.linear_bench",
+    parser = argparse.ArgumentParser(prog="python -m tandem.loadtest.linear_bench",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512])
     parser.add_argument("--rounds", type=int, default=5)

@@ -1,7 +1,7 @@
 """Overload: goodput, latency, rejections and the gateway's memory when `tandem up` is offered
 less and more than it can serve.
 
-    python -m loadtest.overload [--factors 0.8,2] [--duration 30] [--rounds 2] [--out DIR]
+    python -m tandem.loadtest.overload [--factors 0.8,2] [--duration 30] [--rounds 2] [--out DIR]
 
 1. Starts `tandem up` (default settings: 1 prefill + 1 decode worker on the built-in model;
    ``--config FILE`` for others) on free loopback ports and finds its gateway replica process.
@@ -38,19 +38,19 @@ import psutil
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.bench.arrivals import Load
-from loadtest.bench.cli import prompt_maker
-from loadtest.bench.clients import Client, ClientOptions, Target, TargetError, make_client
-from loadtest.bench.metrics import SLO, Summary, summarize
-from loadtest.bench.records import RequestRecord
-from loadtest.bench.results import summary_json, write_results
-from loadtest.bench.runner import RunResult, run_workload
-from loadtest.bench.server_metrics import metrics_url
-from loadtest.bench.session import step_seed
-from loadtest.bench.workloads import LengthRange, WorkloadSpec, build_workload
-from loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
+from tandem.loadtest.bench.arrivals import Load
+from tandem.loadtest.bench.cli import prompt_maker
+from tandem.loadtest.bench.clients import Client, ClientOptions, Target, TargetError, make_client
+from tandem.loadtest.bench.metrics import SLO, Summary, summarize
+from tandem.loadtest.bench.records import RequestRecord
+from tandem.loadtest.bench.results import summary_json, write_results
+from tandem.loadtest.bench.runner import RunResult, run_workload
+from tandem.loadtest.bench.server_metrics import metrics_url
+from tandem.loadtest.bench.session import step_seed
+from tandem.loadtest.bench.workloads import LengthRange, WorkloadSpec, build_workload
+from tandem.loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
 
-PROG = "python -m loadtest.overload"
+PROG = "python -m tandem.loadtest.overload"
 MIB = 2**20
 # Ray titles a Serve replica's process ``ray::ServeReplica:<app>:<deployment>``.
 GATEWAY_TITLE = re.compile(r"ServeReplica:[^:\s]+:gateway\b")
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """The `tandem up` settings, checked, and the admission-free concurrency for R_sat."""
-    from services.serving.config import AppConfig
+    from tandem.services.serving.config import AppConfig
 
     settings: dict[str, Any] = {}
     if args.config is not None:

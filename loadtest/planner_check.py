@@ -1,4 +1,4 @@
-"""The planner's model against measurement: ``python -m loadtest.planner_check``.
+"""The planner's model against measurement: ``python -m tandem.loadtest.planner_check``.
 
 Starts `tandem up` (1 prefill + 1 decode worker, the built-in model), profiles it with
 `tandem bench` at a few concurrencies (``tandem plan profile``'s fit), predicts the mean TTFT
@@ -22,12 +22,12 @@ from typing import Any
 
 import yaml
 
-from loadtest.bench.cli import main as bench
-from loadtest.tandem_up import TandemUp, cpus_argument
-from services.planner.observe import load_between
-from services.planner.profile import profile_from_bench, save_profile
-from services.planner.sizing import Load, Profile, decode_batch, prefill_ttft
-from services.serving.up_stats import read_text
+from tandem.loadtest.bench.cli import main as bench
+from tandem.loadtest.tandem_up import TandemUp, cpus_argument
+from tandem.services.planner.observe import load_between
+from tandem.services.planner.profile import profile_from_bench, save_profile
+from tandem.services.planner.sizing import Load, Profile, decode_batch, prefill_ttft
+from tandem.services.serving.up_stats import read_text
 
 
 def predict(profile: Profile, load: Load) -> tuple[float, float]:
@@ -81,7 +81,7 @@ def table(profile: Profile, load: Load, rows: list[tuple[float, tuple[float, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.planner_check",
+    parser = argparse.ArgumentParser(prog="python -m tandem.loadtest.planner_check",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results/planner-check"))
     parser.add_argument("--input-len", default="32:160", help="prompt tokens, LOW:HIGH (a "
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         up.stop()
     rows = [(r, predictions[r], got[r]) for r in rates]
-    command = "python -m loadtest.planner_check " + shlex.join(argv or sys.argv[1:])
+    command = "python -m tandem.loadtest.planner_check " + shlex.join(argv or sys.argv[1:])
     report = "\n".join([
         "# Planner check: predicted vs measured, 1 prefill + 1 decode, built-in model", "",
         f"`{command.strip()}`", "",

@@ -1,7 +1,7 @@
 """Router benchmark: a simulated prefill fleet replaying a multi-tenant trace. No model.
 
-    python -m loadtest.router_sim            # N = 4 and 16, prints Markdown tables
-    python -m loadtest.router_sim --quick    # smaller trace, for a smoke run
+    python -m tandem.loadtest.router_sim            # N = 4 and 16, prints Markdown tables
+    python -m tandem.loadtest.router_sim --quick    # smaller trace, for a smoke run
 
 Trace: tenants with 1,000-4,000-token system prompts, Zipf popularity, short unique suffixes,
 Poisson arrivals. Workers: one FIFO prefill server each, an LRU block cache of fixed size, and
@@ -32,7 +32,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router import (
+from tandem.router import (
     InProcessEventBus,
     InProcessRegistry,
     Router,
@@ -42,10 +42,10 @@ from router import (
     WorkerLoad,
     attach_worker,
 )
-from router.hashing import PromptHasher
-from router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
-from services.engine.block_hash import BlockHash, HashSettings
-from services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
+from tandem.router.hashing import PromptHasher
+from tandem.router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
+from tandem.services.engine.block_hash import BlockHash, HashSettings
+from tandem.services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 
 SETTINGS = HashSettings(block_size=16, model_id="sim-model")
 POLICIES = ("prefix-aware", "round-robin", "rendezvous", "oracle")

@@ -1,6 +1,6 @@
 """What Ray Serve's streams cost: K per-request streams against one stream carrying K outputs.
 
-    python -m loadtest.serve_streams [--streams 16] [--ticks 60] [--tick-s 0.05] [--rounds 2]
+    python -m tandem.loadtest.serve_streams [--streams 16] [--ticks 60] [--tick-s 0.05] [--rounds 2]
 
 Why a decode replica hands every request's tokens to a gateway on one channel
 (services/serving/decode_channel.py) rather than on one Serve stream per request (as it did
@@ -50,8 +50,8 @@ class TickStream:
         return self
 
     async def __anext__(self):  # type: ignore[no-untyped-def]
-        from services.engine.outputs import RequestOutput
-        from services.engine.sequence import FinishReason
+        from tandem.services.engine.outputs import RequestOutput
+        from tandem.services.engine.sequence import FinishReason
 
         if self._i == self._ticks:
             raise StopAsyncIteration
@@ -69,9 +69,9 @@ class TickStream:
 def build(ticks: int, tick_s: float):  # type: ignore[no-untyped-def]
     from ray import serve
 
-    from router import WorkerLoad
-    from services.serving.channel_outbox import ChannelOutbox
-    from services.serving.messages import WorkerReport
+    from tandem.router import WorkerLoad
+    from tandem.services.serving.channel_outbox import ChannelOutbox
+    from tandem.services.serving.messages import WorkerReport
 
     @serve.deployment
     class Producer:
@@ -134,9 +134,9 @@ def build(ticks: int, tick_s: float):  # type: ignore[no-untyped-def]
             return outputs, items
 
         async def channel(self, streams: int) -> tuple[int, int]:
-            from services.engine.sampling_params import SamplingParams
-            from services.request import GenerationRequest
-            from services.serving.decode_channel import DecodeChannel
+            from tandem.services.engine.sampling_params import SamplingParams
+            from tandem.services.request import GenerationRequest
+            from tandem.services.serving.decode_channel import DecodeChannel
 
             reports: list[object] = []  # the channel's lists: the hello, then one a tick
             channel = DecodeChannel(self.producer, "producer", reports.append, lambda c: None)

@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: decode speed with and without each proposer, same run.
 
-    python -m loadtest.spec_bench [--methods none ngram self draft] [--batches 1 16 32]
+    python -m tandem.loadtest.spec_bench [--methods none ngram self draft] [--batches 1 16 32]
         [--workloads repetitive chat] [--output-len 128] [--threads 2] [--out DIR]
 
 Workloads: ``repetitive`` (repeat or lightly edit a passage given in the prompt, continue code
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams
-from services.engine.tokenizer import Tokenizer
+from tandem.services.engine.config import EngineConfig, SpeculativeConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.tokenizer import Tokenizer
 
 _SOURCE_MODULES = ["argparse", "csv", "json", "shlex", "string", "textwrap"]
 

@@ -1,6 +1,6 @@
 """What structured output costs the engine: output tokens/s with a JSON schema against without.
 
-    python -m loadtest.structured_bench [--batches 1 32] [--rounds 3] [--dtype float32]
+    python -m tandem.loadtest.structured_bench [--batches 1 32] [--rounds 3] [--dtype float32]
 
 The same short prompts, every request exactly ``--output-len`` tokens: without a constraint
 (``ignore_eos``), and held to a JSON schema whose one string field must be longer than the
@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import load_model
-from services.engine.sampling_params import SamplingParams, StructuredOutput
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import load_model
+from tandem.services.engine.sampling_params import SamplingParams, StructuredOutput
 
 LONG_TEXT = {"type": "object", "additionalProperties": False, "required": ["text"],
              "properties": {"text": {"type": "string", "minLength": 4000}}}
@@ -37,7 +37,7 @@ def timed(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.structured_bench",
+    parser = argparse.ArgumentParser(prog="python -m tandem.loadtest.structured_bench",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--output-len", type=int, default=64)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1\s+gRPC (\S+)")
-TANDEM_UP = (sys.executable, "-m", "services.cli", "up")
+TANDEM_UP = (sys.executable, "-m", "tandem.services.cli", "up")
 
 
 class LaunchError(RuntimeError):

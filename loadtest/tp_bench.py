@@ -1,6 +1,6 @@
 """Tensor parallelism: decode step time with two ranks against one, and the staging scatter.
 
-    python -m loadtest.tp_bench [--batches 1 32] [--runs 5] [--steps 16] [--dtype float32]
+    python -m tandem.loadtest.tp_bench [--batches 1 32] [--runs 5] [--steps 16] [--dtype float32]
 
 Two engines on the same weights, one with ``tensor_parallel_size`` 2 (``--threads`` torch
 threads per rank, so 2 ranks x 1 thread use two cores, against 1 rank x 1 thread). Each run
@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.kv_cache import kv_storage
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import load_model
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.kv_cache import kv_storage
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import load_model
+from tandem.services.engine.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 32
 

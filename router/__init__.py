@@ -3,10 +3,10 @@
 Imports no torch and no Ray. See docs/router.md.
 """
 
-from router.bus import EventBus, EventSubscription
-from router.config import RouterConfig
-from router.decision import RoutingDecision
-from router.errors import (
+from tandem.router.bus import EventBus, EventSubscription
+from tandem.router.config import RouterConfig
+from tandem.router.decision import RoutingDecision
+from tandem.router.errors import (
     BusReset,
     BusUnavailable,
     NoHealthyWorkers,
@@ -15,15 +15,15 @@ from router.errors import (
     RouterError,
     SettingsMismatch,
 )
-from router.fallback_registry import FallbackRegistry
-from router.forwarder import WorkerEventForwarder, attach_worker
-from router.hashing import PromptHasher
-from router.index import PrefixIndex
-from router.inprocess_bus import InProcessEventBus
-from router.redis_bus import RedisStreamEventBus
-from router.redis_conn import connect
-from router.redis_registry import RedisRegistry
-from router.registry import (
+from tandem.router.fallback_registry import FallbackRegistry
+from tandem.router.forwarder import WorkerEventForwarder, attach_worker
+from tandem.router.hashing import PromptHasher
+from tandem.router.index import PrefixIndex
+from tandem.router.inprocess_bus import InProcessEventBus
+from tandem.router.redis_bus import RedisStreamEventBus
+from tandem.router.redis_conn import connect
+from tandem.router.redis_registry import RedisRegistry
+from tandem.router.registry import (
     InProcessRegistry,
     WorkerInfo,
     WorkerLoad,
@@ -31,7 +31,7 @@ from router.registry import (
     WorkerRecord,
     WorkerRegistry,
 )
-from router.router import Router, RouterStatus
+from tandem.router.router import Router, RouterStatus
 
 __all__ = [
     "BusReset",

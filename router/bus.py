@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from router.wire import WorkerEvent
+from tandem.router.wire import WorkerEvent
 
 
 class EventSubscription(Protocol):

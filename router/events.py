@@ -6,11 +6,11 @@
   events (as drained from its engine) and publishes them.
 """
 
-from router.bus import EventBus, EventSubscription
-from router.forwarder import WorkerEventForwarder, attach_worker
-from router.inprocess_bus import InProcessEventBus
-from router.redis_bus import RedisStreamEventBus
-from router.wire import WorkerEvent, decode_event, encode_event
+from tandem.router.bus import EventBus, EventSubscription
+from tandem.router.forwarder import WorkerEventForwarder, attach_worker
+from tandem.router.inprocess_bus import InProcessEventBus
+from tandem.router.redis_bus import RedisStreamEventBus
+from tandem.router.wire import WorkerEvent, decode_event, encode_event
 
 __all__ = [
     "EventBus",

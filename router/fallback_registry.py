@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from router.errors import RegistryUnavailable, SettingsMismatch
-from router.registry import IDLE, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRegistry
-from services.engine.block_hash import HashSettings
+from tandem.router.errors import RegistryUnavailable, SettingsMismatch
+from tandem.router.registry import IDLE, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRegistry
+from tandem.services.engine.block_hash import HashSettings
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from router.bus import EventBus
-from router.errors import BusUnavailable
-from router.wire import WorkerEvent
-from services.engine.kv_events import (
+from tandem.router.bus import EventBus
+from tandem.router.errors import BusUnavailable
+from tandem.router.wire import WorkerEvent
+from tandem.services.engine.kv_events import (
     DEVICE,
     HOST,
     AllBlocksCleared,

@@ -16,8 +16,14 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from services.engine.block_hash import BlockHash
-from services.engine.kv_events import HOST, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.services.engine.block_hash import BlockHash
+from tandem.services.engine.kv_events import (
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-from router.wire import WorkerEvent
+from tandem.router.wire import WorkerEvent
 
 
 class InProcessEventBus:

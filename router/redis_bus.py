@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import redis
 
-from router.errors import BusReset, BusUnavailable
-from router.redis_conn import REDIS_ERRORS, server_run_id
-from router.wire import WorkerEvent, decode_event, encode_event
+from tandem.router.errors import BusReset, BusUnavailable
+from tandem.router.redis_conn import REDIS_ERRORS, server_run_id
+from tandem.router.wire import WorkerEvent, decode_event, encode_event
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ import time
 
 import redis
 
-from router.errors import RegistryUnavailable, SettingsMismatch
-from router.redis_conn import REDIS_ERRORS
-from router.registry import IDLE, Clock, WorkerInfo, WorkerLoad, WorkerRecord, validate_info
-from services.engine.block_hash import HashSettings
+from tandem.router.errors import RegistryUnavailable, SettingsMismatch
+from tandem.router.redis_conn import REDIS_ERRORS
+from tandem.router.registry import IDLE, Clock, WorkerInfo, WorkerLoad, WorkerRecord, validate_info
+from tandem.services.engine.block_hash import HashSettings
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Worker registry: who serves, in which role, with which hash settings, under how much load.
 
 Workers re-register with every heartbeat; a record lives ``ttl_s`` past its last heartbeat.
-``RedisRegistry`` (router.redis_registry) is the cluster implementation; ``InProcessRegistry``
-serves single-process runs and simulations behind the same interface.
+``RedisRegistry`` (tandem.router.redis_registry) is the cluster implementation;
+``InProcessRegistry`` serves single-process runs and simulations behind the same interface.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from router.errors import RegistrationRefused, RegistryUnavailable, SettingsMismatch
-from services.engine.block_hash import HASH_SCHEME, HashSettings
+from tandem.router.errors import RegistrationRefused, RegistryUnavailable, SettingsMismatch
+from tandem.services.engine.block_hash import HASH_SCHEME, HashSettings
 
 if TYPE_CHECKING:
-    from router.forwarder import WorkerEventForwarder
+    from tandem.router.forwarder import WorkerEventForwarder
 
 log = logging.getLogger(__name__)
 

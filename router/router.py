@@ -20,25 +20,25 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router import decision as d
-from router.bus import EventBus, EventSubscription
-from router.config import ROUND_ROBIN, RouterConfig
-from router.decision import RoutingDecision
-from router.errors import (
+from tandem.router import decision as d
+from tandem.router.bus import EventBus, EventSubscription
+from tandem.router.config import ROUND_ROBIN, RouterConfig
+from tandem.router.decision import RoutingDecision
+from tandem.router.errors import (
     BusReset,
     BusUnavailable,
     NoHealthyWorkers,
     RegistryUnavailable,
     SettingsMismatch,
 )
-from router.hashing import PromptHasher
-from router.index import EventOrder, PrefixIndex
-from router.inflight import InFlight
-from router.registry import Clock, WorkerRecord, WorkerRegistry, settings_mismatch
-from router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
-from router.round_robin import RoundRobin
-from router.scoring import decode_score, lowest, power_of_two, prefill_cost
-from services.engine.block_hash import BlockHash
+from tandem.router.hashing import PromptHasher
+from tandem.router.index import EventOrder, PrefixIndex
+from tandem.router.inflight import InFlight
+from tandem.router.registry import Clock, WorkerRecord, WorkerRegistry, settings_mismatch
+from tandem.router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
+from tandem.router.round_robin import RoundRobin
+from tandem.router.scoring import decode_score, lowest, power_of_two, prefill_cost
+from tandem.services.engine.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-from router.rendezvous import rendezvous_choose
+from tandem.router.rendezvous import rendezvous_choose
 
 _TIE = 1e-9
 

@@ -9,8 +9,9 @@ the replica the gateway's prefix-/load-aware router picked. ``config.colocated``
 gateway alone, with one engine doing both phases.
 
 ``app_builder`` is the same application for a Serve config file (KubeRay's ``serveConfigV2``):
-``import_path: services.app:app_builder`` with the ``AppConfig`` settings as ``args``. Serve's
-HTTP proxy is not used (``proxy_location: Disabled``): the gateway replica owns its sockets.
+``import_path: tandem.services.app:app_builder`` with the ``AppConfig`` settings as
+``args``. Serve's HTTP proxy is not used (``proxy_location: Disabled``): the gateway replica
+owns its sockets.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from services.serving.config import AppConfig, ConfigError
-from services.serving.gateway import GatewayIngress
-from services.serving.workers import DecodeReplica, PrefillReplica
+from tandem.services.serving.config import AppConfig, ConfigError
+from tandem.services.serving.gateway import GatewayIngress
+from tandem.services.serving.workers import DecodeReplica, PrefillReplica
 
 __all__ = ["AppConfig", "ConfigError", "app_builder", "build_app"]
 
@@ -48,7 +49,7 @@ def build_app(config: AppConfig) -> Application:
     if config.colocated:
         return gateway.bind(config)
     router = RequestRouterConfig(
-        request_router_class="services.serving.request_router:TandemRequestRouter")
+        request_router_class="tandem.services.serving.request_router:TandemRequestRouter")
     def worker(cls: type, role: str, replicas: int):  # type: ignore[no-untyped-def]
         return serve.deployment(cls, name=role, num_replicas=replicas, ray_actor_options=options,
                                 # a prefill replica also answers D's lease calls

@@ -12,14 +12,14 @@ import sys
 import time
 from typing import Any
 
-from router.config import POLICIES as ROUTING_POLICIES
-from services.engine.config import (
+from tandem.router.config import POLICIES as ROUTING_POLICIES
+from tandem.services.engine.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     SPEC_METHODS,
     WEIGHT_FORMATS,
 )
-from services.version import version
+from tandem.services.version import version
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -53,9 +53,9 @@ def _add_spec_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.engine.config import EngineConfig, SpeculativeConfig
-    from services.engine.llm_engine import LLMEngine
-    from services.engine.sampling_params import SamplingParams
+    from tandem.services.engine.config import EngineConfig, SpeculativeConfig
+    from tandem.services.engine.llm_engine import LLMEngine
+    from tandem.services.engine.sampling_params import SamplingParams
 
     spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
@@ -229,7 +229,7 @@ def _add_version(parser: argparse.ArgumentParser) -> None:
 
 def up_settings(args: argparse.Namespace) -> dict[str, Any]:
     """`tandem up`'s AppConfig settings: the --config file's, overridden by the flags given."""
-    from services.serving.config import read_yaml_settings
+    from tandem.services.serving.config import read_yaml_settings
 
     flags = {field: getattr(args, flag) for flag, field in _UP_FLAGS.items()
              if hasattr(args, flag)}
@@ -238,8 +238,8 @@ def up_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services.serving import up
-    from services.serving.config import AppConfig
+    from tandem.services.serving import up
+    from tandem.services.serving.config import AppConfig
 
     keys = [*getattr(args, "api_key", []),
             *(k for k in os.environ.get("TANDEM_API_KEYS", "").split(",") if k.strip())]
@@ -281,7 +281,7 @@ def _add_client_args(parser: argparse.ArgumentParser, key_needed: str) -> None:
 def _chat(args: argparse.Namespace) -> int:
     import httpx
 
-    from services.serving import chat
+    from tandem.services.serving import chat
 
     try:
         return chat.run(args.url, args.max_tokens, args.temperature, args.system, args.prompt,
@@ -305,7 +305,7 @@ def _add_status_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 
 def _status(args: argparse.Namespace) -> int:
-    from services.serving import status
+    from tandem.services.serving import status
 
     return status.run(args.url, args.api_key or None, args.cacert, args.timeout, args.json)
 
@@ -313,13 +313,13 @@ def _status(args: argparse.Namespace) -> int:
 # Subcommands whose modules are imported only when they run (each module's add_parser(sub)
 # defines its arguments); otherwise listed in `tandem --help` by name and help alone.
 LAZY_COMMANDS = {
-    "bench": ("loadtest.bench.cli",
+    "bench": ("tandem.loadtest.bench.cli",
               "load-test an OpenAI-compatible server or Tandem's gRPC API"),
-    "plan": ("services.planner.cli",
+    "plan": ("tandem.services.planner.cli",
              "size prefill and decode workers from SLOs and live metrics; apply to a RayService"),
-    "doctor": ("services.doctor.cli",
+    "doctor": ("tandem.services.doctor.cli",
                "answer the six serving questions from a cluster's live metrics, rank the levers"),
-    "batch": ("services.batch.cli",
+    "batch": ("tandem.services.batch.cli",
               "run an OpenAI batch file (JSONL) at full throughput, resumable"),
 }
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel, load_model
 from tests.hf_reference import Reference, hf_greedy, load_hf_model
 from tests.prompts import prompt_set
 

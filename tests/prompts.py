@@ -9,7 +9,7 @@ import inspect
 import json
 import textwrap
 
-from services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer import Tokenizer
 
 _JSON_DOC = json.__doc__ or ""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from services.gateway.metrics import (
+from tandem.services.gateway.metrics import (
     E2E_BUCKETS,
     GOODPUT_TPOT_LIMITS,
     GOODPUT_TTFT_LIMITS,

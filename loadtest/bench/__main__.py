@@ -1,5 +1,5 @@
-"""``python -m loadtest.bench``: the same command as ``tandem bench``."""
+"""``python -m tandem.loadtest.bench``: the same command as ``tandem bench``."""
 
-from loadtest.bench.cli import main
+from tandem.loadtest.bench.cli import main
 
 raise SystemExit(main())

@@ -23,18 +23,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from loadtest.bench.arrivals import Load, parse_concurrency, parse_rate
-from loadtest.bench.clients import Client, ClientOptions, Target, TargetError, make_client
-from loadtest.bench.compare import comparison
-from loadtest.bench.metrics import SLO
-from loadtest.bench.plots import write_plots
-from loadtest.bench.prompts import PromptMaker
-from loadtest.bench.report import render_report, write_report
-from loadtest.bench.results import Cell, pool, results_document, write_results
-from loadtest.bench.server_metrics import CacheProbe, metrics_url
-from loadtest.bench.session import run_session
-from loadtest.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec
-from services.engine.tokenizer_loader import load_tokenizer
+from tandem.loadtest.bench.arrivals import Load, parse_concurrency, parse_rate
+from tandem.loadtest.bench.clients import Client, ClientOptions, Target, TargetError, make_client
+from tandem.loadtest.bench.compare import comparison
+from tandem.loadtest.bench.metrics import SLO
+from tandem.loadtest.bench.plots import write_plots
+from tandem.loadtest.bench.prompts import PromptMaker
+from tandem.loadtest.bench.report import render_report, write_report
+from tandem.loadtest.bench.results import Cell, pool, results_document, write_results
+from tandem.loadtest.bench.server_metrics import CacheProbe, metrics_url
+from tandem.loadtest.bench.session import run_session
+from tandem.loadtest.bench.workloads import WORKLOADS, LengthRange, WorkloadSpec
+from tandem.services.engine.tokenizer_loader import load_tokenizer
 
 PROG = "tandem bench"
 T = TypeVar("T")
@@ -336,7 +336,7 @@ def print_summary(cells: list[Cell], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench",
+        prog="python -m tandem.loadtest.bench",
         description="Load-test a server with a workload; write results.json, report.md and "
                     "PNG plots. See docs/loadtest.md.")
     add_arguments(parser)

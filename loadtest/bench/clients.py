@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
-from loadtest.bench.records import RequestRecord
-from loadtest.bench.workloads import BenchRequest, Endpoint
+from tandem.loadtest.bench.records import RequestRecord
+from tandem.loadtest.bench.workloads import BenchRequest, Endpoint
 
 WireProtocol = Literal["http", "grpc"]
 PREFLIGHT_TIMEOUT_S = 5.0
@@ -78,10 +78,10 @@ class Client(Protocol):
 
 def make_client(target: Target, options: ClientOptions) -> Client:
     if target.protocol == "grpc":
-        from loadtest.bench.grpc_client import GrpcClient
+        from tandem.loadtest.bench.grpc_client import GrpcClient
 
         return GrpcClient(target, options)
-    from loadtest.bench.http_client import HttpClient
+    from tandem.loadtest.bench.http_client import HttpClient
 
     return HttpClient(target, options)
 

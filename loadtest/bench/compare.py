@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.bench.metrics import Summary
-from loadtest.bench.results import Cell
+from tandem.loadtest.bench.metrics import Summary
+from tandem.loadtest.bench.results import Cell
 
 
 @dataclass(frozen=True)

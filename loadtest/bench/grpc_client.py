@@ -11,24 +11,25 @@ import time
 from types import ModuleType
 from typing import Any
 
-from loadtest.bench.clients import (
+from tandem.loadtest.bench.clients import (
     PREFLIGHT_TIMEOUT_S,
     ClientOptions,
     Target,
     TargetError,
     finish_output_count,
 )
-from loadtest.bench.records import RequestRecord
-from loadtest.bench.workloads import BenchRequest
+from tandem.loadtest.bench.records import RequestRecord
+from tandem.loadtest.bench.workloads import BenchRequest
 
 
 def load_stubs() -> tuple[ModuleType, ModuleType]:
     """(generation_pb2, generation_pb2_grpc), or TargetError saying what is missing."""
     try:
-        from services.gateway.pb import generation_pb2, generation_pb2_grpc
+        from tandem.services.gateway.pb import generation_pb2, generation_pb2_grpc
     except ImportError as exc:
         raise TargetError(f"Tandem's gRPC stubs are not importable ({exc}); generate them with "
-                          "`python -m services.gateway.protogen` or use --protocol http") from exc
+                          "`python -m tandem.services.gateway.protogen` or use --protocol http"
+                          ) from exc
     return generation_pb2, generation_pb2_grpc
 
 

@@ -9,15 +9,15 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench.clients import (
+from tandem.loadtest.bench.clients import (
     PREFLIGHT_TIMEOUT_S,
     ClientOptions,
     Target,
     TargetError,
     finish_output_count,
 )
-from loadtest.bench.records import RequestRecord
-from loadtest.bench.workloads import BenchRequest
+from tandem.loadtest.bench.records import RequestRecord
+from tandem.loadtest.bench.workloads import BenchRequest
 
 
 class HttpClient:

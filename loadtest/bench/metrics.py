@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loadtest.bench.records import RequestRecord
+from tandem.loadtest.bench.records import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from loadtest.bench.results import Cell
+from tandem.loadtest.bench.results import Cell
 
 PLOT_FILES = ("ttft_cdf.png", "itl_cdf.png", "goodput_vs_rate.png", "p99_vs_rate.png")
 _DPI = 110

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

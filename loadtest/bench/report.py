@@ -6,10 +6,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench.compare import METRICS
-from loadtest.bench.metrics import SLO, Distribution, Summary
-from loadtest.bench.plots import PLOT_FILES, kind_plot_files
-from loadtest.bench.results import Cell
+from tandem.loadtest.bench.compare import METRICS
+from tandem.loadtest.bench.metrics import SLO, Distribution, Summary
+from tandem.loadtest.bench.plots import PLOT_FILES, kind_plot_files
+from tandem.loadtest.bench.results import Cell
 
 _LATENCIES = (("ttft", "TTFT: time to first token"),
               ("tpot", "TPOT: time per output token after the first"),

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench.arrivals import Load
-from loadtest.bench.metrics import SLO, Summary, summarize
-from loadtest.bench.runner import RunResult
-from loadtest.bench.server_metrics import RoleCounters, add
+from tandem.loadtest.bench.arrivals import Load
+from tandem.loadtest.bench.metrics import SLO, Summary, summarize
+from tandem.loadtest.bench.runner import RunResult
+from tandem.loadtest.bench.server_metrics import RoleCounters, add
 
 RESULTS_VERSION = 1
 

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from loadtest.bench.arrivals import Load, arrival_offsets
-from loadtest.bench.clients import Client
-from loadtest.bench.records import CUT_OFF, RequestRecord
-from loadtest.bench.server_metrics import RoleCounters
-from loadtest.bench.workloads import BenchRequest
+from tandem.loadtest.bench.arrivals import Load, arrival_offsets
+from tandem.loadtest.bench.clients import Client
+from tandem.loadtest.bench.records import CUT_OFF, RequestRecord
+from tandem.loadtest.bench.server_metrics import RoleCounters
+from tandem.loadtest.bench.workloads import BenchRequest
 
 
 @dataclass

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loadtest.bench.arrivals import Load
-from loadtest.bench.clients import Client
-from loadtest.bench.prompts import PromptMaker
-from loadtest.bench.runner import RunResult, run_workload
-from loadtest.bench.server_metrics import CacheProbe, RoleCounters, difference
-from loadtest.bench.workloads import BenchRequest, WorkloadSpec, build_workload
+from tandem.loadtest.bench.arrivals import Load
+from tandem.loadtest.bench.clients import Client
+from tandem.loadtest.bench.prompts import PromptMaker
+from tandem.loadtest.bench.runner import RunResult, run_workload
+from tandem.loadtest.bench.server_metrics import CacheProbe, RoleCounters, difference
+from tandem.loadtest.bench.workloads import BenchRequest, WorkloadSpec, build_workload
 
 
 @dataclass(frozen=True)

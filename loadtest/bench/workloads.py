@@ -20,7 +20,7 @@ from typing import Literal
 
 import numpy as np
 
-from loadtest.bench.prompts import ChatMessage, PromptMaker, fit
+from tandem.loadtest.bench.prompts import ChatMessage, PromptMaker, fit
 
 WORKLOADS = ("random", "prefix", "chat", "mix")
 Endpoint = Literal["completions", "chat"]

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from tqdm import tqdm
 
-from services.batch import batch_file, runner
-from services.cli import _add_client_args, _add_engine_args
+from tandem.services.batch import batch_file, runner
+from tandem.services.cli import _add_client_args, _add_engine_args
 
 if TYPE_CHECKING:  # torch is imported only for an in-process engine
-    from services.engine.async_engine import AsyncEngine
+    from tandem.services.engine.async_engine import AsyncEngine
 
 # Requests in flight against --base-url: a default cluster's admission bound (one decode batch
 # of max_num_seqs); beyond it the gateway answers 429, which is retried.
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _remote_client(args: argparse.Namespace) -> httpx.AsyncClient:
-    from services.serving.up_stats import bearer, ca_context
+    from tandem.services.serving.up_stats import bearer, ca_context
 
     return httpx.AsyncClient(base_url=args.base_url.rstrip("/").removesuffix("/v1"),
                              headers=bearer(args.api_key or None),
@@ -137,10 +137,10 @@ def _remote_client(args: argparse.Namespace) -> httpx.AsyncClient:
 
 def _local_engine(args: argparse.Namespace) -> AsyncEngine:
     """The in-process engine, as `tandem generate` builds it, running."""
-    from services.engine.async_engine import AsyncEngine
-    from services.engine.config import EngineConfig, SpeculativeConfig
-    from services.engine.llm_engine import LLMEngine
-    from services.engine.model_loader import load_model
+    from tandem.services.engine.async_engine import AsyncEngine
+    from tandem.services.engine.config import EngineConfig, SpeculativeConfig
+    from tandem.services.engine.llm_engine import LLMEngine
+    from tandem.services.engine.model_loader import load_model
 
     spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -155,8 +155,8 @@ def _local_engine(args: argparse.Namespace) -> AsyncEngine:
 def _local_client(engine: AsyncEngine) -> httpx.AsyncClient:
     """An HTTP client of the gateway's own ASGI app over the engine: the colocated
     `tandem up` gateway with no server around it."""
-    from services.engine.tokenizer_loader import load_model_metadata
-    from services.gateway import EngineBackend, Gateway, GatewayConfig, create_http_app
+    from tandem.services.engine.tokenizer_loader import load_model_metadata
+    from tandem.services.gateway import EngineBackend, Gateway, GatewayConfig, create_http_app
 
     llm = engine.llm
     meta = load_model_metadata(llm.config.model)  # the request defaults the online gateway uses

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import httpx
 from tqdm import tqdm
 
-from services.batch.batch_file import BatchRequest, response_line, write_line
+from tandem.services.batch.batch_file import BatchRequest, response_line, write_line
 
 # Answers that mean "not now" (the server is full, or a worker is being replaced): the
 # request is sent again after the server's Retry-After.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import TokenLogprobs
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.sequence import TokenLogprobs
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:

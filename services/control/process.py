@@ -20,17 +20,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from services import tracing
-from services.control.auth import ClusterKey
-from services.control.rpc import Handler, RpcServer
-from services.engine.config import EngineConfig
-from services.engine.kv_cache import kv_storage
-from services.engine.llm_engine import LLMEngine
-from services.kv_transfer.factory import make_transport
-from services.kv_transfer.transport import KVTransport, TransferFaults
+from tandem.services import tracing
+from tandem.services.control.auth import ClusterKey
+from tandem.services.control.rpc import Handler, RpcServer
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.kv_cache import kv_storage
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.kv_transfer.factory import make_transport
+from tandem.services.kv_transfer.transport import KVTransport, TransferFaults
 
 READY = "TANDEM-READY"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -137,7 +136,7 @@ class WorkerProcess:
 
 def spawn_worker(role: str, spec: WorkerSpec, log_path: Path, ready_timeout_s: float = 180.0,
                  env: dict[str, str] | None = None) -> WorkerProcess:
-    """Start ``python -m services.<role>`` and wait until it serves."""
+    """Start ``python -m tandem.services.<role>`` and wait until it serves."""
     return spawn_workers([(role, spec, log_path)], ready_timeout_s, env)[0]
 
 
@@ -147,9 +146,9 @@ def spawn_workers(workers: Sequence[tuple[str, WorkerSpec, Path]],
     """Start several workers at once (they load their models in parallel); wait for all."""
     started = []
     for role, spec, log_path in workers:
-        cmd = [sys.executable, "-m", f"services.{role}", json.dumps(asdict(spec))]
+        cmd = [sys.executable, "-m", f"tandem.services.{role}", json.dumps(asdict(spec))]
         with open(log_path, "wb") as log:
-            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                        env={**os.environ, **(env or {})})
         started.append((role, spec, log_path, process))
     deadline = time.monotonic() + ready_timeout_s

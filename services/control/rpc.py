@@ -20,10 +20,10 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from services import tracing
-from services.control import auth
-from services.control.auth import ClusterKey
-from services.kv_transfer.framing import FrameError, encode_frame, read_frame
+from tandem.services import tracing
+from tandem.services.control import auth
+from tandem.services.control.auth import ClusterKey
+from tandem.services.kv_transfer.framing import FrameError, encode_frame, read_frame
 
 log = logging.getLogger(__name__)
 

@@ -1,15 +1,15 @@
-"""``python -m services.decode '<WorkerSpec JSON>'``: a decode worker process."""
+"""``python -m tandem.services.decode '<WorkerSpec JSON>'``: a decode worker process."""
 
 from __future__ import annotations
 
 import sys
 
-from services.control.process import WorkerSpec, worker_main
-from services.decode.config import DecodeConfig
-from services.decode.service import decode_handlers
-from services.decode.worker import DecodeWorker
-from services.engine.llm_engine import LLMEngine
-from services.kv_transfer.transport import KVTransport
+from tandem.services.control.process import WorkerSpec, worker_main
+from tandem.services.decode.config import DecodeConfig
+from tandem.services.decode.service import decode_handlers
+from tandem.services.decode.worker import DecodeWorker
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.kv_transfer.transport import KVTransport
 
 
 def build(engine: LLMEngine, transport: KVTransport, spec: WorkerSpec) -> DecodeWorker:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.kv_transfer.pairing import PairingInfo
+from tandem.services.kv_transfer.pairing import PairingInfo
 
 
 class PrefillPeer(Protocol):

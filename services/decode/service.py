@@ -6,16 +6,16 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from services.control.auth import ClusterKey
-from services.control.codec import params_from_dict, params_to_dict, token_ids
-from services.control.rpc import Handler, RpcClient
-from services.decode.errors import DecodeRejectedError, KVTransferFailedError
-from services.decode.worker import DecodeResult, DecodeWorker, KVSource
-from services.engine.outputs import EngineOverloadedError, RequestError
-from services.engine.sampling_params import SamplingParams
-from services.kv_transfer.pairing import PairingError, PairingInfo
-from services.prefill.result import PrefillResult
-from services.prefill.service import RemotePrefill
+from tandem.services.control.auth import ClusterKey
+from tandem.services.control.codec import params_from_dict, params_to_dict, token_ids
+from tandem.services.control.rpc import Handler, RpcClient
+from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
+from tandem.services.decode.worker import DecodeResult, DecodeWorker, KVSource
+from tandem.services.engine.outputs import EngineOverloadedError, RequestError
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
+from tandem.services.prefill.result import PrefillResult
+from tandem.services.prefill.service import RemotePrefill
 
 
 class RequestAbortedError(RuntimeError):

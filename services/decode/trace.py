@@ -15,8 +15,8 @@ import time
 
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
-from services import tracing
-from services.engine.outputs import RequestOutput
+from tandem.services import tracing
+from tandem.services.engine.outputs import RequestOutput
 
 MAX_STEP_EVENTS = 32  # per request: a long generation must not make a huge span
 

@@ -22,23 +22,23 @@ from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN, Span, use_span
 
-from services import tracing
-from services.decode.config import DecodeConfig
-from services.decode.errors import DecodeRejectedError, KVTransferFailedError
-from services.decode.metrics import DecodeMetrics
-from services.decode.peers import PeerLink, PrefillPeer
-from services.decode.trace import DecodeTrace
-from services.engine.async_engine import AsyncEngine
-from services.engine.kv_cache import kv_storage
-from services.engine.kv_events import KVEvent
-from services.engine.llm_engine import ImportSlot, LLMEngine
-from services.engine.outputs import EngineOverloadedError, RequestError, RequestOutput
-from services.engine.sampling_params import SamplingParams
-from services.kv_transfer.checksum import block_bytes, block_checksums
-from services.kv_transfer.handle import KVHandle
-from services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
-from services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
-from services.prefill.result import PrefillResult
+from tandem.services import tracing
+from tandem.services.decode.config import DecodeConfig
+from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
+from tandem.services.decode.metrics import DecodeMetrics
+from tandem.services.decode.peers import PeerLink, PrefillPeer
+from tandem.services.decode.trace import DecodeTrace
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.kv_cache import kv_storage
+from tandem.services.engine.kv_events import KVEvent
+from tandem.services.engine.llm_engine import ImportSlot, LLMEngine
+from tandem.services.engine.outputs import EngineOverloadedError, RequestError, RequestOutput
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.kv_transfer.checksum import block_bytes, block_checksums
+from tandem.services.kv_transfer.handle import KVHandle
+from tandem.services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
+from tandem.services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
+from tandem.services.prefill.result import PrefillResult
 
 log = logging.getLogger(__name__)
 

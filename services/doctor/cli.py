@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.cli import _add_client_args
-from services.doctor.diagnosis import NoTraffic, diagnose
-from services.doctor.evidence import EMPTY, Evidence, Scrape
-from services.doctor.report import Report, write
-from services.serving.status import EXIT_UNREACHABLE, GatewayReader, StatusError
+from tandem.services.cli import _add_client_args
+from tandem.services.doctor.diagnosis import NoTraffic, diagnose
+from tandem.services.doctor.evidence import EMPTY, Evidence, Scrape
+from tandem.services.doctor.report import Report, write
+from tandem.services.serving.status import EXIT_UNREACHABLE, GatewayReader, StatusError
 
 EXIT_REPORT, EXIT_NO_TRAFFIC = 0, 1
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.doctor.evidence import DECODING_ROLES, PREFILLING_ROLES, Evidence, GaugeStats
+from tandem.services.doctor.evidence import DECODING_ROLES, PREFILLING_ROLES, Evidence, GaugeStats
 
 KV_FULL = 0.9  # KV usage from which an engine is out of memory for new or growing sequences
 

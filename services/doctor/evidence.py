@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.serving.up_stats import metric_samples
+from tandem.services.serving.up_stats import metric_samples
 
 # Engine series carry only ``worker``; its role comes from tandem_worker_info. A colocated
 # gateway's one engine is ``colocated``.

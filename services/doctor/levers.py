@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.doctor.diagnosis import Diagnosis
-from services.engine.config import SpeculativeConfig
+from tandem.services.doctor.diagnosis import Diagnosis
+from tandem.services.engine.config import SpeculativeConfig
 
 # Decode speed-up that speculative decoding is assumed to bring while it is off (nothing
 # measured it): n-gram prompt lookup measured 1.47x on repetitive text at batch 1 and 0.93x on

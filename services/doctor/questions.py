@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.doctor.diagnosis import KV_FULL, Diagnosis
+from tandem.services.doctor.diagnosis import KV_FULL, Diagnosis
 
 
 @dataclass(frozen=True)

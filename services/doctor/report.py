@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from services.doctor.diagnosis import Diagnosis
-from services.doctor.evidence import DECODING_ROLES, Evidence
-from services.doctor.levers import Lever, ranked, recommended
-from services.doctor.questions import Answer, answer_all
+from tandem.services.doctor.diagnosis import Diagnosis
+from tandem.services.doctor.evidence import DECODING_ROLES, Evidence
+from tandem.services.doctor.levers import Lever, ranked, recommended
+from tandem.services.doctor.questions import Answer, answer_all
 
 LATENCY_PLOT = "latency.png"
 LOAD_PLOT = "batch_kv.png"

@@ -21,12 +21,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.engine.block_hash import BlockHash, hash_block
-from services.engine.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
-from services.engine.sequence import Sequence
+from tandem.services.engine.block_hash import BlockHash, hash_block
+from tandem.services.engine.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
+from tandem.services.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from services.engine.host_kv_pool import HostKVPool
+    from tandem.services.engine.host_kv_pool import HostKVPool
 
 
 @dataclass

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.engine.attention.cpu_backend import CpuAttention, KernelBatch, KernelPrefill
-from services.engine.attention.torch_backend import TorchPlan
-from services.engine.cpu_kernels import Kernels
-from services.engine.cpu_linear import AmxLinear
-from services.engine.kv_cache import KVCache
+from tandem.services.engine.attention.cpu_backend import CpuAttention, KernelBatch, KernelPrefill
+from tandem.services.engine.attention.torch_backend import TorchPlan
+from tandem.services.engine.cpu_kernels import Kernels
+from tandem.services.engine.cpu_linear import AmxLinear
+from tandem.services.engine.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from services.engine.model import Layer
+    from tandem.services.engine.model import Layer
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 

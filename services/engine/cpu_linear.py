@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.cpu_kernels import Kernels, pack_linear, supports_linear
+from tandem.services.engine.cpu_kernels import Kernels, pack_linear, supports_linear
 
 # A token count the packed layout is tuned for (decode batches); any count works.
 PACK_BATCH_HINT = 32

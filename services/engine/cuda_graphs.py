@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention import StepMetadata
-from services.engine.kv_cache import KVCache
-from services.engine.model import LlamaModel
+from tandem.services.engine.attention import StepMetadata
+from tandem.services.engine.kv_cache import KVCache
+from tandem.services.engine.model import LlamaModel
 
 # Batch sizes with a graph: small ones one by one, then every 16 (vLLM's ladder is similar).
 SMALL_SIZES = (1, 2, 4, 8)

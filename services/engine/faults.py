@@ -25,7 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-from services.engine.sequence import Sequence
+from tandem.services.engine.sequence import Sequence
 
 ENV = "TANDEM_TEST_FAULTS"
 KINDS = ("step", "fatal", "hang", "sigstop", "sigkill")

@@ -18,9 +18,9 @@ from collections import OrderedDict
 
 import torch
 
-from services.engine.block_hash import BlockHash
-from services.engine.kv_cache import KVCache, kv_storage
-from services.kv_transfer.checksum import block_bytes
+from tandem.services.engine.block_hash import BlockHash
+from tandem.services.engine.kv_cache import KVCache, kv_storage
+from tandem.services.kv_transfer.checksum import block_bytes
 
 
 def host_pool_blocks(host_kv_cache_gb: float, bytes_per_block: int) -> int:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.engine.cpu_linear import AmxLinear, Linear
+from tandem.services.engine.cpu_linear import AmxLinear, Linear
 
 GROUP = 32  # values per Q4_1 / Q8_0 block = torch's int4 group size here
 _Q4_1_BLOCK_BYTES = 2 + 2 + GROUP // 2

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.config import ModelConfig
+from tandem.services.engine.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SCALE_BYTES = 4  # float32

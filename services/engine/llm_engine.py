@@ -12,36 +12,36 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine import cpu_kernels
-from services.engine.attention import get_attention_backend
-from services.engine.block_hash import HashSettings
-from services.engine.block_manager import BlockManager
-from services.engine.config import EngineConfig
-from services.engine.cuda_graphs import DecodeGraphs
-from services.engine.device import check_device, wait_for_writes
-from services.engine.faults import fault_hook_from_env
-from services.engine.grammar import Grammars
-from services.engine.host_kv_pool import HostKVPool, host_pool_blocks
-from services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
-from services.engine.kv_events import KVEvent
-from services.engine.logits_controls import Draw, controlled
-from services.engine.model import LlamaModel, Shard
-from services.engine.model_loader import LoadedModel, load_model
-from services.engine.model_runner import ModelRunner
-from services.engine.outputs import (
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.attention import get_attention_backend
+from tandem.services.engine.block_hash import HashSettings
+from tandem.services.engine.block_manager import BlockManager
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.cuda_graphs import DecodeGraphs
+from tandem.services.engine.device import check_device, wait_for_writes
+from tandem.services.engine.faults import fault_hook_from_env
+from tandem.services.engine.grammar import Grammars
+from tandem.services.engine.host_kv_pool import HostKVPool, host_pool_blocks
+from tandem.services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
+from tandem.services.engine.kv_events import KVEvent
+from tandem.services.engine.logits_controls import Draw, controlled
+from tandem.services.engine.model import LlamaModel, Shard
+from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.model_runner import ModelRunner
+from tandem.services.engine.outputs import (
     EngineOverloadedError,
     EngineStats,
     PinnedKV,
     RequestError,
     RequestOutput,
 )
-from services.engine.sampler import rows_logprobs, sample, token_logprobs, verify
-from services.engine.sampling_params import SamplingParams
-from services.engine.scheduler import Scheduler
-from services.engine.sequence import FinishReason, Sequence, SequenceStatus
-from services.engine.speculative.policy import SpecPolicy
-from services.engine.speculative.proposer import Proposer, build_proposer
-from services.engine.tensor_parallel import FollowerSettings, TensorParallelGroup
+from tandem.services.engine.sampler import rows_logprobs, sample, token_logprobs, verify
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.scheduler import Scheduler
+from tandem.services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tandem.services.engine.speculative.policy import SpecPolicy
+from tandem.services.engine.speculative.proposer import Proposer, build_proposer
+from tandem.services.engine.tensor_parallel import FollowerSettings, TensorParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         spec = config.speculative
         if draft is not None and spec.method == "draft":
-            from services.engine.speculative.draft import DraftModelProposer
+            from tandem.services.engine.speculative.draft import DraftModelProposer
             self.proposer: Proposer | None = DraftModelProposer.load(draft, config, model)
         else:
             self.proposer = build_proposer(config, model)

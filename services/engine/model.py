@@ -28,16 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine import cpu_kernels
-from services.engine.attention import AttentionBackend
-from services.engine.config import ModelConfig
-from services.engine.cpu_layers import CpuLayers
-from services.engine.cpu_linear import AmxLinear, Linear, packing_available
-from services.engine.int4_linear import Int4Linear, Q4Weight
-from services.engine.kv_cache import KVCache
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.attention import AttentionBackend
+from tandem.services.engine.config import ModelConfig
+from tandem.services.engine.cpu_layers import CpuLayers
+from tandem.services.engine.cpu_linear import AmxLinear, Linear, packing_available
+from tandem.services.engine.int4_linear import Int4Linear, Q4Weight
+from tandem.services.engine.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from services.engine.attention.triton_backend import TritonAttention
+    from tandem.services.engine.attention.triton_backend import TritonAttention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,7 +83,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _triton_ops() -> ModuleType:
     """Our fused Triton kernels' module (imported only with the triton backend: Triton is
     optional on a CPU)."""
-    from services.engine.attention import triton_ops
+    from tandem.services.engine.attention import triton_ops
     return triton_ops
 
 

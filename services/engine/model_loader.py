@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from services.engine.config import WEIGHT_FORMATS, ModelConfig
-from services.engine.int4_linear import Q4Weight
-from services.engine.tokenizer import Tokenizer
-from services.engine.tokenizer_loader import (
+from tandem.services.engine.config import WEIGHT_FORMATS, ModelConfig
+from tandem.services.engine.int4_linear import Q4Weight
+from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer_loader import (
     ModelLoadError,
     builtin_model_path,
     metadata_from_gguf,

@@ -7,15 +7,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.attention import build_step_metadata
-from services.engine.attention.decode_rows import DecodeRows
-from services.engine.cuda_graphs import DecodeGraphs
-from services.engine.device import to_device
-from services.engine.kv_cache import KVCache, kv_storage
-from services.engine.model import LlamaModel
-from services.engine.scheduler import ScheduledSequence
-from services.engine.sequence import Sequence
-from services.engine.tensor_parallel import TensorParallelGroup
+from tandem.services.engine.attention import build_step_metadata
+from tandem.services.engine.attention.decode_rows import DecodeRows
+from tandem.services.engine.cuda_graphs import DecodeGraphs
+from tandem.services.engine.device import to_device
+from tandem.services.engine.kv_cache import KVCache, kv_storage
+from tandem.services.engine.model import LlamaModel
+from tandem.services.engine.scheduler import ScheduledSequence
+from tandem.services.engine.sequence import Sequence
+from tandem.services.engine.tensor_parallel import TensorParallelGroup
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.sequence import FinishReason, TokenLogprobs
+from tandem.services.engine.sequence import FinishReason, TokenLogprobs
 
 
 class RequestError(ValueError):

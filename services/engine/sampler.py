@@ -27,10 +27,10 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from services.engine import cpu_kernels
-from services.engine.device import to_device
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import TokenLogprobs
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.device import to_device
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.sequence import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = 0xFFFFFFFF

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from services.engine.block_manager import BlockManager
-from services.engine.sequence import Sequence, SequenceStatus
+from tandem.services.engine.block_manager import BlockManager
+from tandem.services.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

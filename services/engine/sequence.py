@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.block_hash import BlockHash
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.block_hash import BlockHash
+from tandem.services.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

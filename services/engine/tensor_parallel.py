@@ -1,7 +1,7 @@
 """Tensor parallelism: one engine over ``tensor_parallel_size`` processes, one per rank.
 
 The engine's own process is rank 0: it keeps the scheduler, the block manager and the sampler,
-and starts the other ranks, the *followers* (``python -m services.engine.tensor_parallel``).
+and starts the other ranks, the *followers* (``python -m tandem.services.engine.tensor_parallel``).
 Every rank loads the weights and keeps its ``Shard`` of them (model.py) and a KV cache of its
 own KV heads only, with the same block ids as rank 0's. Each step, rank 0 sends each follower
 the step's integers (token ids, positions, query and sequence lengths, block tables) as one
@@ -42,16 +42,15 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
-from services.engine.attention import build_step_metadata, get_attention_backend
-from services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache, kv_parts
-from services.engine.model import LlamaModel, Shard
-from services.engine.model_loader import load_model
+from tandem.services.engine.attention import build_step_metadata, get_attention_backend
+from tandem.services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache, kv_parts
+from tandem.services.engine.model import LlamaModel, Shard
+from tandem.services.engine.model_loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -222,13 +221,10 @@ class TensorParallelGroup:
                                     timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
                                     wait_for_workers=False)
         settings = dataclasses.replace(settings, store_port=self._store.port)
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         self.followers = [
             subprocess.Popen([sys.executable, "-m", __name__, str(rank),
                               json.dumps(dataclasses.asdict(settings))],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             for rank in range(1, self.world_size)]
         for process in self.followers:  # written with a deadline (``_send``)
             assert process.stdin is not None

@@ -10,7 +10,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from services.engine.chat_template import ChatTemplates
+from tandem.services.engine.chat_template import ChatTemplates
 
 # tokenizer.ggml.token_type values (llama.cpp's, from SentencePiece's piece types).
 _GGUF_NORMAL, _GGUF_UNKNOWN, _GGUF_CONTROL, _GGUF_USER_DEFINED = 1, 2, 3, 4

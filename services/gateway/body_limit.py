@@ -11,7 +11,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from services.gateway.errors import GatewayError, bad_request, body_too_large
+from tandem.services.gateway.errors import GatewayError, bad_request, body_too_large
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -17,15 +17,15 @@ from collections.abc import (
 )
 from dataclasses import dataclass
 
-from services.engine.grammar import Grammars
-from services.engine.outputs import EngineStats
-from services.engine.sampling_params import StructuredOutput
-from services.engine.tokenizer import Tokenizer
-from services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import GatewayError, bad_request, model_not_found, overloaded
-from services.gateway.inputs import SamplingOptions, build_request
-from services.gateway.metrics import (
+from tandem.services.engine.grammar import Grammars
+from tandem.services.engine.outputs import EngineStats
+from tandem.services.engine.sampling_params import StructuredOutput
+from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.errors import GatewayError, bad_request, model_not_found, overloaded
+from tandem.services.gateway.inputs import SamplingOptions, build_request
+from tandem.services.gateway.metrics import (
     ERROR,
     REJECTED,
     SLOW_CLIENT,
@@ -33,10 +33,10 @@ from services.gateway.metrics import (
     RequestTimer,
     failure_reason,
 )
-from services.gateway.pipeline import Delta, generate_deltas
-from services.gateway.request_trace import RequestTrace
-from services.gateway.tenants import Tenants
-from services.request import DEFAULT_TENANT, UNKNOWN_TENANT, GenerationRequest
+from tandem.services.gateway.pipeline import Delta, generate_deltas
+from tandem.services.gateway.request_trace import RequestTrace
+from tandem.services.gateway.tenants import Tenants
+from tandem.services.request import DEFAULT_TENANT, UNKNOWN_TENANT, GenerationRequest
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one

@@ -20,9 +20,9 @@ from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.choices import Choices
-from services.gateway.errors import GatewayError
-from services.gateway.openai_format import SSE_DONE, sse
+from tandem.services.gateway.choices import Choices
+from tandem.services.gateway.errors import GatewayError
+from tandem.services.gateway.openai_format import SSE_DONE, sse
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.engine.sampling_params import StructuredOutput
-from services.gateway.choices import Choices, start_choices
-from services.gateway.core import Gateway
-from services.gateway.errors import GatewayError, bad_request
-from services.gateway.inputs import (
+from tandem.services.engine.sampling_params import StructuredOutput
+from tandem.services.gateway.choices import Choices, start_choices
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.errors import GatewayError, bad_request
+from tandem.services.gateway.inputs import (
     CHAT_ROLES,
     MAX_CHOICES,
     SamplingOptions,
@@ -30,12 +30,12 @@ from services.gateway.inputs import (
     tokenize_chat,
     tokenize_prompt,
 )
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.pipeline import Delta
-from services.gateway.request_trace import RequestTrace
-from services.gateway.tls import ServerTLS
-from services.version import version
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.services.gateway.pipeline import Delta
+from tandem.services.gateway.request_trace import RequestTrace
+from tandem.services.gateway.tls import ServerTLS
+from tandem.services.version import version
 
 MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request_id, echoed back
 log = logging.getLogger(__name__)

@@ -17,19 +17,19 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.body_limit import BodyLimitMiddleware, Scope
-from services.gateway.choices import Choices, cumulative_logprob, start_choices, total_usage
-from services.gateway.core import Gateway
-from services.gateway.errors import GatewayError, bad_request
-from services.gateway.event_stream import AbortConnection, EventStream
-from services.gateway.inputs import (
+from tandem.services.gateway.body_limit import BodyLimitMiddleware, Scope
+from tandem.services.gateway.choices import Choices, cumulative_logprob, start_choices, total_usage
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.errors import GatewayError, bad_request
+from tandem.services.gateway.event_stream import AbortConnection, EventStream
+from tandem.services.gateway.inputs import (
     check_token_ids,
     new_request_id,
     tokenize_chat,
     tokenize_prompt,
 )
-from services.gateway.openai_format import SSE_DONE, ResponseContext, sse
-from services.gateway.openai_protocol import (
+from tandem.services.gateway.openai_format import SSE_DONE, ResponseContext, sse
+from tandem.services.gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -37,12 +37,12 @@ from services.gateway.openai_protocol import (
     TokenizeRequest,
     template_messages,
 )
-from services.gateway.pipeline import Delta, Usage
-from services.gateway.request_trace import RequestTrace
-from services.gateway.token_text import TokenText
-from services.gateway.tools import CallStream, ToolCall, parse_reply, with_tools
-from services.request import GenerationRequest
-from services.version import version
+from tandem.services.gateway.pipeline import Delta, Usage
+from tandem.services.gateway.request_trace import RequestTrace
+from tandem.services.gateway.token_text import TokenText
+from tandem.services.gateway.tools import CallStream, ToolCall, parse_reply, with_tools
+from tandem.services.request import GenerationRequest
+from tandem.services.version import version
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Generate the gRPC Python stubs from proto/ into services/gateway/pb/.
 
-Run ``python -m services.gateway.protogen`` after editing a .proto file and commit the result;
-a test regenerates them into a temporary folder and fails when the committed ones differ.
+Run ``python -m tandem.services.gateway.protogen`` after editing a .proto file and commit the
+result; a test regenerates them into a temporary folder and fails when the committed ones differ.
 
 protoc writes absolute imports (``from tandem.v1 import generation_pb2``) that only resolve with
 proto/ on sys.path, so the stubs are rewritten to import their siblings relatively.

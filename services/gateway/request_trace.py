@@ -12,10 +12,10 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
-from services import tracing
-from services.gateway.errors import GatewayError
-from services.gateway.pipeline import Delta
-from services.request import GenerationRequest
+from tandem.services import tracing
+from tandem.services.gateway.errors import GatewayError
+from tandem.services.gateway.pipeline import Delta
+from tandem.services.request import GenerationRequest
 
 
 class RequestTrace:

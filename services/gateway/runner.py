@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.types import Scope
 
-from services.gateway.core import Gateway
-from services.gateway.grpc_service import create_grpc_server
-from services.gateway.http_app import create_http_app
-from services.gateway.tls import ServerTLS
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.grpc_service import create_grpc_server
+from tandem.services.gateway.http_app import create_http_app
+from tandem.services.gateway.tls import ServerTLS
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.gateway.errors import GatewayError, unauthorized
-from services.request import DEFAULT_TENANT, UNKNOWN_TENANT
+from tandem.services.gateway.errors import GatewayError, unauthorized
+from tandem.services.request import DEFAULT_TENANT, UNKNOWN_TENANT
 
 
 class TenantConfigError(ValueError):

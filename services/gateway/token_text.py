@@ -6,7 +6,7 @@ from functools import lru_cache
 
 from tokenizers import decoders
 
-from services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer import Tokenizer
 
 
 @lru_cache(maxsize=1)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from services.control.auth import ClusterKey
-    from services.kv_transfer.transport import KVTransport, TransferFaults
+    from tandem.services.control.auth import ClusterKey
+    from tandem.services.kv_transfer.transport import KVTransport, TransferFaults
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,11 @@ def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
     if kind == "tcp":
         return _tcp(name, faults, host, key)
-    from services.kv_transfer.transport import KVTransferError
+    from tandem.services.kv_transfer.transport import KVTransferError
 
     on_gpu = (str(kv_cache.device) if kv_cache is not None else device) != "cpu"
     try:
-        from services.kv_transfer.nixl_transport import NixlTransport, vram_problem
+        from tandem.services.kv_transfer.nixl_transport import NixlTransport, vram_problem
     except ImportError as exc:
         if kind == "nixl":
             raise KVTransferError(
@@ -74,7 +74,7 @@ def _fallback(name: str, faults: TransferFaults | None, host: str, key: ClusterK
 
 def _tcp(name: str, faults: TransferFaults | None, host: str, key: ClusterKey | None,
          fallback_reason: str | None = None) -> KVTransport:
-    from services.kv_transfer.tcp_transport import TcpTransport
+    from tandem.services.kv_transfer.tcp_transport import TcpTransport
 
     transport = TcpTransport(name, faults, host=host, key=key)
     transport.fallback_reason = fallback_reason

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.control.auth import ClusterKey
+from tandem.services.control.auth import ClusterKey
 
 
 @dataclass(frozen=True)

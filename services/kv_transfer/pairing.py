@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from services.engine.block_hash import HASH_SCHEME
+from tandem.services.engine.block_hash import HASH_SCHEME
 
 if TYPE_CHECKING:
-    from services.control.auth import ClusterKey
-    from services.engine.llm_engine import LLMEngine
-    from services.kv_transfer.transport import KVTransport
+    from tandem.services.control.auth import ClusterKey
+    from tandem.services.engine.llm_engine import LLMEngine
+    from tandem.services.kv_transfer.transport import KVTransport
 
 PROTOCOL_VERSION = 1
 # The engine's cache layout (services/engine/kv_cache.py), named so a change is noticed. Blocks

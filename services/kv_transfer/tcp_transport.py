@@ -26,15 +26,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from services.control import auth
-from services.control.auth import ClusterKey
-from services.kv_transfer.framing import (
+from tandem.services.control import auth
+from tandem.services.control.auth import ClusterKey
+from tandem.services.kv_transfer.framing import (
     FrameError,
     encode_frame,
     sock_read_frame,
     sock_recv_into,
 )
-from services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
+from tandem.services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from services.control.auth import ClusterKey
-from services.kv_transfer.checksum import block_bytes
+from tandem.services.control.auth import ClusterKey
+from tandem.services.kv_transfer.checksum import block_bytes
 
 
 class KVTransferError(RuntimeError):

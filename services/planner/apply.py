@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from services.planner.policy import ROLES, Bounds
+from tandem.services.planner.policy import ROLES, Bounds
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayservices"
 LAST_CHANGE = "tandem.dev/planner-last-change"

@@ -18,11 +18,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from services.cli import _add_client_args
-from services.planner import apply, observe
-from services.planner.policy import decide
-from services.planner.profile import load_profile, profile_from_bench, save_profile
-from services.planner.sizing import SLO, Load, PlanError, plan
+from tandem.services.cli import _add_client_args
+from tandem.services.planner import apply, observe
+from tandem.services.planner.policy import decide
+from tandem.services.planner.profile import load_profile, profile_from_bench, save_profile
+from tandem.services.planner.sizing import SLO, Load, PlanError, plan
 
 EXIT_OK, EXIT_NO_PLAN, EXIT_INPUT, EXIT_KUBERNETES = 0, 1, 2, 3
 

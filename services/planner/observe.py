@@ -12,9 +12,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.planner.sizing import Load
-from services.serving.status import metric_series
-from services.serving.up_stats import bearer, ca_context, read_text
+from tandem.services.planner.sizing import Load
+from tandem.services.serving.status import metric_series
+from tandem.services.serving.up_stats import bearer, ca_context, read_text
 
 ENDED = "tandem_request_success_total"
 FAILED = "tandem_request_failures_total"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 
-from services.planner.sizing import SLO, Load, Plan, PlanError, Profile, plan
+from tandem.services.planner.sizing import SLO, Load, Plan, PlanError, Profile, plan
 
 ROLES = ("prefill", "decode")
 

@@ -19,9 +19,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench.records import RequestRecord
-from services.planner.sizing import Profile
-from services.serving.config import AppConfig
+from tandem.loadtest.bench.records import RequestRecord
+from tandem.services.planner.sizing import Profile
+from tandem.services.serving.config import AppConfig
 
 LENGTH_SPREAD = 1.2  # longest / shortest prompt above which prefill time is fitted as a line
 

@@ -1,15 +1,15 @@
-"""``python -m services.prefill '<WorkerSpec JSON>'``: a prefill worker process."""
+"""``python -m tandem.services.prefill '<WorkerSpec JSON>'``: a prefill worker process."""
 
 from __future__ import annotations
 
 import sys
 
-from services.control.process import WorkerSpec, worker_main
-from services.engine.llm_engine import LLMEngine
-from services.kv_transfer.transport import KVTransport
-from services.prefill.config import PrefillConfig
-from services.prefill.service import prefill_handlers
-from services.prefill.worker import PrefillWorker
+from tandem.services.control.process import WorkerSpec, worker_main
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.kv_transfer.transport import KVTransport
+from tandem.services.prefill.config import PrefillConfig
+from tandem.services.prefill.service import prefill_handlers
+from tandem.services.prefill.worker import PrefillWorker
 
 
 def build(engine: LLMEngine, transport: KVTransport, spec: WorkerSpec) -> PrefillWorker:

@@ -3,9 +3,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.control.codec import logprobs_from_dict, logprobs_to_dict
-from services.engine.sequence import TokenLogprobs
-from services.kv_transfer.handle import KVHandle
+from tandem.services.control.codec import logprobs_from_dict, logprobs_to_dict
+from tandem.services.engine.sequence import TokenLogprobs
+from tandem.services.kv_transfer.handle import KVHandle
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ import time
 
 from opentelemetry.trace import SpanKind
 
-from services import tracing
-from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import RequestOutput
-from services.prefill.result import PrefillResult
+from tandem.services import tracing
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.outputs import RequestOutput
+from tandem.services.prefill.result import PrefillResult
 
 
 class PrefillTrace:

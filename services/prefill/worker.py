@@ -14,21 +14,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.kv_cache import kv_storage
-from services.engine.kv_events import KVEvent
-from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
-from services.kv_transfer.checksum import block_bytes, block_checksums
-from services.kv_transfer.handle import KVHandle
-from services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
-from services.kv_transfer.transport import KVTransport
-from services.prefill.config import PrefillConfig
-from services.prefill.leases import Clock, Lease, LeaseTable
-from services.prefill.metrics import PrefillMetrics
-from services.prefill.result import PrefillResult
-from services.prefill.trace import PrefillTrace
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.kv_cache import kv_storage
+from tandem.services.engine.kv_events import KVEvent
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.outputs import RequestOutput
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.kv_transfer.checksum import block_bytes, block_checksums
+from tandem.services.kv_transfer.handle import KVHandle
+from tandem.services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
+from tandem.services.kv_transfer.transport import KVTransport
+from tandem.services.prefill.config import PrefillConfig
+from tandem.services.prefill.leases import Clock, Lease, LeaseTable
+from tandem.services.prefill.metrics import PrefillMetrics
+from tandem.services.prefill.result import PrefillResult
+from tandem.services.prefill.trace import PrefillTrace
 
 log = logging.getLogger(__name__)
 

@@ -30,23 +30,23 @@ from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 from ray.serve.handle import DeploymentHandle
 
-from router import NoHealthyWorkers, Router, RoutingDecision
-from services import tracing
-from services.engine.outputs import (
+from tandem.router import NoHealthyWorkers, Router, RoutingDecision
+from tandem.services import tracing
+from tandem.services.engine.outputs import (
     DeadlineExceededError,
     EngineDeadError,
     EngineStats,
     RequestOutput,
     UnavailableError,
 )
-from services.engine.sequence import FinishReason
-from services.prefill.result import PrefillResult
-from services.request import GenerationRequest
-from services.serving.cluster_view import ClusterView, WorkerSnapshot
-from services.serving.decode_channel import DecodeChannel, StreamStalledError
-from services.serving.messages import ReplicaGoneError
-from services.serving.replica_ids import known_replicas
-from services.serving.serve_calls import call
+from tandem.services.engine.sequence import FinishReason
+from tandem.services.prefill.result import PrefillResult
+from tandem.services.request import GenerationRequest
+from tandem.services.serving.cluster_view import ClusterView, WorkerSnapshot
+from tandem.services.serving.decode_channel import DecodeChannel, StreamStalledError
+from tandem.services.serving.messages import ReplicaGoneError
+from tandem.services.serving.replica_ids import known_replicas
+from tandem.services.serving.serve_calls import call
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from services.engine.outputs import RequestError, RequestOutput
-from services.serving.messages import ChannelClosedError, RequestDone, WorkerReport
+from tandem.services.engine.outputs import RequestError, RequestOutput
+from tandem.services.serving.messages import ChannelClosedError, RequestDone, WorkerReport
 
 if TYPE_CHECKING:
-    from services.decode.worker import DecodeStream
+    from tandem.services.decode.worker import DecodeStream
 
 ChannelItem = RequestOutput | RequestDone | WorkerReport
 

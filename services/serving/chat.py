@@ -8,7 +8,7 @@ from typing import TextIO
 
 import httpx
 
-from services.serving.up_stats import bearer, ca_context
+from tandem.services.serving.up_stats import bearer, ca_context
 
 
 def stream_reply(client: httpx.Client, url: str, messages: list[dict[str, str]],

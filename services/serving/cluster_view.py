@@ -21,11 +21,11 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from router import InProcessEventBus, InProcessRegistry, Router, WorkerInfo
-from router.wire import decode_event
-from services.engine.outputs import EngineStats
-from services.serving.messages import WorkerReport
-from services.serving.replica_ids import known_replicas
+from tandem.router import InProcessEventBus, InProcessRegistry, Router, WorkerInfo
+from tandem.router.wire import decode_event
+from tandem.services.engine.outputs import EngineStats
+from tandem.services.serving.messages import WorkerReport
+from tandem.services.serving.replica_ids import known_replicas
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from router.config import POLICIES as ROUTING_POLICIES
-from services.engine.config import (
+from tandem.router.config import POLICIES as ROUTING_POLICIES
+from tandem.services.engine.config import (
     ATTENTION_BACKENDS,
     FLASH_ATTN_BLOCK_MULTIPLE,
     KV_CACHE_DTYPES,
@@ -20,10 +20,10 @@ from services.engine.config import (
     EngineConfig,
     SpeculativeConfig,
 )
-from services.kv_transfer.factory import TRANSPORTS
+from tandem.services.kv_transfer.factory import TRANSPORTS
 
 if TYPE_CHECKING:
-    from services.gateway.tls import ServerTLS
+    from tandem.services.gateway.tls import ServerTLS
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -255,7 +255,7 @@ class AppConfig:
         the setting); None without TLS. The gateway calls it at start, where the files are."""
         if self.tls_cert_file is None or self.tls_key_file is None:
             return None
-        from services.gateway.tls import ServerTLS
+        from tandem.services.gateway.tls import ServerTLS
 
         return ServerTLS.read(self.tls_cert_file, self.tls_key_file)
 
@@ -296,7 +296,7 @@ class AppConfig:
             return self.dtype, ""
         if self.engine_device() == "cuda":
             return "bfloat16", "auto on a GPU"
-        from services.engine import cpu_kernels
+        from tandem.services.engine import cpu_kernels
 
         reason = cpu_kernels.unavailable_reason()
         if reason is None:
@@ -310,7 +310,7 @@ class AppConfig:
             return self.device
         import torch
 
-        from services.engine.device import check_device
+        from tandem.services.engine.device import check_device
 
         if torch.cuda.is_available():
             return "cuda"

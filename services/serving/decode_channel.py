@@ -27,15 +27,15 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from services.engine.outputs import DeadlineExceededError, RequestOutput
-from services.request import GenerationRequest
-from services.serving.messages import (
+from tandem.services.engine.outputs import DeadlineExceededError, RequestOutput
+from tandem.services.request import GenerationRequest
+from tandem.services.serving.messages import (
     ChannelClosedError,
     ReplicaGoneError,
     RequestDone,
     WorkerReport,
 )
-from services.serving.serve_calls import call, clean_error, stream_items
+from tandem.services.serving.serve_calls import call, clean_error, stream_items
 
 log = logging.getLogger(__name__)
 

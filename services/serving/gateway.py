@@ -15,7 +15,7 @@ import logging
 
 from ray.serve.handle import DeploymentHandle
 
-from router import (
+from tandem.router import (
     FallbackRegistry,
     InProcessEventBus,
     InProcessRegistry,
@@ -25,21 +25,21 @@ from router import (
     RouterConfig,
     connect,
 )
-from services import tracing
-from services.control.auth import read_secret
-from services.engine.block_hash import HashSettings
-from services.engine.tokenizer_loader import load_model_metadata
-from services.gateway import (
+from tandem.services import tracing
+from tandem.services.control.auth import read_secret
+from tandem.services.engine.block_hash import HashSettings
+from tandem.services.engine.tokenizer_loader import load_model_metadata
+from tandem.services.gateway import (
     EngineBackend,
     Gateway,
     GatewayConfig,
 )
-from services.gateway.runner import FrontEnds
-from services.gateway.tenants import Tenants, read_api_keys
-from services.serving import metrics
-from services.serving.backend import BackendTimeouts, DisaggBackend
-from services.serving.cluster_view import ClusterView, WorkerSnapshot
-from services.serving.config import AppConfig
+from tandem.services.gateway.runner import FrontEnds
+from tandem.services.gateway.tenants import Tenants, read_api_keys
+from tandem.services.serving import metrics
+from tandem.services.serving.backend import BackendTimeouts, DisaggBackend
+from tandem.services.serving.cluster_view import ClusterView, WorkerSnapshot
+from tandem.services.serving.config import AppConfig
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ class GatewayIngress:
             log.info("request defaults from the model's generation_config.json: %s",
                      meta.sampling_defaults)
         if config.colocated:
-            from services.engine.async_engine import AsyncEngine
-            from services.engine.llm_engine import LLMEngine
+            from tandem.services.engine.async_engine import AsyncEngine
+            from tandem.services.engine.llm_engine import LLMEngine
 
             engine = await asyncio.to_thread(LLMEngine, config.engine_config())
             self.gateway = Gateway(EngineBackend(AsyncEngine(engine)), engine.tokenizer,

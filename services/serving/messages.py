@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router import WorkerLoad
-from services.engine.outputs import UnavailableError
+from tandem.router import WorkerLoad
+from tandem.services.engine.outputs import UnavailableError
 
 
 class ReplicaGoneError(UnavailableError):

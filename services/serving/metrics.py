@@ -17,11 +17,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from router import Router
-from services.decode.metrics import TRANSFER_SECONDS_BUCKETS
-from services.serving.backend import RESUME_SECONDS_BUCKETS, MigrationStats
-from services.serving.cluster_view import WorkerSnapshot
-from services.serving.config import AppConfig
+from tandem.router import Router
+from tandem.services.decode.metrics import TRANSFER_SECONDS_BUCKETS
+from tandem.services.serving.backend import RESUME_SECONDS_BUCKETS, MigrationStats
+from tandem.services.serving.cluster_view import WorkerSnapshot
+from tandem.services.serving.config import AppConfig
 
 SnapshotSource = Callable[[], list[WorkerSnapshot]]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from services.serving import replica_ids
+from tandem.services.serving import replica_ids
 
 ROUTE_TO = "route_to"
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from services.decode.errors import DecodeRejectedError
-from services.engine.outputs import (
+from tandem.services.decode.errors import DecodeRejectedError
+from tandem.services.engine.outputs import (
     DeadlineExceededError,
     EngineDeadError,
     EngineError,
@@ -19,7 +19,7 @@ from services.engine.outputs import (
     RequestError,
     UnavailableError,
 )
-from services.serving.messages import ReplicaGoneError
+from tandem.services.serving.messages import ReplicaGoneError
 
 
 def clean_error(exc: BaseException) -> BaseException:

@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from services.serving.up_stats import bearer, ca_context, metric_samples, read_text
+from tandem.services.serving.up_stats import bearer, ca_context, metric_samples, read_text
 
 ID_WIDTH = 16  # longer worker ids are shortened in the table (never in --json)
 

@@ -18,18 +18,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from services.gateway.tenants import parse_api_keys
-from services.serving.config import AppConfig, ConfigError
-from services.serving.up_stats import StatsReporter, client_context
-from services.serving.up_status import APP_NAME, StartupError, StatusMonitor, model_name
+from tandem.services.gateway.tenants import parse_api_keys
+from tandem.services.serving.config import AppConfig, ConfigError
+from tandem.services.serving.up_stats import StatsReporter, client_context
+from tandem.services.serving.up_status import APP_NAME, StartupError, StatusMonitor, model_name
 
 READY_TIMEOUT_S = 600.0
 STATUS_POLL_S = 0.5  # Serve's status, while starting (its control loop runs every 0.5 s)
 SERVING_STATUS_POLL_S = 5.0  # and while serving: replicas lost or unhealthy
 LOG_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 LOG_DATE_FORMAT = "%H:%M:%S"
-# Tandem's own loggers (the driver's and the replicas'); everything else stays at WARNING.
-OWN_LOGGERS = ("services", "router", "tandem")
+# Tandem's own loggers (the driver's and the replicas', all under "tandem"); everything
+# else stays at WARNING.
+OWN_LOGGERS = ("tandem",)
 
 log = logging.getLogger("tandem.up")
 
@@ -157,7 +158,7 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
     import ray
     from ray import serve
 
-    from services.app import build_app
+    from tandem.services.app import build_app
 
     logging.getLogger("ray.serve").setLevel(ray_level)  # this process's Serve client
     started = time.monotonic()
@@ -167,7 +168,7 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=True, logging_level=ray_level,
              runtime_env={"worker_process_setup_hook":
-                          "services.serving.up.setup_replica_logging"},
+                          "tandem.services.serving.up.setup_replica_logging"},
              object_store_memory=128 * 1024 * 1024)
     _on_signals(stop)  # again: ray.init installs its own SIGTERM handler (it aborts)
     serve_logging = {"log_level": ray_level, "enable_access_log": log_level == "debug"}
@@ -201,9 +202,9 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
 
 # Ray's and Serve's clocks and extras that a private one-machine cluster does not need, set
 # (unless the environment already does) before Ray starts, so every Ray process inherits them.
-# Measured with `python -m loadtest.idle_cpu --settle 40` (docs/loadtest.md "Idle CPU"); shares
-# are of one core, idle 1P+1D cluster. None of them touches what detects a dead or hung replica
-# (Serve's health checks, Ray's actor death notices) or what replaces it.
+# Measured with `python -m tandem.loadtest.idle_cpu --settle 40` (docs/loadtest.md "Idle CPU");
+# shares are of one core, idle 1P+1D cluster. None of them touches what detects a dead or hung
+# replica (Serve's health checks, Ray's actor death notices) or what replaces it.
 IDLE_RAY_ENV: dict[str, str] = {
     # Serve's controller loop: reacts (a dead replica replaced) within 0.5 s, not 0.1 s; with
     # the next, an idle 1P+1D cluster went from 17% to 12% (1 s: nothing measurable more).

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from services.gateway.tenants import read_api_keys
-from services.serving.config import AppConfig
+from tandem.services.gateway.tenants import read_api_keys
+from tandem.services.serving.config import AppConfig
 
 if TYPE_CHECKING:
     from prometheus_client.samples import Sample

@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from services.serving.config import AppConfig
+from tandem.services.serving.config import AppConfig
 
 APP_NAME = "tandem"
 
@@ -21,7 +21,7 @@ class StartupError(RuntimeError):
 
 def model_name(config: AppConfig) -> str:
     if config.model is None:
-        from services.engine.tokenizer_loader import BUILTIN_MODEL_ID
+        from tandem.services.engine.tokenizer_loader import BUILTIN_MODEL_ID
 
         return f"{BUILTIN_MODEL_ID} (built-in)"
     return Path(config.model).name
@@ -35,7 +35,7 @@ def failure_line(message: str) -> str:
         return ""
     last = lines[-1]
     head, sep, rest = last.partition(": ")
-    if sep and " " not in head and "." in head:  # services.engine.x.ModelLoadError: ...
+    if sep and " " not in head and "." in head:  # tandem.services.engine.x.ModelLoadError: ...
         last = f"{head.rsplit('.', 1)[1]}: {rest}"
     return last
 

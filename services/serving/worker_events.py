@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from router import (
+from tandem.router import (
     RedisRegistry,
     RedisStreamEventBus,
     RegistrationRefused,
@@ -33,8 +33,8 @@ from router import (
     attach_worker,
     connect,
 )
-from router.wire import WorkerEvent, encode_event
-from services.engine.kv_events import KVEvent
+from tandem.router.wire import WorkerEvent, encode_event
+from tandem.services.engine.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
 

@@ -24,24 +24,24 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from router import WorkerInfo, WorkerLoad
-from services import tracing
-from services.control.auth import ClusterKey
-from services.decode.config import DecodeConfig
-from services.decode.worker import DecodeWorker
-from services.engine.faults import fault_hook_from_env, planned_faults
-from services.engine.kv_cache import kv_storage
-from services.engine.llm_engine import LLMEngine
-from services.kv_transfer.factory import make_transport
-from services.kv_transfer.pairing import PairingError, PairingInfo
-from services.prefill.config import PrefillConfig
-from services.prefill.result import PrefillResult
-from services.prefill.worker import PrefillWorker
-from services.request import GenerationRequest
-from services.serving.channel_outbox import ChannelItem, ChannelOutbox
-from services.serving.config import AppConfig
-from services.serving.messages import ChannelClosedError, ReplicaGoneError, WorkerReport
-from services.serving.worker_events import WorkerEvents
+from tandem.router import WorkerInfo, WorkerLoad
+from tandem.services import tracing
+from tandem.services.control.auth import ClusterKey
+from tandem.services.decode.config import DecodeConfig
+from tandem.services.decode.worker import DecodeWorker
+from tandem.services.engine.faults import fault_hook_from_env, planned_faults
+from tandem.services.engine.kv_cache import kv_storage
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.kv_transfer.factory import make_transport
+from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
+from tandem.services.prefill.config import PrefillConfig
+from tandem.services.prefill.result import PrefillResult
+from tandem.services.prefill.worker import PrefillWorker
+from tandem.services.request import GenerationRequest
+from tandem.services.serving.channel_outbox import ChannelItem, ChannelOutbox
+from tandem.services.serving.config import AppConfig
+from tandem.services.serving.messages import ChannelClosedError, ReplicaGoneError, WorkerReport
+from tandem.services.serving.worker_events import WorkerEvents
 
 Worker = PrefillWorker | DecodeWorker
 log = logging.getLogger(__name__)

@@ -4,11 +4,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway import EngineBackend, Gateway
-from services.gateway.runner import ServeAddresses
-from services.gateway.tenants import Tenants
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.gateway import EngineBackend, Gateway
+from tandem.services.gateway.runner import ServeAddresses
+from tandem.services.gateway.tenants import Tenants
 from tests.gateway.helpers import serving
 
 API_KEY = "sk-batch-test"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.batch.batch_file import read_done
-from services.cli import main as tandem
+from tandem.services.batch.batch_file import read_done
+from tandem.services.cli import main as tandem
 from tests.batch.requests import batch_lines, write_jsonl
 
 GOOD = batch_lines(2)

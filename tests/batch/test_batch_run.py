@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.cli import main as tandem
-from services.gateway.runner import ServeAddresses
+from tandem.services.cli import main as tandem
+from tandem.services.gateway.runner import ServeAddresses
 from tests.batch.conftest import API_KEY
 from tests.batch.requests import batch_lines, read_jsonl, write_jsonl
 from tests.e2e.cluster import static_server

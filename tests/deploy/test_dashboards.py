@@ -23,16 +23,16 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from deploy.grafana import dashboards, promql, rules, slo
-from router import InProcessEventBus, InProcessRegistry, Router, RouterConfig
-from services.decode.metrics import DecodeMetrics
-from services.engine.block_hash import HashSettings
-from services.engine.outputs import EngineStats
-from services.gateway import metrics as gateway_metrics
-from services.gateway.metrics import GatewayMetrics
-from services.prefill.metrics import PrefillMetrics
-from services.serving import metrics as serving_metrics
-from services.serving.backend import MigrationStats
-from services.serving.cluster_view import WorkerSnapshot
+from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig
+from tandem.services.decode.metrics import DecodeMetrics
+from tandem.services.engine.block_hash import HashSettings
+from tandem.services.engine.outputs import EngineStats
+from tandem.services.gateway import metrics as gateway_metrics
+from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.prefill.metrics import PrefillMetrics
+from tandem.services.serving import metrics as serving_metrics
+from tandem.services.serving.backend import MigrationStats
+from tandem.services.serving.cluster_view import WorkerSnapshot
 from tests.deploy.conftest import SHARED_SCHEMAS, run_promtool
 
 GRAFANA_SCHEMAS = SHARED_SCHEMAS / "grafana"

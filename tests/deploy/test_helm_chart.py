@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.serving.config import AppConfig
+from tandem.services.serving.config import AppConfig
 from tests.deploy.conftest import (
     CHART_DIR,
     NAMESPACE,
@@ -278,7 +278,7 @@ def test_serve_config_is_tandems_application(helm: Helm, tmp_path: Path,
     # No Serve HTTP proxy: the gateway replica serves HTTP on ports.http itself (below).
     assert serve.proxy_location == "Disabled"
     app = ours.application
-    assert app["import_path"] == "services.app:app_builder"
+    assert app["import_path"] == "tandem.services.app:app_builder"
     args = app["args"]
     auth = set(args) & AUTH_OWNED
     assert set(args) - set(values["app"]) - auth == CHART_OWNED
@@ -694,10 +694,10 @@ def test_missing_kuberay_fails_with_a_clear_message(helm: Helm) -> None:
 
 
 def test_values_schema_tracks_appconfig() -> None:
-    from router.config import POLICIES
-    from services.engine.config import ATTENTION_BACKENDS, SPEC_METHODS
-    from services.kv_transfer.factory import TRANSPORTS
-    from services.serving.config import DTYPES
+    from tandem.router.config import POLICIES
+    from tandem.services.engine.config import ATTENTION_BACKENDS, SPEC_METHODS
+    from tandem.services.kv_transfer.factory import TRANSPORTS
+    from tandem.services.serving.config import DTYPES
 
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     app = schema["properties"]["app"]
@@ -764,7 +764,7 @@ def test_dockerfile_passes_hadolint() -> None:
 def test_wildcard_worker_host_becomes_a_reachable_address() -> None:
     """The chart gives workers worker_host 0.0.0.0: each must listen on and advertise an
     address its peers on other pods can dial, not the wildcard."""
-    from services.serving.workers import reachable_host
+    from tandem.services.serving.workers import reachable_host
 
     for wildcard in WILDCARDS:
         host = reachable_host(wildcard)

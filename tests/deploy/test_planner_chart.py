@@ -11,8 +11,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from services.planner.cli import add_parser
-from services.planner.sizing import Profile
+from tandem.services.planner.cli import add_parser
+from tandem.services.planner.sizing import Profile
 from tests.deploy.conftest import CHART_DIR, NAMESPACE, Helm, HelmError
 from tests.deploy.test_helm_chart import K8S_VERSIONS, SKIP_KUBERAY_CHECK
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import EngineOverloadedError, PinnedKV, RequestError
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.outputs import EngineOverloadedError, PinnedKV, RequestError
+from tandem.services.engine.sampling_params import SamplingParams
 from tests.disagg.cluster import local_engine
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from services.decode.config import DecodeConfig
-from services.decode.errors import DecodeRejectedError, KVTransferFailedError
-from services.decode.worker import DecodeWorker, KVSource
-from services.engine.sampling_params import SamplingParams
-from services.prefill.config import PrefillConfig
-from services.prefill.worker import PrefillWorker
+from tandem.services.decode.config import DecodeConfig
+from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
+from tandem.services.decode.worker import DecodeWorker, KVSource
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.prefill.config import PrefillConfig
+from tandem.services.prefill.worker import PrefillWorker
 from tests.disagg.cluster import (
     TRANSPORTS,
     FakeClock,

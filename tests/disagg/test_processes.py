@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.control.auth import AuthError, ClusterKey
-from services.control.process import WorkerProcess
-from services.decode.errors import DecodeRejectedError
-from services.decode.service import RemoteDecode
-from services.decode.worker import KVSource
-from services.kv_transfer.tcp_transport import TcpTransport
-from services.kv_transfer.transport import KVTransferError
-from services.prefill.service import RemotePrefill
+from tandem.services.control.auth import AuthError, ClusterKey
+from tandem.services.control.process import WorkerProcess
+from tandem.services.decode.errors import DecodeRejectedError
+from tandem.services.decode.service import RemoteDecode
+from tandem.services.decode.worker import KVSource
+from tandem.services.kv_transfer.tcp_transport import TcpTransport
+from tandem.services.kv_transfer.transport import KVTransferError
+from tandem.services.prefill.service import RemotePrefill
 from tests.disagg.cluster import (
     GREEDY,
     TRANSPORTS,

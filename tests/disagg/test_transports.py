@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from services.control.auth import ClusterKey
-from services.engine.outputs import EngineStats
-from services.kv_transfer import nixl_transport
-from services.kv_transfer.factory import make_transport
-from services.kv_transfer.framing import encode_frame, read_frame
-from services.kv_transfer.tcp_transport import TcpTransport
-from services.kv_transfer.transport import KVTransferError, KVTransport
-from services.prefill.leases import LeaseTable
-from services.serving.cluster_view import WorkerSnapshot
-from services.serving.metrics import WorkerCollector
+from tandem.services.control.auth import ClusterKey
+from tandem.services.engine.outputs import EngineStats
+from tandem.services.kv_transfer import nixl_transport
+from tandem.services.kv_transfer.factory import make_transport
+from tandem.services.kv_transfer.framing import encode_frame, read_frame
+from tandem.services.kv_transfer.tcp_transport import TcpTransport
+from tandem.services.kv_transfer.transport import KVTransferError, KVTransport
+from tandem.services.prefill.leases import LeaseTable
+from tandem.services.serving.cluster_view import WorkerSnapshot
+from tandem.services.serving.metrics import WorkerCollector
 
 NUM_BLOCKS, BLOCK_SHAPE = 12, (2, 2, 4, 3, 8)  # block-major: [blocks, layers, k/v, ...]
 
@@ -278,7 +278,7 @@ def test_auto_takes_nixl_for_host_memory() -> None:
 def test_auto_falls_back_to_tcp_when_nixl_cannot_move_gpu_memory(
         caplog: pytest.LogCaptureFixture) -> None:
     # Here no GPU exists, so NIXL truly cannot register CUDA memory: the probe says why.
-    with caplog.at_level(logging.WARNING, logger="services.kv_transfer.factory"):
+    with caplog.at_level(logging.WARNING, logger="tandem.services.kv_transfer.factory"):
         transport = make_transport("auto", "w0", device="cuda")
     assert isinstance(transport, TcpTransport)
     assert transport.describe() == {"kv_transport": "tcp",
@@ -333,7 +333,7 @@ def test_auto_falls_back_to_tcp_when_nixl_cannot_register_the_real_cache(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(nixl_transport, "nixl_agent", _LimitedAgent)
     source, dest = _cache(1), _cache(2)  # 18432 bytes each
-    with caplog.at_level(logging.INFO, logger="services.kv_transfer.factory"):
+    with caplog.at_level(logging.INFO, logger="tandem.services.kv_transfer.factory"):
         reader = make_transport("auto", "d0", kv_cache=dest)
     reason = ("NIXL cannot register the KV cache of 18.0 KiB (18432 bytes) on cpu: "
               "NIXL_ERR_BACKEND")

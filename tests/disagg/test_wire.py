@@ -8,11 +8,11 @@ import struct
 
 import pytest
 
-from services.control.rpc import RpcClient, RpcError, RpcServer
-from services.kv_transfer.framing import FrameError, decode_header, encode_frame
-from services.kv_transfer.handle import KVHandle
-from services.prefill.leases import LeaseTable
-from services.prefill.result import PrefillResult
+from tandem.services.control.rpc import RpcClient, RpcError, RpcServer
+from tandem.services.kv_transfer.framing import FrameError, decode_header, encode_frame
+from tandem.services.kv_transfer.handle import KVHandle
+from tandem.services.prefill.leases import LeaseTable
+from tandem.services.prefill.result import PrefillResult
 from tests.disagg.cluster import FakeClock
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.doctor.evidence import Evidence, Scrape
-from services.gateway.metrics import E2E_BUCKETS, TTFT_BUCKETS
+from tandem.services.doctor.evidence import Evidence, Scrape
+from tandem.services.gateway.metrics import E2E_BUCKETS, TTFT_BUCKETS
 
 TRANSFER_BUCKETS = (0.001, 0.01, 0.1, 1.0)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import main
+from tandem.services.cli import main
 from tests.e2e.cluster import free_port, static_server
 from tests.gateway.test_imports import modules_after
 
@@ -31,7 +31,7 @@ def recorded_gateway(tmp_path: Path) -> Iterator[str]:
 
 
 def doctor(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", "doctor", *args],
+    return subprocess.run([sys.executable, "-m", "tandem.services.cli", "doctor", *args],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -70,10 +70,10 @@ def test_a_window_without_traffic_exits_1(recorded_gateway: str) -> None:
 
 def test_doctor_imports_no_torch_nor_ray() -> None:
     loaded = modules_after("""
-        from services.cli import main
-        import services.doctor.cli, services.doctor.report
+        from tandem.services.cli import main
+        import tandem.services.doctor.cli, tandem.services.doctor.report
     """)
-    assert "services" in loaded
+    assert "tandem.services" in loaded
     assert not loaded & {"torch", "ray"}
 
 

@@ -7,16 +7,16 @@ from dataclasses import fields
 
 from prometheus_client.exposition import generate_latest
 
-from router import InProcessEventBus, InProcessRegistry, Router, RouterConfig
-from router.hashing import HashSettings
-from services.decode.metrics import DecodeMetrics
-from services.doctor.evidence import EMPTY, Evidence, Scrape
-from services.engine.outputs import EngineStats
-from services.gateway.metrics import GatewayMetrics
-from services.prefill.metrics import PrefillMetrics
-from services.serving import metrics as serving_metrics
-from services.serving.cluster_view import WorkerSnapshot
-from services.serving.config import AppConfig
+from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig
+from tandem.router.hashing import HashSettings
+from tandem.services.decode.metrics import DecodeMetrics
+from tandem.services.doctor.evidence import EMPTY, Evidence, Scrape
+from tandem.services.engine.outputs import EngineStats
+from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.prefill.metrics import PrefillMetrics
+from tandem.services.serving import metrics as serving_metrics
+from tandem.services.serving.cluster_view import WorkerSnapshot
+from tandem.services.serving.config import AppConfig
 
 
 def exposition(config: AppConfig, gateway: GatewayMetrics) -> str:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.doctor.diagnosis import NoTraffic, diagnose
-from services.doctor.evidence import Evidence
-from services.doctor.levers import ranked, recommended
-from services.doctor.questions import answer_all
-from services.doctor.report import Report
+from tandem.services.doctor.diagnosis import NoTraffic, diagnose
+from tandem.services.doctor.evidence import Evidence
+from tandem.services.doctor.levers import ranked, recommended
+from tandem.services.doctor.questions import answer_all
+from tandem.services.doctor.report import Report
 
 from .metrics_text import (
     DISAGG,

@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import matplotlib.image
 
-from loadtest.bench import cli
-from loadtest.bench.plots import PLOT_FILES
+from tandem.loadtest.bench import cli
+from tandem.loadtest.bench.plots import PLOT_FILES
 
 
 def counter_total(http_url: str, name: str) -> float:

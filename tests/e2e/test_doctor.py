@@ -62,7 +62,7 @@ def diagnose_during(cluster: UpProcess, requests: int, traffic: Callable[[], Non
     """`tandem doctor --json` over the window in which ``traffic`` sends ``requests``
     requests (it starts once the doctor has taken its first read)."""
     doctor = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "doctor", "--url", cluster.http_url, "--json",
+        [sys.executable, "-m", "tandem.services.cli", "doctor", "--url", cluster.http_url, "--json",
          "--window", "300", "--requests", str(requests), "--interval", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

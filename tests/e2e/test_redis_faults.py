@@ -26,8 +26,8 @@ import pytest
 import redis
 from openai import OpenAI
 
-from router import RedisRegistry
-from services.engine.sampling_params import SamplingParams
+from tandem.router import RedisRegistry
+from tandem.services.engine.sampling_params import SamplingParams
 from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
 from tests.router.conftest import RedisServer, free_port
 

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tests.e2e.cluster import TANDEM, UpProcess, metric_values, wait_for
 from tests.gateway.helpers import cached_tokens
 

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from openai import NotFoundError, OpenAI
 
-from router import decision as reasons
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.router import decision as reasons
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tests.e2e.cluster import UpProcess
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 

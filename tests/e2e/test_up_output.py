@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services.version import version
+from tandem.services.version import version
 from tests.e2e.cluster import TANDEM, free_port
 
 pytestmark = pytest.mark.timeout(300)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.model_loader import LoadedModel
+from tandem.services.engine.model_loader import LoadedModel
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Reference, hf_greedy
 from tests.prompts import shared_prefix_prompts

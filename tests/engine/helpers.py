@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.llm_engine import LLMEngine
-from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.outputs import RequestOutput
+from tandem.services.engine.sampling_params import SamplingParams
 
 
 def chat(engine: LLMEngine, text: str) -> list[int]:

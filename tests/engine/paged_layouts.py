@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention.metadata import StepMetadata
+from tandem.services.engine.attention.metadata import StepMetadata
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYER = 1  # of NUM_LAYERS: a nonzero layer checks the layer stride

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from services.engine.attention.triton_kernels import (  # noqa: E402
+from tandem.services.engine.attention.triton_kernels import (  # noqa: E402
     choose_num_splits,
     paged_attention,
     store_kv,

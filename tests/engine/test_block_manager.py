@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.engine.block_manager import BlockManager
-from services.engine.kv_events import BlockRemoved, BlockStored
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import Sequence
+from tandem.services.engine.block_manager import BlockManager
+from tandem.services.engine.kv_events import BlockRemoved, BlockStored
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.sequence import Sequence
 
 BS = 4
 

@@ -9,7 +9,7 @@ from typing import Any
 import jinja2
 import pytest
 
-from services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer import Tokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "lookup", "description": "Find <b>things</b> & more: 東京, café",

@@ -13,14 +13,14 @@ import dataclasses
 import pytest
 import torch
 
-from services.engine import cpu_kernels
-from services.engine.attention import get_attention_backend, resolve_backend
-from services.engine.attention.cpu_backend import CpuAttention
-from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.cpu_linear import AmxLinear
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.attention import get_attention_backend, resolve_backend
+from tandem.services.engine.attention.cpu_backend import CpuAttention
+from tandem.services.engine.config import EngineConfig, SpeculativeConfig
+from tandem.services.engine.cpu_linear import AmxLinear
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.sampling_params import SamplingParams
 from tests.engine.paged_layouts import (
     BUILTIN,
     LAYER,

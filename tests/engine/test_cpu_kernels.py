@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine import cpu_kernels
-from services.engine.cpu_linear import AmxLinear
-from services.engine.model import _rotate_half, rms_norm
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.cpu_linear import AmxLinear
+from tandem.services.engine.model import _rotate_half, rms_norm
 
 REASON = cpu_kernels.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cpu kernels: {REASON}")

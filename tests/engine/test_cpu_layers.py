@@ -13,14 +13,14 @@ import dataclasses
 import pytest
 import torch
 
-from services.engine import cpu_kernels
-from services.engine.attention.cpu_backend import KernelPrefill
-from services.engine.attention.torch_backend import TorchPlan
-from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.cpu_layers import CpuLayers
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel, load_model
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.attention.cpu_backend import KernelPrefill
+from tandem.services.engine.attention.torch_backend import TorchPlan
+from tandem.services.engine.config import EngineConfig, SpeculativeConfig
+from tandem.services.engine.cpu_layers import CpuLayers
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.sampling_params import SamplingParams
 
 REASON = cpu_kernels.unavailable_reason()
 AMX = REASON is None and cpu_kernels.load().amx

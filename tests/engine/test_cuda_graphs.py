@@ -14,10 +14,10 @@ import torch
 if not torch.cuda.is_available():  # before the kernels' module is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
-from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.cuda_graphs import DecodeGraphs, batch_ladder, eager_capture  # noqa: E402
-from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.engine.config import EngineConfig  # noqa: E402
+from tandem.services.engine.cuda_graphs import DecodeGraphs, batch_ladder, eager_capture  # noqa: E402
+from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.services.engine.sampling_params import SamplingParams  # noqa: E402
 
 GRAPH_CONTEXT = 256  # the graphs' longest context (keeps the split count at 1 here)
 

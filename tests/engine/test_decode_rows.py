@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.attention.decode_rows import DecodeRows
-from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.attention.decode_rows import DecodeRows
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.sampling_params import SamplingParams
 
 # Prompts of different lengths and outputs of different lengths: sequences start and finish
 # decoding at different steps, so rows are filled, moved down and given up as they go.
@@ -87,7 +87,7 @@ def test_a_batch_over_the_byte_bound_gathers_instead(make_engine, mixed_prompts)
 
 
 def test_a_preempted_sequence_gets_a_new_key():
-    from services.engine.sequence import Sequence
+    from tandem.services.engine.sequence import Sequence
 
     seq = Sequence("r", [1, 2, 3], 3, SamplingParams(), ())
     other = Sequence("s", [1, 2, 3], 3, SamplingParams(), ())

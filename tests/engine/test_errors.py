@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import ModelLoadError, builtin_model_path, load_model
-from services.engine.outputs import EngineOverloadedError, RequestError
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import ModelLoadError, builtin_model_path, load_model
+from tandem.services.engine.outputs import EngineOverloadedError, RequestError
+from tandem.services.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 

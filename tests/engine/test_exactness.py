@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.sampling_params import SamplingParams
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Comparison, Reference, compare
 

@@ -14,10 +14,15 @@ import time
 
 import pytest
 
-from services.engine.async_engine import MAX_STEP_FAILURES, AsyncEngine
-from services.engine.faults import ENV, fault_hook_from_env, planned_faults, release_hung_steps
-from services.engine.outputs import EngineDeadError, EngineError, RequestOutput
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.async_engine import MAX_STEP_FAILURES, AsyncEngine
+from tandem.services.engine.faults import (
+    ENV,
+    fault_hook_from_env,
+    planned_faults,
+    release_hung_steps,
+)
+from tandem.services.engine.outputs import EngineDeadError, EngineError, RequestOutput
+from tandem.services.engine.sampling_params import SamplingParams
 
 STEP_SEED, FATAL_SEED, HANG_SEED = 666, 667, 668
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from services.engine.attention import resolve_backend
-from services.engine.attention.flash_backend import FlashAttention
-from services.engine.attention.metadata import build_step_metadata
-from services.engine.config import FLASH_ATTN_BLOCK_MULTIPLE, EngineConfig
-from services.serving.config import AppConfig, ConfigError
+from tandem.services.engine.attention import resolve_backend
+from tandem.services.engine.attention.flash_backend import FlashAttention
+from tandem.services.engine.attention.metadata import build_step_metadata
+from tandem.services.engine.config import FLASH_ATTN_BLOCK_MULTIPLE, EngineConfig
+from tandem.services.serving.config import AppConfig, ConfigError
 from tests.engine.paged_layouts import (
     BUILTIN,
     DEVICE,

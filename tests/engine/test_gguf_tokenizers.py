@@ -39,8 +39,8 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-from services.engine.tokenizer import BYTE_LEVEL_SPLITS, Tokenizer
-from services.engine.tokenizer_loader import (
+from tandem.services.engine.tokenizer import BYTE_LEVEL_SPLITS, Tokenizer
+from tandem.services.engine.tokenizer_loader import (
     ModelLoadError,
     builtin_model_path,
     metadata_from_gguf,

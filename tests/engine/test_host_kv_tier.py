@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.block_hash import BlockHash
-from services.engine.config import EngineConfig
-from services.engine.host_kv_pool import HostKVPool
-from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from services.engine.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
-from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
-from services.serving.config import AppConfig, ConfigError
+from tandem.services.engine.block_hash import BlockHash
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.host_kv_pool import HostKVPool
+from tandem.services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from tandem.services.engine.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.serving.config import AppConfig, ConfigError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DEVICE_BLOCKS = 72  # the longest prompt fits; the prompt set does not
@@ -148,7 +148,7 @@ def test_config_names_the_field() -> None:
 def test_up_flag_reaches_the_engines() -> None:
     import argparse
 
-    from services.cli import _add_up_parser, up_settings
+    from tandem.services.cli import _add_up_parser, up_settings
 
     parser = argparse.ArgumentParser(prog="tandem")
     _add_up_parser(parser.add_subparsers())

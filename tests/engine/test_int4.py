@@ -18,12 +18,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.engine.config import EngineConfig
-from services.engine.int4_linear import GROUP, Int4Linear, Q4Weight, int4_available
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel, ModelLoadError, builtin_model_path, load_model
-from services.engine.sampling_params import SamplingParams
-from services.serving.config import AppConfig, ConfigError
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.int4_linear import GROUP, Int4Linear, Q4Weight, int4_available
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import (
+    LoadedModel,
+    ModelLoadError,
+    builtin_model_path,
+    load_model,
+)
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.serving.config import AppConfig, ConfigError
 from tests.prompts import prompt_set
 
 pytestmark = pytest.mark.skipif(not int4_available(),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.kv_cache import HUGE_PAGE, KVCacheSpec, allocate_kv_cache
+from tandem.services.engine.kv_cache import HUGE_PAGE, KVCacheSpec, allocate_kv_cache
 
 
 def vm_flags(address):

@@ -18,12 +18,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from services.engine.attention import build_step_metadata  # noqa: E402
-from services.engine.attention.torch_backend import TorchAttention  # noqa: E402
-from services.engine.attention.triton_kernels import paged_attention, store_kv  # noqa: E402
-from services.engine.block_hash import HashSettings, hash_token_blocks  # noqa: E402
-from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.kv_cache import (  # noqa: E402
+from tandem.services.engine.attention import build_step_metadata  # noqa: E402
+from tandem.services.engine.attention.torch_backend import TorchAttention  # noqa: E402
+from tandem.services.engine.attention.triton_kernels import paged_attention, store_kv  # noqa: E402
+from tandem.services.engine.block_hash import HashSettings, hash_token_blocks  # noqa: E402
+from tandem.services.engine.config import EngineConfig  # noqa: E402
+from tandem.services.engine.kv_cache import (  # noqa: E402
     KVCacheSpec,
     QuantizedKV,
     allocate_kv_cache,
@@ -31,11 +31,11 @@ from services.engine.kv_cache import (  # noqa: E402
     kv_storage,
     quantize_int8,
 )
-from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.model import LlamaModel  # noqa: E402
-from services.engine.model_loader import LoadedModel  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
-from services.serving.config import AppConfig, ConfigError  # noqa: E402
+from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.services.engine.model import LlamaModel  # noqa: E402
+from tandem.services.engine.model_loader import LoadedModel  # noqa: E402
+from tandem.services.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.serving.config import AppConfig, ConfigError  # noqa: E402
 from tests.engine.helpers import run  # noqa: E402
 from tests.engine.paged_layouts import (  # noqa: E402
     BUILTIN,
@@ -200,7 +200,7 @@ def test_config_names_the_field() -> None:
 
 
 def test_up_flag_reaches_the_engines(capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import _add_up_parser, up_settings
+    from tandem.services.cli import _add_up_parser, up_settings
 
     parser = argparse.ArgumentParser(prog="tandem")
     _add_up_parser(parser.add_subparsers())

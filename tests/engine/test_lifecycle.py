@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.outputs import RequestError
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import FinishReason
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.outputs import RequestError
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.sequence import FinishReason
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.logits_controls import Draw, controlled
-from services.engine.sampler import probabilities
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.logits_controls import Draw, controlled
+from tandem.services.engine.sampler import probabilities
+from tandem.services.engine.sampling_params import SamplingParams
 from tests.engine.helpers import chat, run
 
 EOS = 5
@@ -104,7 +104,7 @@ def test_the_engine_applies_the_controls_on_every_path(make_engine):  # type: ig
     """A penalty changes greedy output; a logit bias forces a token; min_tokens holds EOS off;
     and each controlled request gives the same tokens with ngram speculation and resumed from
     its first tokens elsewhere (the history is the output so far, wherever it was made)."""
-    from services.engine.config import SpeculativeConfig
+    from tandem.services.engine.config import SpeculativeConfig
 
     plain, spec = make_engine(), make_engine(speculative=SpeculativeConfig(method="ngram"))
     prompt = chat(plain, "Repeat the word 'cat' ten times.")

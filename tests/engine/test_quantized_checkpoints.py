@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.model_loader import ModelLoadError, load_model
+from tandem.services.engine.model_loader import ModelLoadError, load_model
 from tests.engine.test_model_families import assert_greedy_matches_transformers, tiny_model
 
 BLOCK = 16  # the tiny models' dimensions (64, 128) are multiples of it

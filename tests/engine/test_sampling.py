@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import math
 
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.sampling_params import SamplingParams
 
 
 def chat(engine, text):  # type: ignore[no-untyped-def]
@@ -56,7 +56,7 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_best_token() -> None:
     """5e-324 is 0 in float32: without the guard every token was dropped (NaN, a failed step)."""
     import torch
 
-    from services.engine.sampler import probabilities
+    from tandem.services.engine.sampler import probabilities
 
     logits = torch.tensor([1.0, 3.0, 2.0])
     for top_p in (5e-324, 1e-300, 1e-9):
@@ -68,7 +68,7 @@ def test_a_resumed_request_continues_exactly(make_engine):
     """Draws depend on (seed, position) only: an engine given a request's first tokens as
     ``output_token_ids`` (a migration) emits exactly the rest, sampled or greedy, with or
     without speculation."""
-    from services.engine.config import SpeculativeConfig
+    from tandem.services.engine.config import SpeculativeConfig
 
     first, other = make_engine(), make_engine(speculative=SpeculativeConfig(method="ngram"))
     prompt = chat(first, "Write a short poem about rain.")
@@ -124,7 +124,7 @@ def py_noise(key: int, v: int) -> float:
 def test_noise_equals_a_pure_python_reference_of_the_hash():
     import torch
 
-    from services.engine.sampler import (
+    from tandem.services.engine.sampler import (
         exponential_noise,
         exponential_noise_rows,
         noise_hash,
@@ -186,7 +186,7 @@ def test_noise_uniforms_are_uniform_and_independent():
     pairs (neighbouring entries, neighbouring positions) for independence."""
     import torch
 
-    from services.engine.sampler import noise_hash, position_seed
+    from tandem.services.engine.sampler import noise_hash, position_seed
 
     bins = 16
 
@@ -223,7 +223,7 @@ def test_the_chi_square_helper_rejects_skew():
 def test_the_cpu_sort_is_torchs_stable_descending_sort():
     import torch
 
-    from services.engine.sampler import _sort_descending
+    from tandem.services.engine.sampler import _sort_descending
 
     gen = torch.Generator().manual_seed(0)
     for vocab in (7, 5000, 70000):
@@ -275,7 +275,7 @@ def mixed_params(vocab: int) -> list[SamplingParams]:
 def test_probabilities_is_the_batched_distribution():
     import torch
 
-    from services.engine.sampler import batch_probabilities, probabilities
+    from tandem.services.engine.sampler import batch_probabilities, probabilities
 
     vocab = 4096
     gen = torch.Generator().manual_seed(3)
@@ -302,7 +302,7 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch():
     or as row k of 32 with other requests (greedy and sampled, other seeds and params)."""
     import torch
 
-    from services.engine.sampler import sample
+    from tandem.services.engine.sampler import sample
 
     vocab = 4096
     gen = torch.Generator().manual_seed(5)
@@ -336,7 +336,7 @@ def test_sample_is_the_race_on_the_distribution():
     """sample() of a row is argmax(probabilities / noise) with the position's noise."""
     import torch
 
-    from services.engine.sampler import exponential_noise, probabilities, sample
+    from tandem.services.engine.sampler import exponential_noise, probabilities, sample
 
     vocab = 1000
     gen = torch.Generator().manual_seed(9)
@@ -353,7 +353,7 @@ def test_a_sampled_row_without_a_seed_is_refused():
     import pytest
     import torch
 
-    from services.engine.sampler import sample
+    from tandem.services.engine.sampler import sample
 
     with pytest.raises(ValueError, match="seed"):
         sample(torch.zeros(2, 5), [SamplingParams(temperature=0.0),
@@ -369,7 +369,7 @@ def test_on_cuda_the_noise_and_draws_are_the_cpus():
     import pytest
     import torch
 
-    from services.engine.sampler import exponential_noise_rows, position_seed, sample
+    from tandem.services.engine.sampler import exponential_noise_rows, position_seed, sample
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from services.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel
-from services.engine.sampler import exponential_noise, probabilities, sample
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.engine.sampler import exponential_noise, probabilities, sample
+from tandem.services.engine.sampling_params import SamplingParams
 
 VOCAB = 10
 SAMPLES = 3000

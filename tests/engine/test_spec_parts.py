@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.config import SpeculativeConfig
-from services.engine.sampler import accept_matching
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import Sequence
-from services.engine.speculative.ngram import lookup
-from services.engine.speculative.policy import SpecPolicy
+from tandem.services.engine.config import SpeculativeConfig
+from tandem.services.engine.sampler import accept_matching
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.sequence import Sequence
+from tandem.services.engine.speculative.ngram import lookup
+from tandem.services.engine.speculative.policy import SpecPolicy
 
 
 def seq(request_id: str, params: SamplingParams | None = None) -> Sequence:

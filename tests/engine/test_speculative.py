@@ -12,10 +12,10 @@ import dataclasses
 import pytest
 import torch
 
-from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model_loader import LoadedModel
-from services.engine.sampling_params import SamplingParams
+from tandem.services.engine.config import EngineConfig, SpeculativeConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.engine.sampling_params import SamplingParams
 from tests.engine.test_exactness import GREEDY, check_all
 
 PROPOSERS = ["ngram", "draft", "self"]

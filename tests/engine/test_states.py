@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.block_hash import BlockHash
-from services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
-from services.engine.llm_engine import LLMEngine
-from services.engine.sampling_params import SamplingParams
-from services.engine.sequence import SequenceStatus
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.block_hash import BlockHash
+from tandem.services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.sequence import SequenceStatus
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -9,9 +9,9 @@ import re
 import jsonschema
 import pytest
 
-from services.engine.config import SpeculativeConfig
-from services.engine.grammar import Grammars
-from services.engine.sampling_params import SamplingParams, StructuredOutput
+from tandem.services.engine.config import SpeculativeConfig
+from tandem.services.engine.grammar import Grammars
+from tandem.services.engine.sampling_params import SamplingParams, StructuredOutput
 from tests.engine.helpers import chat, run
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],

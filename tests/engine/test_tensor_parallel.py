@@ -15,14 +15,14 @@ from collections.abc import Iterator
 import pytest
 from torch._C._distributed_c10d import PythonCallbackWork
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.config import EngineConfig, SpeculativeConfig
-from services.engine.llm_engine import LLMEngine
-from services.engine.model import Shard, split_evenly
-from services.engine.model_loader import LoadedModel
-from services.engine.outputs import EngineDeadError, EngineOverloadedError
-from services.engine.sampling_params import SamplingParams
-from services.engine.tensor_parallel import TensorParallelError, wait_all_reduce
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.config import EngineConfig, SpeculativeConfig
+from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model import Shard, split_evenly
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.engine.outputs import EngineDeadError, EngineOverloadedError
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.engine.tensor_parallel import TensorParallelError, wait_all_reduce
 from tests.engine.helpers import chat
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

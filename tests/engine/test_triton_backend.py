@@ -15,10 +15,10 @@ import torch
 if not torch.cuda.is_available():  # before the kernels' module is imported (see its tests)
     os.environ["TRITON_INTERPRET"] = "1"
 
-from services.engine.attention import get_attention_backend, resolve_backend  # noqa: E402
-from services.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
-from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.engine.attention import get_attention_backend, resolve_backend  # noqa: E402
+from tandem.services.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
+from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.services.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.hf_reference import Reference, compare  # noqa: E402
 
 NEW_TOKENS = 6

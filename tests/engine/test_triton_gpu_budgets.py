@@ -16,11 +16,11 @@ import torch
 if not torch.cuda.is_available():  # setdefault: sm90.compile_launches sets it to 0
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from services.engine.attention import triton_kernels, triton_ops  # noqa: E402
-from services.engine.attention.triton_kernels import paged_attention, store_kv  # noqa: E402
-from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.llm_engine import LLMEngine  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.engine.attention import triton_kernels, triton_ops  # noqa: E402
+from tandem.services.engine.attention.triton_kernels import paged_attention, store_kv  # noqa: E402
+from tandem.services.engine.config import EngineConfig  # noqa: E402
+from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.services.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.sm90 import H100_SHARED_BYTES, SpecializationRecorder, compile_launches  # noqa: E402
 
 

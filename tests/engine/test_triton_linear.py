@@ -16,8 +16,8 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loadtest.gpu_check import PROJECTION_CONFIGS  # noqa: E402
-from services.engine.triton_linear import (  # noqa: E402
+from tandem.loadtest.gpu_check import PROJECTION_CONFIGS  # noqa: E402
+from tandem.services.engine.triton_linear import (  # noqa: E402
     MAX_ROWS,
     LaunchConfig,
     TritonLinear,

@@ -25,24 +25,24 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # setdefault: sm90.compile_launches sets it to 0
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from services.engine.attention import build_step_metadata, triton_ops  # noqa: E402
-from services.engine.attention.torch_backend import TorchAttention  # noqa: E402
-from services.engine.attention.triton_backend import TritonAttention  # noqa: E402
-from services.engine.attention.triton_ops import (  # noqa: E402
+from tandem.services.engine.attention import build_step_metadata, triton_ops  # noqa: E402
+from tandem.services.engine.attention.torch_backend import TorchAttention  # noqa: E402
+from tandem.services.engine.attention.triton_backend import TritonAttention  # noqa: E402
+from tandem.services.engine.attention.triton_ops import (  # noqa: E402
     add_rms_norm,
     rms_norm,
     rotary_store,
     silu_mul,
 )
-from services.engine.config import ModelConfig  # noqa: E402
-from services.engine.kv_cache import (  # noqa: E402
+from tandem.services.engine.config import ModelConfig  # noqa: E402
+from tandem.services.engine.kv_cache import (  # noqa: E402
     KVCacheSpec,
     QuantizedKV,
     allocate_kv_cache,
     quantize_int8,
 )
-from services.engine.model import LlamaModel, _rotate_half  # noqa: E402
-from services.engine.model import rms_norm as torch_rms_norm  # noqa: E402
+from tandem.services.engine.model import LlamaModel, _rotate_half  # noqa: E402
+from tandem.services.engine.model import rms_norm as torch_rms_norm  # noqa: E402
 from tests.engine.sm90 import H100_SHARED_BYTES, SpecializationRecorder, compile_launches  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,12 +5,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway.backend import EngineBackend
-from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway
-from services.gateway.runner import ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.gateway.backend import EngineBackend
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.runner import ServeAddresses
 from tests.gateway.helpers import FUZZ_MAX_TOKENS, serving
 
 MAX_MODEL_LEN = 1024

@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 
 import openai
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.sampling_params import SamplingParams
-from services.gateway.core import Gateway
-from services.gateway.runner import GatewayServer, ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.runner import GatewayServer, ServeAddresses
 
 FUZZ_MAX_TOKENS = 4  # no fuzzed call runs longer than this many tokens (conftest's fuzz_server)
 

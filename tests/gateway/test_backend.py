@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from services.engine.async_engine import AsyncEngine
-from services.gateway.backend import EngineBackend, GenerationBackend
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.gateway.backend import EngineBackend, GenerationBackend
 from tests.gateway.conftest import MAX_MODEL_LEN
 
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.model_loader import LoadedModel
-from services.engine.tokenizer import Tokenizer
-from services.gateway.detokenizer import IncrementalDetokenizer
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.gateway.detokenizer import IncrementalDetokenizer
 
 # CJK and emoji: byte-level BPE splits these characters across tokens.
 TEXT = "Tandem says héllo 日本語 and 🤖🚀 — naïve café, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done."

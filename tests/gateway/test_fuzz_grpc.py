@@ -14,11 +14,11 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.engine.async_engine import AsyncEngine
-from services.gateway.core import Gateway
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.runner import ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.services.gateway.runner import ServeAddresses
 from tests.gateway.conftest import MAX_MODEL_LEN
 from tests.gateway.helpers import FUZZ_MAX_TOKENS, wait_engine_idle
 

@@ -22,8 +22,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from services.engine.async_engine import AsyncEngine
-from services.gateway.runner import ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.gateway.runner import ServeAddresses
 from tests.gateway.conftest import MAX_MODEL_LEN
 from tests.gateway.helpers import FUZZ_MAX_TOKENS, wait_engine_idle
 

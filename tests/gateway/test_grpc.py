@@ -9,11 +9,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.engine.async_engine import AsyncEngine
-from services.gateway.core import Gateway
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.runner import ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.services.gateway.runner import ServeAddresses
 from tests.gateway.helpers import engine_tokens, wait_engine_idle
 
 MAX_TOKENS = 8

@@ -9,12 +9,12 @@ import httpx
 import openai
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway.backend import EngineBackend
-from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway
-from services.gateway.runner import GatewayServer, ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.gateway.backend import EngineBackend
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.runner import GatewayServer, ServeAddresses
 from tests.gateway.conftest import MAX_MODEL_LEN
 from tests.gateway.helpers import wait_engine_idle, wait_until
 

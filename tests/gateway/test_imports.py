@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.model_loader import LoadedModel
-from services.engine.tokenizer_loader import ModelLoadError, ModelMetadata, load_model_metadata
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.engine.tokenizer_loader import (
+    ModelLoadError,
+    ModelMetadata,
+    load_model_metadata,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +34,8 @@ def modules_after(code: str) -> set[str]:
     """The top-level modules a fresh interpreter has imported once ``code`` has run."""
     probe = textwrap.dedent(code) + textwrap.dedent("""
         import json, sys
-        print(json.dumps(sorted({name.partition(".")[0] for name in sys.modules})))
+        print(json.dumps(sorted({".".join(name.split(".")[:2]) if name.startswith("tandem.")
+                                 else name.partition(".")[0] for name in sys.modules})))
     """)
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, check=True)
@@ -44,13 +49,13 @@ def metadata() -> ModelMetadata:
 
 def test_gateway_router_and_tokenizer_loader_import_no_torch() -> None:
     loaded = modules_after("""
-        import router
-        import services.gateway
-        from services.engine.tokenizer_loader import load_model_metadata
+        import tandem.router
+        import tandem.services.gateway
+        from tandem.services.engine.tokenizer_loader import load_model_metadata
         meta = load_model_metadata()
         assert meta.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
     """)
-    assert {"services", "router", "tokenizers"} <= loaded
+    assert {"tandem.services", "tandem.router", "tokenizers"} <= loaded
     assert not loaded & {"torch", "transformers"}
 
 
@@ -58,30 +63,31 @@ def test_gateway_replica_imports_no_torch() -> None:
     """What the Ray Serve gateway replica imports (the class Serve loads, the disaggregated
     backend, the request and report messages): the model's weights stay on the workers."""
     loaded = modules_after("""
-        import services.serving.gateway, services.serving.backend, services.serving.messages
-        import services.request
+        import tandem.services.serving.gateway, tandem.services.serving.backend
+        import tandem.services.serving.messages
+        import tandem.services.request
     """)
-    assert {"ray", "router", "services"} <= loaded
+    assert {"ray", "tandem.router", "tandem.services"} <= loaded
     assert not loaded & {"torch", "transformers"}
 
 
 def test_cli_imports_loadtest_only_for_bench() -> None:
     loaded = modules_after("""
         import contextlib, io
-        from services import cli
+        from tandem.services import cli
         for argv in (["--help"], ["up", "--help"], ["chat", "--help"]):
             with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
                 cli.main(argv)
     """)
-    assert "services" in loaded
-    assert not loaded & {"loadtest", "matplotlib", "torch"}
+    assert "tandem.services" in loaded
+    assert not loaded & {"tandem.loadtest", "matplotlib", "torch"}
     bench = modules_after("""
         import contextlib, io
-        from services import cli
+        from tandem.services import cli
         with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
             cli.main(["bench", "--help"])
     """)
-    assert "loadtest" in bench
+    assert "tandem.loadtest" in bench
 
 
 def test_metadata_matches_the_loaded_model(metadata: ModelMetadata,

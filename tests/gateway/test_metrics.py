@@ -4,11 +4,11 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway.backend import EngineBackend
-from services.gateway.core import Gateway
-from services.gateway.runner import ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.gateway.backend import EngineBackend
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.runner import ServeAddresses
 
 HISTOGRAMS = ("tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
               "tandem_e2e_request_latency_seconds")

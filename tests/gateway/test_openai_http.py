@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.tokenizer import Tokenizer
-from services.gateway.core import Gateway
-from services.gateway.runner import ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.runner import ServeAddresses
 from tests.gateway.helpers import engine_tokens, wait_engine_idle, wait_until
 
 MAX_TOKENS = 8

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.gateway.protogen import STUB_DIR, generate
+from tandem.services.gateway.protogen import STUB_DIR, generate
 
 
 def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
@@ -13,4 +13,4 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path: Path) -> None:
         committed = STUB_DIR / path.name
         assert committed.is_file(), f"{committed} is missing"
         assert committed.read_text() == path.read_text(), (
-            f"{committed.name} is out of date: run `python -m services.gateway.protogen`")
+            f"{committed.name} is out of date: run `python -m tandem.services.gateway.protogen`")

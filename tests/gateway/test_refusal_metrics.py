@@ -13,24 +13,24 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway.backend import EngineBackend
-from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway
-from services.gateway.errors import (
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.gateway.backend import EngineBackend
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.errors import (
     bad_request,
     body_too_large,
     model_not_found,
     overloaded,
     unauthorized,
 )
-from services.gateway.inputs import MAX_CHOICES
-from services.gateway.metrics import FAILURE_REASONS, failure_reason
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.runner import ServeAddresses
-from services.gateway.tenants import Tenants
+from tandem.services.gateway.inputs import MAX_CHOICES
+from tandem.services.gateway.metrics import FAILURE_REASONS, failure_reason
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.services.gateway.runner import ServeAddresses
+from tandem.services.gateway.tenants import Tenants
 from tests.gateway.helpers import serving, wait_until
 
 SECRET = b"s" * 32
@@ -62,7 +62,7 @@ def server(gateway: Gateway) -> Iterator[ServeAddresses]:
 
 @pytest.fixture
 def refusal_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.INFO, logger="services.gateway")
+    caplog.set_level(logging.INFO, logger="tandem.services.gateway")
     return caplog
 
 
@@ -81,7 +81,7 @@ def assert_counted_once(before: Failures, after: Failures, tenant: str, reason: 
 
 
 def refusal_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name.startswith("services.gateway")]
+    return [r for r in caplog.records if r.name.startswith("tandem.services.gateway")]
 
 
 def assert_logged_once(caplog: pytest.LogCaptureFixture, status: int, words: str) -> None:

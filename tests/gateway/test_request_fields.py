@@ -12,19 +12,19 @@ import httpx
 import openai
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.sampling_params import SamplingParams
-from services.gateway.core import Gateway
-from services.gateway.openai_protocol import (
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.openai_protocol import (
     NOT_SUPPORTED,
     OPENAI_COMPLETIONS_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.runner import ServeAddresses
-from services.gateway.token_text import TokenText
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.services.gateway.runner import ServeAddresses
+from tandem.services.gateway.token_text import TokenText
 from tests.gateway.helpers import engine_tokens
 
 
@@ -297,7 +297,7 @@ def engine_prompt_logprobs(engine: AsyncEngine, prompt: list[int], top: int) -> 
 
 
 def test_chat_template_kwargs_reach_the_template(http: httpx.Client, gateway: Gateway) -> None:
-    from services.engine.tokenizer import Tokenizer
+    from tandem.services.engine.tokenizer import Tokenizer
 
     base = gateway.tokenizer
     templated = Tokenizer(base.backend, base.eos_token_ids, chat_template=(
@@ -322,7 +322,7 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset(
         async_engine: AsyncEngine, gateway: Gateway) -> None:
     """GatewayConfig.sampling_defaults (a model's generation_config.json): a request without
     temperature or repetition_penalty gets the model's; one that sets them keeps its own."""
-    from services.gateway.config import GatewayConfig
+    from tandem.services.gateway.config import GatewayConfig
     from tests.gateway.helpers import serving
 
     tuned = Gateway(gateway.backend, gateway.tokenizer, GatewayConfig(

@@ -16,14 +16,14 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway.backend import EngineBackend
-from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.runner import ServeAddresses
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.gateway.backend import EngineBackend
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.services.gateway.runner import ServeAddresses
 from tests.gateway.helpers import serving, wait_engine_idle, wait_until
 
 READ_TIMEOUT_S = 1.0

@@ -24,16 +24,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cli import main as tandem
-from services.engine.async_engine import AsyncEngine
-from services.gateway.backend import EngineBackend
-from services.gateway.core import Gateway
-from services.gateway.pb import generation_pb2 as pb
-from services.gateway.pb import generation_pb2_grpc as pb_grpc
-from services.gateway.runner import GatewayServer, ServeAddresses
-from services.gateway.tls import TLSConfigError
-from services.serving.config import AppConfig, ConfigError
-from services.serving.up import _wait_healthy, ready_line
+from tandem.services.cli import main as tandem
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.gateway.backend import EngineBackend
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.pb import generation_pb2 as pb
+from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
+from tandem.services.gateway.runner import GatewayServer, ServeAddresses
+from tandem.services.gateway.tls import TLSConfigError
+from tandem.services.serving.config import AppConfig, ConfigError
+from tandem.services.serving.up import _wait_healthy, ready_line
 from tests.gateway.helpers import engine_tokens
 
 MAX_TOKENS = 4

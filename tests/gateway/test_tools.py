@@ -11,9 +11,9 @@ import jsonschema
 import openai
 import pytest
 
-from services.gateway.core import Gateway
-from services.gateway.runner import ServeAddresses
-from services.gateway.tools import CallStream, Function, parse_reply, with_tools
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.runner import ServeAddresses
+from tandem.services.gateway.tools import CallStream, Function, parse_reply, with_tools
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 20},

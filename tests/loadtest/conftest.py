@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench.prompts import PromptMaker
-from services.engine.tokenizer import Tokenizer
-from services.engine.tokenizer_loader import load_tokenizer
+from tandem.loadtest.bench.prompts import PromptMaker
+from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer_loader import load_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from loadtest.bench.grpc_client import load_stubs
-from services.engine.tokenizer import Tokenizer
+from tandem.loadtest.bench.grpc_client import load_stubs
+from tandem.services.engine.tokenizer import Tokenizer
 from tests.loadtest.peer import PeerLog, _chunk_sizes
 
 

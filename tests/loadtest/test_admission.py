@@ -12,13 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.bench import cli
-from services.engine.async_engine import AsyncEngine
-from services.engine.model_loader import LoadedModel
-from services.gateway.backend import EngineBackend
-from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway
-from services.gateway.runner import ServeAddresses
+from tandem.loadtest.bench import cli
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.gateway.backend import EngineBackend
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.runner import ServeAddresses
 from tests.gateway.helpers import serving, wait_until
 
 SMALL = ["--no-progress", "--input-len", "16", "--output-len", "4", "--seed", "3"]

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from loadtest.bench.arrivals import Load, arrival_offsets, parse_concurrency, parse_rate
-from loadtest.bench.session import Step, schedule, step_seed
+from tandem.loadtest.bench.arrivals import Load, arrival_offsets, parse_concurrency, parse_rate
+from tandem.loadtest.bench.session import Step, schedule, step_seed
 
 
 def gaps(load: Load, n: int = 40001, seed: int = 0) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from loadtest.churn import _role_delta, histogram_quantile
+from tandem.loadtest.churn import _role_delta, histogram_quantile
 
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench import cli
-from services.engine.tokenizer import Tokenizer
+from tandem.loadtest.bench import cli
+from tandem.services.engine.tokenizer import Tokenizer
 from tests.loadtest.peer import PeerBehaviour, serve_peer
 
 

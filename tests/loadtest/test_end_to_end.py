@@ -10,9 +10,9 @@ from typing import Any
 import matplotlib.image
 import pytest
 
-from loadtest.bench import cli
-from loadtest.bench.plots import PLOT_FILES
-from services.engine.tokenizer import Tokenizer
+from tandem.loadtest.bench import cli
+from tandem.loadtest.bench.plots import PLOT_FILES
+from tandem.services.engine.tokenizer import Tokenizer
 from tests.loadtest.peer import PeerBehaviour, PeerLog, _chunk_sizes, serve_peer
 
 COMMON = ["--no-progress", "--input-len", "24:48", "--output-len", "3:9", "--seed", "11"]

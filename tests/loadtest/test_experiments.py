@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadtest import experiments
-from loadtest.bench.arrivals import Load
-from loadtest.bench.metrics import SLO, summarize
-from loadtest.bench.records import RequestRecord
-from loadtest.bench.results import Cell
-from loadtest.bench.server_metrics import CacheCounters
-from loadtest.experiments import Configuration, Headline, headline_rows
-from services.engine.tokenizer import Tokenizer
-from services.serving.config import AppConfig, ConfigError
+from tandem.loadtest import experiments
+from tandem.loadtest.bench.arrivals import Load
+from tandem.loadtest.bench.metrics import SLO, summarize
+from tandem.loadtest.bench.records import RequestRecord
+from tandem.loadtest.bench.results import Cell
+from tandem.loadtest.bench.server_metrics import CacheCounters
+from tandem.loadtest.experiments import Configuration, Headline, headline_rows
+from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.serving.config import AppConfig, ConfigError
 from tests.loadtest.peer import PeerBehaviour, PeerLog, serve_peer
 
 # -- arguments ------------------------------------------------------------------------------
@@ -167,7 +167,8 @@ def test_runs_alternate_and_every_output_is_written(launcher: RecordingLauncher,
     doc = json.loads((out / "results.json").read_text())
     experiment = doc["experiment"]
     assert experiment["baseline"] == "round-robin"
-    assert experiment["command"].startswith("python -m loadtest.experiments prefix-vs-roundrobin")
+    assert experiment["command"].startswith(
+        "python -m tandem.loadtest.experiments prefix-vs-roundrobin")
     rows = {row["label"]: row for row in experiment["headline"]}
     # The peers' /metrics report 25% and 75% of prompt tokens as hits.
     assert rows["round-robin"]["values"]["prefill hit rate (/metrics)"] == pytest.approx(0.25)
@@ -258,8 +259,8 @@ def test_tandem_vs_vllm_puts_the_peer_first_and_checks_its_python(
 
 
 def test_a_vllm_server_that_exits_is_a_launch_error(tmp_path: Path) -> None:
-    from loadtest.peers import VllmServer
-    from loadtest.tandem_up import LaunchError
+    from tandem.loadtest.peers import VllmServer
+    from tandem.loadtest.tandem_up import LaunchError
 
     server = VllmServer(Path("/bin/false"), tmp_path, tmp_path / "vllm.log", "m",
                         ready_timeout_s=30)
@@ -269,8 +270,8 @@ def test_a_vllm_server_that_exits_is_a_launch_error(tmp_path: Path) -> None:
 
 
 def test_a_llama_server_that_exits_is_a_launch_error(tmp_path: Path) -> None:
-    from loadtest.peers import LlamaCppServer
-    from loadtest.tandem_up import LaunchError
+    from tandem.loadtest.peers import LlamaCppServer
+    from tandem.loadtest.tandem_up import LaunchError
 
     server = LlamaCppServer(Path("/bin/false"), tmp_path / "m.gguf", tmp_path / "llama.log",
                             "m", ready_timeout_s=30)

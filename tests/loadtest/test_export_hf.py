@@ -1,4 +1,4 @@
-"""``python -m loadtest.export_hf``: the directory our loader writes is the same model to
+"""``python -m tandem.loadtest.export_hf``: the directory our loader writes is the same model to
 transformers (the peers' loader): greedy tokens equal the GGUF reference's, the tokenizer
 encodes and the chat template renders as ours."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.export_hf import main
+from tandem.loadtest.export_hf import main
 from tests.hf_reference import hf_greedy
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "naïve café — 東京 🚀",

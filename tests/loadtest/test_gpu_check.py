@@ -1,4 +1,4 @@
-"""``python -m loadtest.gpu_check`` runs end to end: its ``--tiny`` mode, on the CPU with the
+"""``python -m tandem.loadtest.gpu_check`` runs end to end: its ``--tiny`` mode, on the CPU with the
 Triton interpreter, goes through every section the H200 run does (the device run itself is
 issue 15's benchmark, not a test)."""
 
@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():  # before the kernels' module is imported
     os.environ["TRITON_INTERPRET"] = "1"
 
-from loadtest import gpu_check  # noqa: E402
+from tandem.loadtest import gpu_check  # noqa: E402
 
 
 def test_tiny_run_checks_and_times_every_section(tmp_path: Path,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench.metrics import SLO, distribution, summarize
-from loadtest.bench.records import RequestRecord
+from tandem.loadtest.bench.metrics import SLO, distribution, summarize
+from tandem.loadtest.bench.records import RequestRecord
 
 
 def record(start: float, chunks: list[float], end: float, out: int, *, prompt: int = 10,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.records import RequestRecord
-from loadtest.overload import (
+from tandem.loadtest.bench.records import RequestRecord
+from tandem.loadtest.overload import (
     RunFigures,
     _settings,
     build_parser,

@@ -1,5 +1,5 @@
-"""`python -m loadtest.peer_compare`: both experiments run against stand-in servers, and issue
-16's targets computed from their results (ratios against the peers of the same rounds)."""
+"""`python -m tandem.loadtest.peer_compare`: both experiments run against stand-in servers, and
+issue 16's targets computed from their results (ratios against the peers of the same rounds)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import experiments, peer_compare
-from services.engine.tokenizer import Tokenizer
-from services.serving.config import AppConfig
+from tandem.loadtest import experiments, peer_compare
+from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.serving.config import AppConfig
 from tests.loadtest.test_experiments import RecordingLauncher, parse
 
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from prometheus_client.exposition import generate_latest
 
-from loadtest.bench.server_metrics import (
+from tandem.loadtest.bench.server_metrics import (
     CacheCounters,
     add,
     difference,
     metrics_url,
     parse_cache_counters,
 )
-from services.engine.outputs import EngineStats
-from services.gateway.metrics import GatewayMetrics
-from services.serving import metrics as worker_metrics
-from services.serving.cluster_view import WorkerSnapshot
+from tandem.services.engine.outputs import EngineStats
+from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.serving import metrics as worker_metrics
+from tandem.services.serving.cluster_view import WorkerSnapshot
 
 
 def stats(queries: int, hits: int) -> EngineStats:

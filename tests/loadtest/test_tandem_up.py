@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.tandem_up import LaunchError, TandemUp, parse_cpus
+from tandem.loadtest.tandem_up import LaunchError, TandemUp, parse_cpus
 
 # Prints the ready line for the ports it is given, starts a grandchild that outlives it (its pid
 # in grandchild.pid) and exits 0 on SIGTERM, leaving the grandchild behind.

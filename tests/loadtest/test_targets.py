@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.bench.clients import Target
+from tandem.loadtest.bench.clients import Target
 
 
 @pytest.mark.parametrize(("spec", "protocol", "expected"), [

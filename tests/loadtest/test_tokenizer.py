@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.tokenizer import Tokenizer
-from services.engine.tokenizer_loader import (
+from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer_loader import (
     ModelLoadError,
     builtin_model_path,
     load_tokenizer,

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from loadtest.bench.prompts import PromptError, PromptMaker
-from loadtest.bench.workloads import (
+from tandem.loadtest.bench.prompts import PromptError, PromptMaker
+from tandem.loadtest.bench.workloads import (
     BenchRequest,
     LengthRange,
     WorkloadSpec,

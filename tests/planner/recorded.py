@@ -6,11 +6,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from services.engine.outputs import EngineStats
-from services.gateway.metrics import REJECTED, GatewayMetrics
-from services.request import DEFAULT_TENANT
-from services.serving import metrics as worker_metrics
-from services.serving.cluster_view import WorkerSnapshot
+from tandem.services.engine.outputs import EngineStats
+from tandem.services.gateway.metrics import REJECTED, GatewayMetrics
+from tandem.services.request import DEFAULT_TENANT
+from tandem.services.serving import metrics as worker_metrics
+from tandem.services.serving.cluster_view import WorkerSnapshot
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -24,9 +24,9 @@ import pytest
 import yaml
 from kubernetes import client
 
-from services.cli import main
-from services.planner.apply import LAST_CHANGE
-from services.serving.config import AppConfig
+from tandem.services.cli import main
+from tandem.services.planner.apply import LAST_CHANGE
+from tandem.services.serving.config import AppConfig
 from tests.deploy.conftest import CHART_DIR, NAMESPACE, SHARED_SCHEMAS, Helm
 from tests.deploy.test_helm_chart import _strict
 from tests.planner.kube import Served, served_emulator

@@ -7,7 +7,7 @@ from tests.gateway.test_imports import modules_after
 
 def test_the_planner_imports_no_torch_and_no_ray() -> None:
     loaded = modules_after("""
-        import services.planner.cli
+        import tandem.services.planner.cli
     """)
-    assert "services" in loaded
+    assert "tandem.services" in loaded
     assert not loaded & {"torch", "ray", "kubernetes", "transformers"}, loaded

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from loadtest.bench.records import RequestRecord
-from services.cli import main
-from services.planner.observe import NoTraffic, load_between, observe
-from services.planner.profile import load_profile, profile_from_bench
+from tandem.loadtest.bench.records import RequestRecord
+from tandem.services.cli import main
+from tandem.services.planner.observe import NoTraffic, load_between, observe
+from tandem.services.planner.profile import load_profile, profile_from_bench
 from tests.e2e.cluster import static_server
 from tests.planner.recorded import colocated_metrics, gateway_metrics
 
@@ -153,7 +153,7 @@ def test_garbage_and_a_hung_gateway_are_one_line_each(tmp_path: Path) -> None:
     (tmp_path / "metrics").write_text("this is { not prometheus\n")
 
     def plan(url: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "services.cli", "plan", "--url", url,
+        return subprocess.run([sys.executable, "-m", "tandem.services.cli", "plan", "--url", url,
                                "--window", "0.1", "--profile", str(profile), "--ttft-ms", "500",
                                "--tpot-ms", "100"], capture_output=True, text=True, timeout=60)
 

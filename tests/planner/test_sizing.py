@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.planner.sizing import SLO, Load, PlanError, Profile, plan, prefill_ttft
+from tandem.services.planner.sizing import SLO, Load, PlanError, Profile, plan, prefill_ttft
 
 # One worker: a prompt of n new tokens takes 0.05 + n / 1000 s; ITL(b) = 20 ms + 1 ms · b.
 PROFILE = Profile(prefill_tokens_per_s=1000.0, prefill_overhead_s=0.05, itl_base_s=0.020,

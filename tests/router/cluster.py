@@ -9,7 +9,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router import (
+from tandem.router import (
     EventBus,
     WorkerEventForwarder,
     WorkerInfo,
@@ -18,8 +18,8 @@ from router import (
     WorkerRegistry,
     attach_worker,
 )
-from services.engine.block_hash import HashSettings, hash_token_blocks
-from services.engine.kv_events import BlockRemoved, BlockStored
+from tandem.services.engine.block_hash import HashSettings, hash_token_blocks
+from tandem.services.engine.kv_events import BlockRemoved, BlockStored
 
 SETTINGS = HashSettings(block_size=16, model_id="smollm2-135m")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from router import connect
+from tandem.router import connect
 
 STARTUP_DEADLINE_S = 10.0
 

@@ -4,9 +4,9 @@ snapshot repairs the index."""
 
 from __future__ import annotations
 
-from router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, attach_worker
-from router.wire import WorkerEvent
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, attach_worker
+from tandem.router.wire import WorkerEvent
+from tandem.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from .cluster import SETTINGS, FakeClock, make_info, tokens
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from router import (
+from tandem.router import (
     InProcessEventBus,
     InProcessRegistry,
     RedisRegistry,
@@ -13,7 +13,7 @@ from router import (
     RouterConfig,
     WorkerLoad,
 )
-from router.rendezvous import rendezvous_choose, rendezvous_key
+from tandem.router.rendezvous import rendezvous_choose, rendezvous_key
 
 from .cluster import SETTINGS, FakeClock, start_worker, tokens
 from .conftest import RedisServer, wait_until

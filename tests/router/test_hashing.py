@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from router import PromptHasher, RedisRegistry, RedisStreamEventBus, Router, RouterConfig
-from services.engine.block_hash import HashSettings, hash_token_blocks
+from tandem.router import PromptHasher, RedisRegistry, RedisStreamEventBus, Router, RouterConfig
+from tandem.services.engine.block_hash import HashSettings, hash_token_blocks
 
 from .cluster import SETTINGS, make_info, tokens
 from .conftest import RedisServer
@@ -52,9 +52,9 @@ def test_partial_block_is_not_hashed() -> None:
 
 WORKER_SCRIPT = """
 import json, sys
-from router import RedisStreamEventBus, attach_worker, connect
-from services.engine.block_hash import HashSettings, hash_token_blocks
-from services.engine.kv_events import BlockStored
+from tandem.router import RedisStreamEventBus, attach_worker, connect
+from tandem.services.engine.block_hash import HashSettings, hash_token_blocks
+from tandem.services.engine.kv_events import BlockStored
 
 url, prompt, salt = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 settings = HashSettings(16, "smollm2-135m")
@@ -95,7 +95,8 @@ def test_hashes_from_another_process_match_the_router(redis_server: RedisServer)
 
 def test_router_imports_no_torch_or_ray() -> None:
     code = (
-        "import sys, router, router.events, router.router, router.redis_registry;"
+        "import sys, tandem.router, tandem.router.events, tandem.router.router;"
+        "import tandem.router.redis_registry;"
         "bad = [m for m in ('torch', 'ray') if m in sys.modules];"
         "assert not bad, bad"
     )

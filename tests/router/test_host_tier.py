@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.index import PrefixIndex
-from router.wire import decode_event, encode_event
-from services.engine.block_hash import hash_token_blocks
-from services.engine.kv_events import HOST, AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.router.index import PrefixIndex
+from tandem.router.wire import decode_event, encode_event
+from tandem.services.engine.block_hash import hash_token_blocks
+from tandem.services.engine.kv_events import HOST, AllBlocksCleared, BlockRemoved, BlockStored
 
 from .cluster import SETTINGS, tokens
 from .test_policy import Setup

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from router.index import PrefixIndex
-from router.inflight import InFlight
-from services.engine.block_hash import hash_token_blocks
-from services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.router.index import PrefixIndex
+from tandem.router.inflight import InFlight
+from tandem.services.engine.block_hash import hash_token_blocks
+from tandem.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from .cluster import tokens
 

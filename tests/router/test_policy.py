@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, WorkerLoad
+from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, WorkerLoad
 
 from .cluster import SETTINGS, FakeClock, WorkerHarness, start_worker, tokens
 

@@ -14,7 +14,7 @@ from typing import TypeVar
 import pytest
 import redis
 
-from router import (
+from tandem.router import (
     FallbackRegistry,
     InProcessRegistry,
     RedisRegistry,
@@ -24,9 +24,9 @@ from router import (
     WorkerLoad,
     connect,
 )
-from services.engine.block_hash import hash_token_blocks
-from services.engine.kv_events import BlockStored
-from services.serving.worker_events import WorkerEvents
+from tandem.services.engine.block_hash import hash_token_blocks
+from tandem.services.engine.kv_events import BlockStored
+from tandem.services.serving.worker_events import WorkerEvents
 
 from .cluster import SETTINGS, make_info, start_worker, tokens
 from .conftest import RedisServer, free_port, wait_until

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.router_sim import SimParams, make_trace, simulate
+from tandem.loadtest.router_sim import SimParams, make_trace, simulate
 
 
 def test_simulation_runs_and_prefix_aware_beats_round_robin() -> None:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from router import (
+from tandem.router import (
     InProcessEventBus,
     InProcessRegistry,
     NoHealthyWorkers,
@@ -19,7 +19,7 @@ from router import (
     SettingsMismatch,
     WorkerLoad,
 )
-from services.engine.block_hash import HashSettings
+from tandem.services.engine.block_hash import HashSettings
 
 from .cluster import SETTINGS, FakeClock, WorkerHarness, make_info, start_worker, tokens
 from .conftest import RedisServer, wait_until

@@ -10,18 +10,18 @@ import os
 import socket
 from typing import Any
 
-from router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, WorkerInfo
-from router.wire import WorkerEvent
-from services.engine.block_hash import HashSettings, hash_token_blocks
-from services.engine.kv_events import AllBlocksCleared, BlockStored
-from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
-from services.request import GenerationRequest
-from services.serving.backend import DisaggBackend
-from services.serving.cluster_view import ClusterView
-from services.serving.config import AppConfig
-from services.serving.messages import ReplicaGoneError
-from services.serving.serve_calls import call
+from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, WorkerInfo
+from tandem.router.wire import WorkerEvent
+from tandem.services.engine.block_hash import HashSettings, hash_token_blocks
+from tandem.services.engine.kv_events import AllBlocksCleared, BlockStored
+from tandem.services.engine.outputs import RequestOutput
+from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.request import GenerationRequest
+from tandem.services.serving.backend import DisaggBackend
+from tandem.services.serving.cluster_view import ClusterView
+from tandem.services.serving.config import AppConfig
+from tandem.services.serving.messages import ReplicaGoneError
+from tandem.services.serving.serve_calls import call
 
 APP = "route-to-test"
 PROMPT = [1000 + i for i in range(40)]
@@ -142,7 +142,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from services.app import build_app
+    from tandem.services.app import build_app
 
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, logging_level="WARNING",

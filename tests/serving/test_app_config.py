@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.config import EngineConfig
-from services.serving.config import AppConfig, ConfigError
-from services.serving.up import ready_line
+from tandem.services.engine.config import EngineConfig
+from tandem.services.serving.config import AppConfig, ConfigError
+from tandem.services.serving.up import ready_line
 
 
 def test_spec_settings_reach_decode_engines_only():
@@ -101,7 +101,7 @@ def test_keys_settings_and_tandem_ups_private_files(tmp_path) -> None:  # type: 
     import os
     import stat
 
-    from services.serving.up import secret_files
+    from tandem.services.serving.up import secret_files
 
     with pytest.raises(ConfigError, match="api_keys_file needs cluster_secret_file"):
         AppConfig(api_keys_file="keys")
@@ -159,7 +159,7 @@ def test_bad_tensor_parallel_settings_name_the_field(settings, message):
 def test_tensor_parallel_up_flag_reaches_the_config():
     import argparse
 
-    from services.cli import _add_up_parser, up_settings
+    from tandem.services.cli import _add_up_parser, up_settings
 
     parser = argparse.ArgumentParser(prog="tandem")
     _add_up_parser(parser.add_subparsers())
@@ -172,7 +172,7 @@ def test_tensor_parallel_up_flag_reaches_the_config():
 def _up_settings(*argv: str) -> dict:
     import argparse
 
-    from services.cli import _add_up_parser, up_settings
+    from tandem.services.cli import _add_up_parser, up_settings
 
     parser = argparse.ArgumentParser(prog="tandem")
     _add_up_parser(parser.add_subparsers())
@@ -191,7 +191,7 @@ def test_weight_format_up_flag_reaches_the_engine_config():
 
 
 def test_tandem_up_without_a_shape_colocates_on_a_small_cpu_machine():
-    from services.serving.up import default_shape
+    from tandem.services.serving.up import default_shape
 
     settings, why = default_shape(_up_settings("--dtype", "bfloat16"), cpus=2, gpu=False)
     config = AppConfig.from_dict(settings, "command line")
@@ -209,14 +209,14 @@ def test_tandem_up_without_a_shape_colocates_on_a_small_cpu_machine():
 
 @pytest.mark.parametrize("argv", [("--prefill", "1"), ("--decode", "2"), ("--colocated",)])
 def test_a_shape_given_is_kept(argv):
-    from services.serving.up import default_shape
+    from tandem.services.serving.up import default_shape
 
     settings = _up_settings(*argv)
     assert default_shape(settings, cpus=2, gpu=False) == (settings, None)
 
 
 def test_a_shape_in_the_config_file_is_kept(tmp_path: Path):
-    from services.serving.up import default_shape
+    from tandem.services.serving.up import default_shape
 
     config = tmp_path / "app.yaml"
     config.write_text("colocated: false\n")
@@ -229,7 +229,7 @@ def test_serve_takes_a_vllm_serve_command_line(tmp_path) -> None:  # type: ignor
     # `tandem up --model MODEL` with them.
     import argparse
 
-    from services.cli import _add_up_parser, up_settings
+    from tandem.services.cli import _add_up_parser, up_settings
 
     parser = argparse.ArgumentParser()
     _add_up_parser(parser.add_subparsers())
@@ -250,7 +250,7 @@ def test_serve_takes_a_vllm_serve_command_line(tmp_path) -> None:  # type: ignor
 
 
 def test_a_vllm_flag_tandem_lacks_is_refused_naming_it(capsys) -> None:  # type: ignore[no-untyped-def]
-    from services.cli import main
+    from tandem.services.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "/some/model", "--gpu-memory-utilization", "0.9"])
@@ -259,7 +259,7 @@ def test_a_vllm_flag_tandem_lacks_is_refused_naming_it(capsys) -> None:  # type:
 
 
 def test_dtype_auto_is_the_fast_path_where_it_runs_and_says_why() -> None:
-    from services.engine import cpu_kernels
+    from tandem.services.engine import cpu_kernels
 
     # The default: bfloat16 where our CPU kernels run (this machine's AVX-512 BF16), else
     # float32; an explicit dtype is taken as it is, float32 (exact against transformers) too.

@@ -17,8 +17,8 @@ def test_a_server_that_sends_nothing_ends_the_chat_after_the_timeout(tmp_path: P
     with static_server(tmp_path, "/health") as (url, server):
         server.send_signal(signal.SIGSTOP)  # it accepts connections (the kernel does), no more
         started = time.monotonic()
-        chat = subprocess.run([sys.executable, "-m", "services.cli", "chat", "Hello?", "--url",
-                               url, "--timeout", "1"], capture_output=True, text=True,
+        chat = subprocess.run([sys.executable, "-m", "tandem.services.cli", "chat", "Hello?",
+                               "--url", url, "--timeout", "1"], capture_output=True, text=True,
                               timeout=60)
         assert time.monotonic() - started < 30
     assert (chat.returncode, chat.stderr) == (

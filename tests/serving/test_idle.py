@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from services.serving import up
-from services.serving.config import AppConfig
-from services.serving.gateway import registry_ttl_s
+from tandem.services.serving import up
+from tandem.services.serving.config import AppConfig
+from tandem.services.serving.gateway import registry_ttl_s
 
 
 def test_polled_workers_outlive_two_idle_polls() -> None:

@@ -14,12 +14,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from services.cli import main
-from services.engine.outputs import EngineStats
-from services.gateway.metrics import GatewayMetrics
-from services.serving import metrics as worker_metrics
-from services.serving.cluster_view import WorkerSnapshot
-from services.serving.status import cluster_status, render, short_id
+from tandem.services.cli import main
+from tandem.services.engine.outputs import EngineStats
+from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.serving import metrics as worker_metrics
+from tandem.services.serving.cluster_view import WorkerSnapshot
+from tandem.services.serving.status import cluster_status, render, short_id
 from tests.e2e.cluster import free_port, static_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -143,5 +143,5 @@ def test_a_garbage_answer_or_a_hung_gateway_exits_2(tmp_path: Path) -> None:
 
 
 def _status(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", "status", *args],
+    return subprocess.run([sys.executable, "-m", "tandem.services.cli", "status", *args],
                           capture_output=True, text=True, timeout=60)

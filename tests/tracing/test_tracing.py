@@ -1,5 +1,5 @@
-"""services.tracing without a cluster: the on/off rule, the no-op path, W3C propagation through
-dict carriers and the control RPC, exported to a real OTLP/gRPC receiver.
+"""tandem.services.tracing without a cluster: the on/off rule, the no-op path, W3C propagation
+through dict carriers and the control RPC, exported to a real OTLP/gRPC receiver.
 
 Each case runs in a fresh interpreter: OpenTelemetry's tracer provider is process-global and
 can be set once, and this test session must stay untraced.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.tracing import exporters_from_env
+from tandem.services.tracing import exporters_from_env
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,10 +65,10 @@ def test_off_by_default_is_a_no_op() -> None:
     got = _run("""
         import json, sys
         from opentelemetry import trace
-        from services import tracing
-        from services.decode.trace import DecodeTrace
-        from services.gateway.request_trace import RequestTrace
-        from services.prefill.trace import PrefillTrace
+        from tandem.services import tracing
+        from tandem.services.decode.trace import DecodeTrace
+        from tandem.services.gateway.request_trace import RequestTrace
+        from tandem.services.prefill.trace import PrefillTrace
 
         parent = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
         on = tracing.configure("gateway")
@@ -99,7 +99,7 @@ def test_context_crosses_processes_in_a_dict(receiver: OtlpReceiver) -> None:
     parent = _run("""
         import json
         from opentelemetry import trace
-        from services import tracing
+        from tandem.services import tracing
         assert tracing.configure("gateway")
         span = tracing.start_span("parent")
         carrier = tracing.inject(trace.set_span_in_context(span))
@@ -111,7 +111,7 @@ def test_context_crosses_processes_in_a_dict(receiver: OtlpReceiver) -> None:
     """, env)
     _run(f"""
         import json
-        from services import tracing
+        from tandem.services import tracing
         assert tracing.configure("prefill")
         with tracing.attached({parent["carrier"]!r}):
             tracing.start_span("child").end()
@@ -138,8 +138,8 @@ def test_control_rpc_carries_the_trace(receiver: OtlpReceiver) -> None:
     got = _run("""
         import asyncio, json
         from opentelemetry import trace
-        from services import tracing
-        from services.control.rpc import RpcClient, RpcServer
+        from tandem.services import tracing
+        from tandem.services.control.rpc import RpcClient, RpcServer
 
         async def echo(params):
             return format(trace.get_current_span().get_span_context().trace_id, "032x")
@@ -180,6 +180,7 @@ def test_the_engine_knows_nothing_of_tracing() -> None:
     """Timings come from the worker layer; the engine package imports no OpenTelemetry."""
     engine = REPO / "services" / "engine"
     offenders = [path.name for path in sorted(engine.glob("*.py"))
-                 if "opentelemetry" in path.read_text() or "services.tracing" in path.read_text()
-                 or "from services import tracing" in path.read_text()]
+                 if "opentelemetry" in path.read_text()
+                 or "tandem.services.tracing" in path.read_text()
+                 or "from tandem.services import tracing" in path.read_text()]
     assert offenders == []

@@ -26,10 +26,10 @@ from typing import Any, Protocol
 
 import torch
 
-from services.engine import cpu_kernels
-from services.engine.attention.metadata import StepMetadata, build_step_metadata
-from services.engine.config import ATTENTION_BACKENDS
-from services.engine.kv_cache import KVCache
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.attention.metadata import StepMetadata, build_step_metadata
+from tandem.services.engine.config import ATTENTION_BACKENDS
+from tandem.services.engine.kv_cache import KVCache
 
 __all__ = ["BACKENDS", "AttentionBackend", "StepMetadata", "build_step_metadata",
            "get_attention_backend", "resolve_backend"]
@@ -96,13 +96,13 @@ def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: 
     """``kernel_threads``: what the cpu backend's decode kernel may split over (1 or 2)."""
     name = resolve_backend(name, device, kv_dtype)
     if name == "cpu":
-        from services.engine.attention.cpu_backend import CpuAttention
+        from tandem.services.engine.attention.cpu_backend import CpuAttention
         return CpuAttention(num_heads // num_kv_heads, num_kv_heads, head_dim, kernel_threads)
     if name == "triton":
-        from services.engine.attention.triton_backend import TritonAttention
+        from tandem.services.engine.attention.triton_backend import TritonAttention
         return TritonAttention(num_kv_heads, head_dim, device)
     if name == "flash_attn":
-        from services.engine.attention.flash_backend import FlashAttention
+        from tandem.services.engine.attention.flash_backend import FlashAttention
         return FlashAttention(head_dim)
-    from services.engine.attention.torch_backend import TorchAttention
+    from tandem.services.engine.attention.torch_backend import TorchAttention
     return TorchAttention(num_heads // num_kv_heads)

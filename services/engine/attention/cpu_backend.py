@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from services.engine import cpu_kernels
-from services.engine.attention.metadata import StepMetadata
-from services.engine.attention.torch_backend import TorchAttention, TorchPlan
-from services.engine.kv_cache import KVCache
+from tandem.services.engine import cpu_kernels
+from tandem.services.engine.attention.metadata import StepMetadata
+from tandem.services.engine.attention.torch_backend import TorchAttention, TorchPlan
+from tandem.services.engine.kv_cache import KVCache
 
 
 @dataclass

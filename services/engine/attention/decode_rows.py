@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.kv_cache import KVCache, QuantizedKV, dequantize_int8
+from tandem.services.engine.kv_cache import KVCache, QuantizedKV, dequantize_int8
 
 # Rows grow by at least this many tokens at a time (fewer reallocations as contexts grow).
 _GROWTH_TOKENS = 256

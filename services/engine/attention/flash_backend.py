@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention.metadata import StepMetadata
-from services.engine.config import FLASH_ATTN_BLOCK_MULTIPLE
-from services.engine.kv_cache import KVCache, QuantizedKV
+from tandem.services.engine.attention.metadata import StepMetadata
+from tandem.services.engine.config import FLASH_ATTN_BLOCK_MULTIPLE
+from tandem.services.engine.kv_cache import KVCache, QuantizedKV
 
 VarlenFunc = Callable[..., torch.Tensor]
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention.decode_rows import DecodeRows
-from services.engine.device import to_device
+from tandem.services.engine.attention.decode_rows import DecodeRows
+from tandem.services.engine.device import to_device
 
 
 @dataclass

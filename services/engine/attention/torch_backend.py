@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention.decode_rows import DecodeRows, RowPlan
-from services.engine.attention.metadata import StepMetadata
-from services.engine.kv_cache import KVCache, QuantizedKV
+from tandem.services.engine.attention.decode_rows import DecodeRows, RowPlan
+from tandem.services.engine.attention.metadata import StepMetadata
+from tandem.services.engine.kv_cache import KVCache, QuantizedKV
 
 
 @dataclass

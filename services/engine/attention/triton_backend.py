@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.attention.metadata import StepMetadata
-from services.engine.attention.triton_kernels import (
+from tandem.services.engine.attention.metadata import StepMetadata
+from tandem.services.engine.attention.triton_kernels import (
     choose_num_splits,
     paged_attention,
     store_kv,
 )
-from services.engine.attention.triton_ops import cache_parts
-from services.engine.kv_cache import KVCache
+from tandem.services.engine.attention.triton_ops import cache_parts
+from tandem.services.engine.kv_cache import KVCache
 
 
 @dataclass

@@ -34,12 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from services.engine.attention.triton_kernels import (
+from tandem.services.engine.attention.triton_kernels import (
     _is_power_of_two,
     _quantize_rows,
     interpreting,
 )
-from services.engine.kv_cache import KVCache, QuantizedKV
+from tandem.services.engine.kv_cache import KVCache, QuantizedKV
 
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _ELEMENTS_PER_PROGRAM = 1024  # a rotary tile, a silu_mul tile row: 8 values a thread of 4 warps

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.engine.block_manager import BlockManager
-from services.engine.config import EngineConfig
-from services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
-from services.engine.model import LlamaModel
-from services.engine.model_loader import LoadedModel, load_model
-from services.engine.model_runner import ModelRunner
-from services.engine.sampler import sample
-from services.engine.scheduler import ScheduledSequence
-from services.engine.sequence import Sequence
-from services.engine.speculative.proposer import Proposal
+from tandem.services.engine.block_manager import BlockManager
+from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from tandem.services.engine.model import LlamaModel
+from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.engine.model_runner import ModelRunner
+from tandem.services.engine.sampler import sample
+from tandem.services.engine.scheduler import ScheduledSequence
+from tandem.services.engine.sequence import Sequence
+from tandem.services.engine.speculative.proposer import Proposal
 
 
 class DraftModelProposer:

@@ -7,8 +7,8 @@ pays off when the output copies from the context: edits, code continuation, quot
 
 from __future__ import annotations
 
-from services.engine.sequence import Sequence
-from services.engine.speculative.proposer import Proposal
+from tandem.services.engine.sequence import Sequence
+from tandem.services.engine.speculative.proposer import Proposal
 
 
 class NgramProposer:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.engine.config import SpeculativeConfig
-from services.engine.sequence import Sequence
+from tandem.services.engine.config import SpeculativeConfig
+from tandem.services.engine.sequence import Sequence
 
 _EMA_WEIGHT = 0.5  # of the newest step in a request's acceptance-rate average
 _GLOBAL_EMA_WEIGHT = 0.2  # of the newest step in the engine-wide average

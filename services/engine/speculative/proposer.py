@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from services.engine.sequence import Sequence
+from tandem.services.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from services.engine.config import EngineConfig
-    from services.engine.model import LlamaModel
+    from tandem.services.engine.config import EngineConfig
+    from tandem.services.engine.model import LlamaModel
 
 
 @dataclass
@@ -36,9 +36,9 @@ def build_proposer(config: EngineConfig, target: LlamaModel) -> Proposer | None:
     if spec.method == "none":
         return None
     if spec.method == "ngram":
-        from services.engine.speculative.ngram import NgramProposer
+        from tandem.services.engine.speculative.ngram import NgramProposer
         return NgramProposer(spec.ngram_min, spec.ngram_max)
-    from services.engine.speculative.draft import DraftModelProposer
+    from tandem.services.engine.speculative.draft import DraftModelProposer
     if spec.method == "self":
         layers = spec.self_draft_layers or max(1, target.config.num_layers // 4)
         if layers >= target.config.num_layers:

@@ -71,7 +71,7 @@ tandem_{{ . }}
 {{- end }}
 
 {{/*
-The Serve application: services.app:app_builder with AppConfig settings as args, exactly the
+The Serve application: tandem.services.app:app_builder with AppConfig settings as args, exactly the
 settings `tandem up --config` reads from its YAML file.
 */}}
 {{- define "tandem.appArgs" -}}
@@ -134,7 +134,7 @@ decode) has app.tensor_parallel_size ranks, gpusPerReplica GPUs each. */}}
 {{- define "tandem.serveConfig" -}}
 {{- $gateway := dict "name" "gateway" "ray_actor_options" (dict "num_cpus" 0 "resources" (dict (include "tandem.rayResource" "gateway") 1)) }}
 {{- $deployments := list $gateway (include "tandem.workerDeployment" (dict "role" "prefill" "values" .Values.prefill "ctx" .) | fromYaml) (include "tandem.workerDeployment" (dict "role" "decode" "values" .Values.decode "ctx" .) | fromYaml) }}
-{{- $application := dict "name" "tandem" "route_prefix" nil "import_path" "services.app:app_builder" "args" (include "tandem.appArgs" . | fromYaml) "deployments" $deployments }}
+{{- $application := dict "name" "tandem" "route_prefix" nil "import_path" "tandem.services.app:app_builder" "args" (include "tandem.appArgs" . | fromYaml) "deployments" $deployments }}
 {{- /* No Serve HTTP proxy: the gateway replica serves HTTP (and gRPC) on the head itself. */}}
 {{- $config := dict "proxy_location" "Disabled" "applications" (list $application) }}
 {{- toYaml $config }}
