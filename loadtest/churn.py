@@ -29,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.loadtest.bench.arrivals import Load
 from tandem.loadtest.bench.cli import prompt_maker
-from tandem.loadtest.bench.clients import ClientOptions, Target, make_client
+from tandem.loadtest.bench.clients import ClientOptions, Target
+from tandem.loadtest.bench.connect import make_client
 from tandem.loadtest.bench.runner import run_workload
 from tandem.loadtest.bench.workloads import LengthRange, WorkloadSpec, build_workload
 from tandem.loadtest.tandem_up import LaunchError, TandemUp

@@ -40,15 +40,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.loadtest.bench.arrivals import Load
 from tandem.loadtest.bench.cli import prompt_maker
-from tandem.loadtest.bench.clients import Client, ClientOptions, Target, TargetError, make_client
+from tandem.loadtest.bench.clients import Client, ClientOptions, Target, TargetError
+from tandem.loadtest.bench.connect import make_client
 from tandem.loadtest.bench.metrics import SLO, Summary, summarize
-from tandem.loadtest.bench.records import RequestRecord
 from tandem.loadtest.bench.results import summary_json, write_results
 from tandem.loadtest.bench.runner import RunResult, run_workload
 from tandem.loadtest.bench.server_metrics import metrics_url
 from tandem.loadtest.bench.session import step_seed
 from tandem.loadtest.bench.workloads import LengthRange, WorkloadSpec, build_workload
 from tandem.loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
+from tandem.services.protocol.bench_records import RequestRecord
 
 PROG = "python -m tandem.loadtest.overload"
 MIB = 2**20

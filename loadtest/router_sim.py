@@ -44,8 +44,8 @@ from tandem.router import (
 )
 from tandem.router.hashing import PromptHasher
 from tandem.router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
-from tandem.services.engine.block_hash import BlockHash, HashSettings
-from tandem.services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
+from tandem.services.protocol.block_hash import BlockHash, HashSettings
+from tandem.services.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
 
 SETTINGS = HashSettings(block_size=16, model_id="sim-model")
 POLICIES = ("prefix-aware", "round-robin", "rendezvous", "oracle")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from tandem.services.engine.block_hash import HashSettings
+from tandem.services.protocol.block_hash import HashSettings
 
 # Routing policies. prefix: cache affinity weighed against load (what the rest of these options
 # tune). round_robin: prefill workers in turn, blind to caches and load (the baseline prefix-aware

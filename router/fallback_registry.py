@@ -15,7 +15,7 @@ import logging
 
 from tandem.router.errors import RegistryUnavailable, SettingsMismatch
 from tandem.router.registry import IDLE, WorkerInfo, WorkerLoad, WorkerRecord, WorkerRegistry
-from tandem.services.engine.block_hash import HashSettings
+from tandem.services.protocol.block_hash import HashSettings
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from tandem.router.bus import EventBus
 from tandem.router.errors import BusUnavailable
 from tandem.router.wire import WorkerEvent
-from tandem.services.engine.kv_events import (
+from tandem.services.protocol.kv_events import (
     DEVICE,
     HOST,
     AllBlocksCleared,

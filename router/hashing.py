@@ -7,7 +7,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tandem.services.engine.block_hash import BlockHash, HashSettings, hash_block
+from tandem.services.protocol.block_hash import BlockHash, HashSettings, hash_block
 
 _ITEM = array("I").itemsize  # token ids pack like the engine's "<I": 0 .. 2**32 - 1
 

@@ -16,8 +16,8 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from tandem.services.engine.block_hash import BlockHash
-from tandem.services.engine.kv_events import (
+from tandem.services.protocol.block_hash import BlockHash
+from tandem.services.protocol.kv_events import (
     HOST,
     AllBlocksCleared,
     BlockRemoved,

@@ -11,7 +11,7 @@ import redis
 from tandem.router.errors import RegistryUnavailable, SettingsMismatch
 from tandem.router.redis_conn import REDIS_ERRORS
 from tandem.router.registry import IDLE, Clock, WorkerInfo, WorkerLoad, WorkerRecord, validate_info
-from tandem.services.engine.block_hash import HashSettings
+from tandem.services.protocol.block_hash import HashSettings
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tandem.router.errors import RegistrationRefused, RegistryUnavailable, SettingsMismatch
-from tandem.services.engine.block_hash import HASH_SCHEME, HashSettings
+from tandem.services.protocol.block_hash import HASH_SCHEME, HashSettings
 
 if TYPE_CHECKING:
     from tandem.router.forwarder import WorkerEventForwarder

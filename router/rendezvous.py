@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from tandem.services.engine.block_hash import BlockHash, hash_block
+from tandem.services.protocol.block_hash import BlockHash, hash_block
 
 _SCALE = float(1 << 64)
 

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.router import decision as d
+import tandem.router.decision as d
 from tandem.router.bus import EventBus, EventSubscription
 from tandem.router.config import ROUND_ROBIN, RouterConfig
 from tandem.router.decision import RoutingDecision
@@ -38,7 +38,7 @@ from tandem.router.registry import Clock, WorkerRecord, WorkerRegistry, settings
 from tandem.router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
 from tandem.router.round_robin import RoundRobin
 from tandem.router.scoring import decode_score, lowest, power_of_two, prefill_cost
-from tandem.services.engine.block_hash import BlockHash
+from tandem.services.protocol.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 

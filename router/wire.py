@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from tandem.services.engine.kv_events import (
+from tandem.services.protocol.kv_events import (
     DEVICE,
     HOST,
     AllBlocksCleared,

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tandem.loadtest.bench.arrivals import Load, parse_concurrency, parse_rate
-from tandem.loadtest.bench.clients import Client, ClientOptions, Target, TargetError, make_client
+from tandem.loadtest.bench.clients import Client, ClientOptions, Target, TargetError
 from tandem.loadtest.bench.compare import comparison
+from tandem.loadtest.bench.connect import make_client
 from tandem.loadtest.bench.metrics import SLO
 from tandem.loadtest.bench.plots import write_plots
 from tandem.loadtest.bench.prompts import PromptMaker

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
-from tandem.loadtest.bench.records import RequestRecord
 from tandem.loadtest.bench.workloads import BenchRequest, Endpoint
+from tandem.services.protocol.bench_records import RequestRecord
 
 WireProtocol = Literal["http", "grpc"]
 PREFLIGHT_TIMEOUT_S = 5.0
@@ -74,16 +74,6 @@ class Client(Protocol):
         ...
 
     async def aclose(self) -> None: ...
-
-
-def make_client(target: Target, options: ClientOptions) -> Client:
-    if target.protocol == "grpc":
-        from tandem.loadtest.bench.grpc_client import GrpcClient
-
-        return GrpcClient(target, options)
-    from tandem.loadtest.bench.http_client import HttpClient
-
-    return HttpClient(target, options)
 
 
 def finish_output_count(record: RequestRecord, usage_tokens: int | None, text: str,

@@ -18,8 +18,8 @@ from tandem.loadtest.bench.clients import (
     TargetError,
     finish_output_count,
 )
-from tandem.loadtest.bench.records import RequestRecord
 from tandem.loadtest.bench.workloads import BenchRequest
+from tandem.services.protocol.bench_records import RequestRecord
 
 
 def load_stubs() -> tuple[ModuleType, ModuleType]:

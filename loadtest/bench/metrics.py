@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem.loadtest.bench.records import RequestRecord
+from tandem.services.protocol.bench_records import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

@@ -11,9 +11,9 @@ from tqdm import tqdm
 
 from tandem.loadtest.bench.arrivals import Load, arrival_offsets
 from tandem.loadtest.bench.clients import Client
-from tandem.loadtest.bench.records import CUT_OFF, RequestRecord
 from tandem.loadtest.bench.server_metrics import RoleCounters
 from tandem.loadtest.bench.workloads import BenchRequest
+from tandem.services.protocol.bench_records import CUT_OFF, RequestRecord
 
 
 @dataclass

@@ -31,11 +31,11 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.services.engine.faults import FatalEngineFault
-from tandem.services.engine.kv_events import KVEvent
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.outputs import EngineDeadError, EngineError, EngineStats, RequestOutput
 from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.engine.tensor_parallel import TensorParallelError
+from tandem.services.protocol.kv_events import KVEvent
 
 T = TypeVar("T")
 

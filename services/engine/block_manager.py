@@ -21,9 +21,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tandem.services.engine.block_hash import BlockHash, hash_block
-from tandem.services.engine.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
 from tandem.services.engine.sequence import Sequence
+from tandem.services.protocol.block_hash import BlockHash, hash_block
+from tandem.services.protocol.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:
     from tandem.services.engine.host_kv_pool import HostKVPool

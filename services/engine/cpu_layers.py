@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +22,7 @@ from tandem.services.engine.attention.torch_backend import TorchPlan
 from tandem.services.engine.cpu_kernels import Kernels
 from tandem.services.engine.cpu_linear import AmxLinear
 from tandem.services.engine.kv_cache import KVCache
-
-if TYPE_CHECKING:
-    from tandem.services.engine.model import Layer
+from tandem.services.engine.layer import Layer
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 

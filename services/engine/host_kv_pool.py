@@ -18,9 +18,8 @@ from collections import OrderedDict
 
 import torch
 
-from tandem.services.engine.block_hash import BlockHash
-from tandem.services.engine.kv_cache import KVCache, kv_storage
-from tandem.services.kv_transfer.checksum import block_bytes
+from tandem.services.engine.kv_cache import KVCache, block_bytes, kv_storage
+from tandem.services.protocol.block_hash import BlockHash
 
 
 def host_pool_blocks(host_kv_cache_gb: float, bytes_per_block: int) -> int:

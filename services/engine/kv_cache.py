@@ -186,3 +186,10 @@ def kv_parts(cache: KVCache) -> tuple[torch.Tensor, ...]:
 def kv_storage(cache: KVCache) -> torch.Tensor:
     """The one tensor holding every block's bytes (scales included), for the transports."""
     return cache.data if isinstance(cache, QuantizedKV) else cache
+
+
+def block_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The block-major KV cache as ``[num_blocks, bytes_per_block]`` uint8 (a view, no copy)."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("the KV cache must be one contiguous tensor")
+    return kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)

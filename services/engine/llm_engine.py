@@ -14,7 +14,6 @@ import torch
 
 from tandem.services.engine import cpu_kernels
 from tandem.services.engine.attention import get_attention_backend
-from tandem.services.engine.block_hash import HashSettings
 from tandem.services.engine.block_manager import BlockManager
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.cuda_graphs import DecodeGraphs
@@ -23,7 +22,6 @@ from tandem.services.engine.faults import fault_hook_from_env
 from tandem.services.engine.grammar import Grammars
 from tandem.services.engine.host_kv_pool import HostKVPool, host_pool_blocks
 from tandem.services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
-from tandem.services.engine.kv_events import KVEvent
 from tandem.services.engine.logits_controls import Draw, controlled
 from tandem.services.engine.model import LlamaModel, Shard
 from tandem.services.engine.model_loader import LoadedModel, load_model
@@ -39,9 +37,12 @@ from tandem.services.engine.sampler import rows_logprobs, sample, token_logprobs
 from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.engine.scheduler import Scheduler
 from tandem.services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tandem.services.engine.speculative import build_proposer
 from tandem.services.engine.speculative.policy import SpecPolicy
-from tandem.services.engine.speculative.proposer import Proposer, build_proposer
+from tandem.services.engine.speculative.proposer import Proposer
 from tandem.services.engine.tensor_parallel import FollowerSettings, TensorParallelGroup
+from tandem.services.protocol.block_hash import HashSettings
+from tandem.services.protocol.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
 

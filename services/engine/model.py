@@ -35,6 +35,7 @@ from tandem.services.engine.cpu_layers import CpuLayers
 from tandem.services.engine.cpu_linear import AmxLinear, Linear, packing_available
 from tandem.services.engine.int4_linear import Int4Linear, Q4Weight
 from tandem.services.engine.kv_cache import KVCache
+from tandem.services.engine.layer import Layer, Projection
 
 if TYPE_CHECKING:
     from tandem.services.engine.attention.triton_backend import TritonAttention
@@ -144,29 +145,6 @@ def _shard_weights(w: dict[str, torch.Tensor], config: ModelConfig, shard: Shard
             tensor = tensor[:, columns[kind]]
         out[name] = tensor.contiguous()
     return out
-
-
-Projection = Linear | AmxLinear | Int4Linear
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One decoder layer's weights: q/k/v and gate/up fused into one projection each."""
-
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    qkv: Projection
-    o: Projection
-    q_norm: torch.Tensor | None  # Qwen3
-    k_norm: torch.Tensor | None
-    gate_up: Projection
-    down: Projection
-
-    def weight_bytes(self) -> int:
-        tensors = [self.input_norm, self.post_norm, self.q_norm, self.k_norm]
-        for linear in (self.qkv, self.o, self.gate_up, self.down):
-            tensors += [linear.weight, linear.bias]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class LlamaModel(nn.Module):

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.services.engine.block_hash import BlockHash
 from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.block_hash import BlockHash
 
 
 class SequenceStatus(enum.Enum):

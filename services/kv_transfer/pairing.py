@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from tandem.services.engine.block_hash import HASH_SCHEME
+from tandem.services.protocol.block_hash import HASH_SCHEME
 
 if TYPE_CHECKING:
     from tandem.services.control.auth import ClusterKey

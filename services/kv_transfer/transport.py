@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from tandem.services.control.auth import ClusterKey
-from tandem.services.kv_transfer.checksum import block_bytes
+from tandem.services.engine.kv_cache import block_bytes
 
 
 class KVTransferError(RuntimeError):

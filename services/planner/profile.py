@@ -19,8 +19,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tandem.loadtest.bench.records import RequestRecord
 from tandem.services.planner.sizing import Profile
+from tandem.services.protocol.bench_records import RequestRecord
 from tandem.services.serving.config import AppConfig
 
 LENGTH_SPREAD = 1.2  # longest / shortest prompt above which prefill time is fitted as a line

@@ -15,12 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.services.engine.async_engine import AsyncEngine
-from tandem.services.engine.kv_cache import kv_storage
-from tandem.services.engine.kv_events import KVEvent
+from tandem.services.engine.kv_cache import block_bytes, kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.outputs import RequestOutput
 from tandem.services.engine.sampling_params import SamplingParams
-from tandem.services.kv_transfer.checksum import block_bytes, block_checksums
+from tandem.services.kv_transfer.checksum import block_checksums
 from tandem.services.kv_transfer.handle import KVHandle
 from tandem.services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
 from tandem.services.kv_transfer.transport import KVTransport
@@ -29,6 +28,7 @@ from tandem.services.prefill.leases import Clock, Lease, LeaseTable
 from tandem.services.prefill.metrics import PrefillMetrics
 from tandem.services.prefill.result import PrefillResult
 from tandem.services.prefill.trace import PrefillTrace
+from tandem.services.protocol.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from tandem.router import (
     connect,
 )
 from tandem.router.wire import WorkerEvent, encode_event
-from tandem.services.engine.kv_events import KVEvent
+from tandem.services.protocol.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
 

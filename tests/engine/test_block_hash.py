@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from tandem.services.engine.block_hash import HashSettings, hash_block, hash_token_blocks
+from tandem.services.protocol.block_hash import HashSettings, hash_block, hash_token_blocks
 
 TOKENS = list(range(1000, 1050))
 
@@ -13,7 +13,7 @@ TOKENS = list(range(1000, 1050))
 def test_hashes_equal_in_a_process_with_another_hash_seed():
     code = (
         "import json, sys\n"
-        "from tandem.services.engine.block_hash import hash_token_blocks\n"
+        "from tandem.services.protocol.block_hash import hash_token_blocks\n"
         "tokens = json.loads(sys.argv[1])\n"
         "print(json.dumps([h.hex() for h in hash_token_blocks(tokens, 16, ('m', 'salt'))]))\n"
     )

@@ -21,7 +21,6 @@ if not torch.cuda.is_available():
 from tandem.services.engine.attention import build_step_metadata  # noqa: E402
 from tandem.services.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from tandem.services.engine.attention.triton_kernels import paged_attention, store_kv  # noqa: E402
-from tandem.services.engine.block_hash import HashSettings, hash_token_blocks  # noqa: E402
 from tandem.services.engine.config import EngineConfig  # noqa: E402
 from tandem.services.engine.kv_cache import (  # noqa: E402
     KVCacheSpec,
@@ -35,6 +34,7 @@ from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.services.engine.model import LlamaModel  # noqa: E402
 from tandem.services.engine.model_loader import LoadedModel  # noqa: E402
 from tandem.services.engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks  # noqa: E402
 from tandem.services.serving.config import AppConfig, ConfigError  # noqa: E402
 from tests.engine.helpers import run  # noqa: E402
 from tests.engine.paged_layouts import (  # noqa: E402

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from tandem.services.engine.async_engine import AsyncEngine
-from tandem.services.engine.block_hash import BlockHash
-from tandem.services.engine.kv_events import BlockRemoved, BlockStored, KVEvent
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.engine.sequence import SequenceStatus
+from tandem.services.protocol.block_hash import BlockHash
+from tandem.services.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -20,11 +20,11 @@ import yaml
 from tandem.loadtest import experiments
 from tandem.loadtest.bench.arrivals import Load
 from tandem.loadtest.bench.metrics import SLO, summarize
-from tandem.loadtest.bench.records import RequestRecord
 from tandem.loadtest.bench.results import Cell
 from tandem.loadtest.bench.server_metrics import CacheCounters
 from tandem.loadtest.experiments import Configuration, Headline, headline_rows
 from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.protocol.bench_records import RequestRecord
 from tandem.services.serving.config import AppConfig, ConfigError
 from tests.loadtest.peer import PeerBehaviour, PeerLog, serve_peer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.loadtest.bench.metrics import SLO, distribution, summarize
-from tandem.loadtest.bench.records import RequestRecord
+from tandem.services.protocol.bench_records import RequestRecord
 
 
 def record(start: float, chunks: list[float], end: float, out: int, *, prompt: int = 10,

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tandem.loadtest.bench.records import RequestRecord
 from tandem.loadtest.overload import (
     RunFigures,
     _settings,
@@ -16,6 +15,7 @@ from tandem.loadtest.overload import (
     peak_admitted,
     render_table,
 )
+from tandem.services.protocol.bench_records import RequestRecord
 
 
 def figures(factor: float, round_: int, *, goodput: float, ttft_p99: float | None,

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from tandem.loadtest.bench.records import RequestRecord
 from tandem.services.cli import main
 from tandem.services.planner.observe import NoTraffic, load_between, observe
 from tandem.services.planner.profile import load_profile, profile_from_bench
+from tandem.services.protocol.bench_records import RequestRecord
 from tests.e2e.cluster import static_server
 from tests.planner.recorded import colocated_metrics, gateway_metrics
 

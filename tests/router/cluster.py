@@ -18,8 +18,8 @@ from tandem.router import (
     WorkerRegistry,
     attach_worker,
 )
-from tandem.services.engine.block_hash import HashSettings, hash_token_blocks
-from tandem.services.engine.kv_events import BlockRemoved, BlockStored
+from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks
+from tandem.services.protocol.kv_events import BlockRemoved, BlockStored
 
 SETTINGS = HashSettings(block_size=16, model_id="smollm2-135m")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, attach_worker
 from tandem.router.wire import WorkerEvent
-from tandem.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.services.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from .cluster import SETTINGS, FakeClock, make_info, tokens
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tandem.router import PromptHasher, RedisRegistry, RedisStreamEventBus, Router, RouterConfig
-from tandem.services.engine.block_hash import HashSettings, hash_token_blocks
+from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks
 
 from .cluster import SETTINGS, make_info, tokens
 from .conftest import RedisServer
@@ -53,8 +53,8 @@ def test_partial_block_is_not_hashed() -> None:
 WORKER_SCRIPT = """
 import json, sys
 from tandem.router import RedisStreamEventBus, attach_worker, connect
-from tandem.services.engine.block_hash import HashSettings, hash_token_blocks
-from tandem.services.engine.kv_events import BlockStored
+from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks
+from tandem.services.protocol.kv_events import BlockStored
 
 url, prompt, salt = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 settings = HashSettings(16, "smollm2-135m")

@@ -6,8 +6,8 @@ import pytest
 
 from tandem.router.index import PrefixIndex
 from tandem.router.wire import decode_event, encode_event
-from tandem.services.engine.block_hash import hash_token_blocks
-from tandem.services.engine.kv_events import HOST, AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.services.protocol.block_hash import hash_token_blocks
+from tandem.services.protocol.kv_events import HOST, AllBlocksCleared, BlockRemoved, BlockStored
 
 from .cluster import SETTINGS, tokens
 from .test_policy import Setup

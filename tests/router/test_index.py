@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tandem.router.index import PrefixIndex
 from tandem.router.inflight import InFlight
-from tandem.services.engine.block_hash import hash_token_blocks
-from tandem.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.services.protocol.block_hash import hash_token_blocks
+from tandem.services.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from .cluster import tokens
 

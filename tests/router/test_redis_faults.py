@@ -24,8 +24,8 @@ from tandem.router import (
     WorkerLoad,
     connect,
 )
-from tandem.services.engine.block_hash import hash_token_blocks
-from tandem.services.engine.kv_events import BlockStored
+from tandem.services.protocol.block_hash import hash_token_blocks
+from tandem.services.protocol.kv_events import BlockStored
 from tandem.services.serving.worker_events import WorkerEvents
 
 from .cluster import SETTINGS, make_info, start_worker, tokens

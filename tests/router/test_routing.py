@@ -19,7 +19,7 @@ from tandem.router import (
     SettingsMismatch,
     WorkerLoad,
 )
-from tandem.services.engine.block_hash import HashSettings
+from tandem.services.protocol.block_hash import HashSettings
 
 from .cluster import SETTINGS, FakeClock, WorkerHarness, make_info, start_worker, tokens
 from .conftest import RedisServer, wait_until

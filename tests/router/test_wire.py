@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tandem.router.wire import WorkerEvent, decode_event, encode_event
-from tandem.services.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.services.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 H1, H2 = bytes(range(32)), bytes(range(1, 33))
 

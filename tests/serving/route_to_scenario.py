@@ -12,10 +12,10 @@ from typing import Any
 
 from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, WorkerInfo
 from tandem.router.wire import WorkerEvent
-from tandem.services.engine.block_hash import HashSettings, hash_token_blocks
-from tandem.services.engine.kv_events import AllBlocksCleared, BlockStored
 from tandem.services.engine.outputs import RequestOutput
 from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks
+from tandem.services.protocol.kv_events import AllBlocksCleared, BlockStored
 from tandem.services.request import GenerationRequest
 from tandem.services.serving.backend import DisaggBackend
 from tandem.services.serving.cluster_view import ClusterView

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tandem.services.engine.block_hash import BlockHash
+from tandem.services.protocol.block_hash import BlockHash
 
 Medium = Literal["device", "host"]  # which tier holds a block: the device's KV cache or host RAM
 DEVICE: Medium = "device"

@@ -1,0 +1,32 @@
+"""A decoder layer's weights, as the model and the CPU layers' kernel both read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.services.engine.cpu_linear import AmxLinear, Linear
+from tandem.services.engine.int4_linear import Int4Linear
+
+Projection = Linear | AmxLinear | Int4Linear
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's weights: q/k/v and gate/up fused into one projection each."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    q_norm: torch.Tensor | None  # Qwen3
+    k_norm: torch.Tensor | None
+    gate_up: Projection
+    down: Projection
+
+    def weight_bytes(self) -> int:
+        tensors = [self.input_norm, self.post_norm, self.q_norm, self.k_norm]
+        for linear in (self.qkv, self.o, self.gate_up, self.down):
+            tensors += [linear.weight, linear.bias]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
