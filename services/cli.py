@@ -19,6 +19,7 @@ from tandem.services.engine.config import (
     SPEC_METHODS,
     WEIGHT_FORMATS,
 )
+from tandem.services.extras import MissingExtra, require
 from tandem.services.version import version
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -326,11 +327,9 @@ LAZY_COMMANDS = {
 
 def _add_lazy_parsers(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
                       argv: list[str]) -> None:
-    import importlib
-
     for name, (module, help_text) in LAZY_COMMANDS.items():
         if argv[:1] == [name]:
-            importlib.import_module(module).add_parser(sub)
+            require(module, f"tandem {name}").add_parser(sub)
         else:
             sub.add_parser(name, help=help_text)
 
@@ -352,7 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_up_parser(sub)
     _add_chat_parser(sub)
     _add_status_parser(sub)
-    _add_lazy_parsers(sub, argv)
+    try:
+        _add_lazy_parsers(sub, argv)
+    except MissingExtra as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

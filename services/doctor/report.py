@@ -10,6 +10,7 @@ from tandem.services.doctor.diagnosis import Diagnosis
 from tandem.services.doctor.evidence import DECODING_ROLES, Evidence
 from tandem.services.doctor.levers import Lever, ranked, recommended
 from tandem.services.doctor.questions import Answer, answer_all
+from tandem.services.extras import require
 
 LATENCY_PLOT = "latency.png"
 LOAD_PLOT = "batch_kv.png"
@@ -76,8 +77,7 @@ def write(out: Path, report: Report, diagnosis: Diagnosis, evidence: Evidence) -
 
 
 def _plot_latency(path: Path, d: Diagnosis) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "tandem doctor's plots (--out)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -97,8 +97,7 @@ def _plot_latency(path: Path, d: Diagnosis) -> None:
 
 
 def _plot_load(path: Path, evidence: Evidence) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "tandem doctor's plots (--out)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -39,7 +39,8 @@ def _import_nixl() -> Any:
             return importlib.import_module(name)
         except ImportError:
             continue
-    raise ImportError("NIXL is not installed (pip install nixl-cu13, or nixl-cu12 on a CPU)")
+    raise ImportError("NIXL is not installed: pip install 'tandem[gpu]' (nixl-cu13, for torch's "
+                      "CUDA 13 wheels), or 'tandem[cpu]' on a CPU machine (nixl-cu12)")
 
 
 _nixl = _import_nixl()

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from tandem.services.extras import require
 from tandem.services.planner.policy import ROLES, Bounds
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayservices"
@@ -57,8 +58,8 @@ class Target:
 def api_client(kubeconfig: str | None = None, context: str | None = None) -> Any:
     """A ``CustomObjectsApi``: from ``kubeconfig`` when given, else in-cluster (a pod's
     ServiceAccount) when there, else ``~/.kube/config``."""
-    from kubernetes import client, config
-
+    client = require("kubernetes.client", "tandem plan --apply")
+    config = require("kubernetes.config", "tandem plan --apply")
     if kubeconfig is None:
         try:
             config.load_incluster_config()

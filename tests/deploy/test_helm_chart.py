@@ -16,6 +16,7 @@ import re
 import socket
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -739,10 +740,14 @@ def test_image_matches_the_chart_and_ci_pins() -> None:
 
     dockerfile = (REPO_ROOT / "deploy" / "docker" / "Dockerfile").read_text()
     setup = (REPO_ROOT / ".ci" / "setup").read_text()
-    for arg, package in (("TORCH_VERSION", "torch"), ("NIXL_VERSION", "nixl-cu12")):
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    pins = {"TORCH_VERSION": re.search(r"torch==(\S+)", setup),  # CI's torch, the image's
+            "NIXL_VERSION": re.search(r"nixl-cu12==(\S+)", " ".join(extras["cpu"]))}
+    for arg, ci in pins.items():
         pinned = re.search(rf"^ARG {arg}=(\S+)$", dockerfile, re.M)
-        ci = re.search(rf"{re.escape(package)}==(\S+)", setup)
-        assert pinned and ci and pinned.group(1) == ci.group(1), (arg, package)
+        assert pinned and ci and pinned.group(1) == ci.group(1).strip('"'), arg
+    assert f"nixl-cu13=={pins['NIXL_VERSION'].group(1)}" in extras["gpu"]
     # The image's NIXL is built for torch's CUDA (13); CI's (cu12) moves host memory only.
     assert '"nixl-cu13==${NIXL_VERSION}"' in dockerfile
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())

@@ -83,7 +83,7 @@ def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None)
     if name == "flash_attn":
         if importlib.util.find_spec("flash_attn") is None:
             raise ValueError("attention_backend flash_attn needs the flash_attn package "
-                             "(pip install flash-attn, a CUDA build)")
+                             "(pip install 'tandem[gpu]': flash-attn builds against CUDA)")
         if not on_cuda:
             raise ValueError(f"attention_backend flash_attn needs a CUDA device (device is "
                              f"{device!r})")
