@@ -1,5 +1,7 @@
 """Our C kernels for bfloat16 on a CPU (``csrc/``): built with the machine's C compiler the
-first time a process needs them, cached, loaded with ctypes.
+first time a process needs them, cached, loaded with ctypes. Their ABI is ``csrc/tandem.h``,
+declared once: ``SIGNATURES`` and the ctypes structs here are checked against it (the structs'
+sizes and offsets when the library loads; the argument lists by tests/engine/test_cpu_abi.py).
 
 - ``decode_attention.c``: the ``cpu`` attention backend's decode kernel (attention/cpu_backend.py)
 - ``fused_ops.c``: RMSNorm, silu(gate) * up, the rotary embedding of queries and keys, each in
@@ -42,9 +44,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention.c", CSRC / "fused_ops.c", CSRC / "pool.c")
+SOURCES = (CSRC / "decode_attention.c", CSRC / "fused_ops.c", CSRC / "pool.c", CSRC / "abi.c")
 AMX_SOURCES = (CSRC / "linear.c", CSRC / "prefill_attention.c", CSRC / "layers.c")
-HEADERS = (CSRC / "simd.h", CSRC / "pool.h", CSRC / "amx.h")
+HEADERS = (CSRC / "tandem.h", CSRC / "simd.h", CSRC / "pool.h", CSRC / "amx.h")
 AMX_FUNCTIONS = ("linear_bf16", "prefill_attention_bf16", "amx_enable", "layers_bf16")
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
           "-shared")
@@ -61,31 +63,79 @@ MAX_HEAD_DIM = 256
 MAX_ROWS_PER_KV_HEAD = 64
 MAX_ROWS = 1024
 
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# Each exported kernel's argument types, as csrc/tandem.h declares it (each returns an int;
+# tests/engine/test_cpu_abi.py reads the header and compares).
+SIGNATURES: dict[str, list[type[Any]]] = {
+    "decode_attention_bf16": [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                              _I64, _I64, _F32, _INT],
+    "rms_norm_bf16": [_P, _I64, _P, _P, _I64, _I64, _F32, _INT],
+    "silu_mul_bf16": [_P, _I64, _P, _I64, _I64],
+    "rotary_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _INT],
+    "store_kv_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64],
+    "argmax_f32": [_P, _I64, _I64, _I64, _P],
+    "linear_bf16": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT, _INT, _INT],
+    "prefill_attention_bf16": [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64,
+                               _I64, _I64, _I64, _F32, _INT],
+    "amx_enable": [],
+    "layers_bf16": [_P, _I64, _P],
+}
+
+
+# The structs csrc/tandem.h shares with the library, field for field (checked at load).
+class LayerWeights(ctypes.Structure):
+    _fields_ = [(name, _P) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
+        "down", "down_bias")]
+
+
+class DecodeRun(ctypes.Structure):
+    _fields_ = [("start", _I64), ("num_seqs", _I64), ("query_len", _I64),
+                ("table_stride", _I64), ("tables", _P), ("seq_lens", _P)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [
+        ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+        ("intermediate", _I64), ("eps", _F32), ("scale", _F32),
+        ("cache", _P), ("num_blocks", _I64), ("block_size", _I64), ("block_stride", _I64),
+        ("layer_stride", _I64), ("kv_stride", _I64), ("tok_stride", _I64),
+        ("cos", _P), ("sin", _P), ("num_positions", _I64),
+        ("tokens", _I64), ("positions", _P), ("slot_blocks", _P), ("slot_offsets", _P),
+        ("decodes", ctypes.POINTER(DecodeRun)), ("num_decode_runs", _I64),
+        ("spans", _P), ("num_spans", _I64), ("prefill_table_stride", _I64),
+        ("prefill_tables", _P),
+        ("x", _P), ("h", _P), ("qkv", _P), ("q", _P), ("k", _P), ("attn", _P), ("act", _P),
+        ("threads", _INT), ("linear_threads", _INT), ("attention_threads", _INT),
+    ]
+
+
+def struct_layout() -> list[int]:
+    """What ``tandem_abi_layout`` must return: each struct's size, then its fields' offsets."""
+    layout: list[int] = []
+    for struct in (LayerWeights, DecodeRun, Step):
+        layout.append(ctypes.sizeof(struct))
+        layout += [getattr(struct, name).offset for name, _ in struct._fields_]
+    return layout
+
 
 class Kernels:
     """The built library's functions, on tensors (checked before each call)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        signatures = {
-            "decode_attention_bf16": [p, p, p, p, p, i64, p, i64, i64, i64, i64, i64, i64, i64,
-                                      i64, f32, ctypes.c_int],
-            "rms_norm_bf16": [p, i64, p, p, i64, i64, f32, ctypes.c_int],
-            "silu_mul_bf16": [p, i64, p, i64, i64],
-            "rotary_bf16": [p, i64, p, i64, p, p, p, p, i64, p, i64, i64, i64, i64,
-                            ctypes.c_int],
-            "store_kv_bf16": [p, i64, p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64],
-            "argmax_f32": [p, i64, i64, i64, p],
-            "linear_bf16": [p, i64, p, p, p, i64, i64, i64, ctypes.c_int, ctypes.c_int,
-                            ctypes.c_int],
-            "prefill_attention_bf16": [p, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64,
-                                       i64, f32, ctypes.c_int],
-            "amx_enable": [],
-            "layers_bf16": [p, i64, p],
-        }
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.tandem_abi_layout.argtypes = [p, i64]
+        lib.tandem_abi_layout.restype = i64
+        expected = struct_layout()
+        found = (ctypes.c_int64 * len(expected))()
+        count = lib.tandem_abi_layout(found, len(expected))
+        if count != len(expected) or list(found) != expected:
+            raise OSError(f"{path.name} disagrees with cpu_kernels.py on csrc/tandem.h's "
+                          f"structs (sizes and offsets {list(found)[:count]}, expected "
+                          f"{expected})")
         built_amx = hasattr(lib, "linear_bf16")  # not when the compiler lacked AMX (BUILDS)
-        for name, argtypes in signatures.items():
+        for name, argtypes in SIGNATURES.items():
             if built_amx or name not in AMX_FUNCTIONS:
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int

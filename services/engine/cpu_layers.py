@@ -12,46 +12,16 @@ to SDPA, prefill chunks without the AMX kernel) runs layer by layer as before.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 
 import torch
 
 from tandem.services.engine.attention.cpu_backend import CpuAttention, KernelBatch, KernelPrefill
 from tandem.services.engine.attention.torch_backend import TorchPlan
-from tandem.services.engine.cpu_kernels import Kernels
+from tandem.services.engine.cpu_kernels import DecodeRun, Kernels, LayerWeights, Step
 from tandem.services.engine.cpu_linear import AmxLinear
 from tandem.services.engine.kv_cache import KVCache
 from tandem.services.engine.layer import Layer
-
-_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-class LayerWeights(ctypes.Structure):
-    _fields_ = [(name, _P) for name in (
-        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
-        "down", "down_bias")]
-
-
-class DecodeRun(ctypes.Structure):
-    _fields_ = [("start", _I64), ("num_seqs", _I64), ("query_len", _I64),
-                ("table_stride", _I64), ("tables", _P), ("seq_lens", _P)]
-
-
-class Step(ctypes.Structure):
-    _fields_ = [
-        ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-        ("intermediate", _I64), ("eps", _F32), ("scale", _F32),
-        ("cache", _P), ("num_blocks", _I64), ("block_size", _I64), ("block_stride", _I64),
-        ("layer_stride", _I64), ("kv_stride", _I64), ("tok_stride", _I64),
-        ("cos", _P), ("sin", _P), ("num_positions", _I64),
-        ("tokens", _I64), ("positions", _P), ("slot_blocks", _P), ("slot_offsets", _P),
-        ("decodes", ctypes.POINTER(DecodeRun)), ("num_decode_runs", _I64),
-        ("spans", _P), ("num_spans", _I64), ("prefill_table_stride", _I64),
-        ("prefill_tables", _P),
-        ("x", _P), ("h", _P), ("qkv", _P), ("q", _P), ("k", _P), ("attn", _P), ("act", _P),
-        ("threads", _INT), ("linear_threads", _INT), ("attention_threads", _INT),
-    ]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -146,9 +146,13 @@ class LLMEngine:
                    if config.attention_backend == "auto" and model.attention.name == "torch"
                    and self.local_kv_spec.torch_dtype == torch.bfloat16
                    else None)
-        log.info("attention backend %s (asked: %s)%s", model.attention.name,
-                 config.attention_backend,
-                 f"; not cpu: {why_not}" if why_not else "")
+        self.attention_backend = model.attention.name  # what runs (tandem_attention_backend)
+        if why_not:  # bfloat16 on a CPU whose kernels did not build or load: the slow path
+            log.warning("attention backend torch, not our CPU kernels: %s (bfloat16 runs "
+                        "several times slower this way)", why_not)
+        else:
+            log.info("attention backend %s (asked: %s)", model.attention.name,
+                     config.attention_backend)
         if (config.cuda_graphs and torch.device(config.device).type == "cuda"
                 and model.attention.name == "triton" and self.tp is None):
             began = time.monotonic()

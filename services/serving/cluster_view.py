@@ -41,6 +41,7 @@ class WorkerSnapshot:
     healthy: bool = True
     health_error: str | None = None  # why the worker's engine stopped
     kv_transport_fallback: str | None = None  # why "auto" could not use NIXL (a GPU worker)
+    attention_backend: str = ""  # the one the engine runs (auto resolved)
 
 
 IDLE_AFTER_POLLS = 4  # polls with no request in flight before the view polls at its idle pace
@@ -164,7 +165,8 @@ class ClusterView:
         self.workers[replica_id] = WorkerSnapshot(
             replica_id, role, EngineStats(**status["engine"]), status.get("metrics", {}),
             int(status.get("leases", 0)), int(status["max_model_len"]), healthy,
-            status.get("health_error"), status.get("kv_transport_fallback"))
+            status.get("health_error"), status.get("kv_transport_fallback"),
+            str(status.get("attention_backend", "")))
         self._infos[replica_id] = WorkerInfo(**status["info"])
         if not healthy:
             # Its engine stopped; Serve replaces the replica. Route around it now, and never

@@ -86,9 +86,17 @@ class WorkerCollector(Collector):
                                      "1 when the worker moves KV over TCP through host memory "
                                      "because NIXL cannot move its GPU memory (kv_transport "
                                      "auto; the worker logged why).", labels=labels)
+        backend = GaugeMetricFamily("tandem_attention_backend",
+                                    "1 per worker, labelled with the attention backend its "
+                                    "engine runs (auto resolved: cpu, torch, triton, "
+                                    "flash_attn); torch on a CPU in bfloat16 means our kernels "
+                                    "could not run (the worker logged why).",
+                                    labels=[*labels, "backend"])
         for w in self._source():
             key = [self._model_name, w.worker_id, w.role]
             info.add_metric(key, 1)
+            if w.attention_backend:
+                backend.add_metric([*key, w.attention_backend], 1)
             fallback.add_metric(key, 1.0 if w.kv_transport_fallback else 0.0)
             healthy.add_metric(key, 1.0 if w.healthy else 0.0)
             free.add_metric(key, w.stats.num_free_blocks)
@@ -113,7 +121,7 @@ class WorkerCollector(Collector):
                 queued.add_metric(key, _number(m, "queued"))
                 for reason, count in sorted(m.get("rejects", {}).items()):
                     rejects.add_metric([*key, reason], float(count))
-        yield from (info, free, total, leases, prefills, granted, ended, moved, seconds,
+        yield from (info, backend, free, total, leases, prefills, granted, ended, moved, seconds,
                     transfers, failures, checksums, imports, recomputes, queued, rejects, healthy,
                     fallback, refusals)
 

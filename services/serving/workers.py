@@ -124,7 +124,8 @@ class _Replica:
         status = await self.worker.status()
         return {**status, "healthy": True, "report": self.report(snapshot),
                 "info": dataclasses.asdict(self.info()),
-                "max_model_len": self.engine.max_model_len}
+                "max_model_len": self.engine.max_model_len,
+                "attention_backend": self.engine.attention_backend}
 
     async def _close_events(self) -> None:
         await self.events.close()

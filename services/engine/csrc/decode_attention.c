@@ -18,6 +18,7 @@
 
 #include "pool.h"
 #include "simd.h"
+#include "tandem.h"
 
 #define MAX_ROWS 64   /* query rows per KV head: group * query_len */
 #define MAX_CHUNKS 8  /* head_dim / 32 */

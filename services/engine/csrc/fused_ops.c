@@ -12,6 +12,7 @@
 
 #include "pool.h"
 #include "simd.h"
+#include "tandem.h"
 
 #define ROWS_PER_UNIT 32
 

@@ -12,6 +12,7 @@
 #include "amx.h"
 #include "pool.h"
 #include "simd.h"
+#include "tandem.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18

@@ -17,6 +17,7 @@
 #include "amx.h"
 #include "pool.h"
 #include "simd.h"
+#include "tandem.h"
 
 #define MAX_HEAD_DIM 256
 
