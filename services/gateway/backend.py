@@ -67,6 +67,11 @@ class EngineBackend:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend the engine runs (auto resolved)."""
+        return self.engine.llm.attention_backend
+
     def health_problem(self) -> str | None:
         return None if self.engine.healthy else f"the engine stopped: {self.engine.health_error}"
 

@@ -152,8 +152,10 @@ class GatewayIngress:
                                              config.max_migrations))
 
     def _colocated_snapshot(self) -> list[WorkerSnapshot]:
-        return [WorkerSnapshot("colocated", "colocated", self.gateway.backend.stats,
-                               healthy=self.gateway.health_problem() is None)]
+        backend = self.gateway.backend
+        return [WorkerSnapshot("colocated", "colocated", backend.stats,
+                               healthy=self.gateway.health_problem() is None,
+                               attention_backend=getattr(backend, "attention_backend", ""))]
 
     def check_health(self) -> None:
         """Ray Serve's health check: a colocated engine that stopped fails it (its workers'
