@@ -30,7 +30,7 @@ import psutil
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.sampling_params import SamplingParams
 
 READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1")
 

@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.services.control.auth import ClusterKey
 from tandem.services.control.process import WorkerSpec, spawn_workers
 from tandem.services.decode.service import RemoteDecode
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.prefill.service import RemotePrefill
+from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 GIB = 2**30

@@ -50,8 +50,7 @@ class TickStream:
         return self
 
     async def __anext__(self):  # type: ignore[no-untyped-def]
-        from tandem.services.engine.outputs import RequestOutput
-        from tandem.services.engine.sequence import FinishReason
+        from tandem.services.protocol.outputs import FinishReason, RequestOutput
 
         if self._i == self._ticks:
             raise StopAsyncIteration
@@ -70,8 +69,8 @@ def build(ticks: int, tick_s: float):  # type: ignore[no-untyped-def]
     from ray import serve
 
     from tandem.router import WorkerLoad
+    from tandem.services.protocol.messages import WorkerReport
     from tandem.services.serving.channel_outbox import ChannelOutbox
-    from tandem.services.serving.messages import WorkerReport
 
     @serve.deployment
     class Producer:
@@ -134,8 +133,8 @@ def build(ticks: int, tick_s: float):  # type: ignore[no-untyped-def]
             return outputs, items
 
         async def channel(self, streams: int) -> tuple[int, int]:
-            from tandem.services.engine.sampling_params import SamplingParams
-            from tandem.services.request import GenerationRequest
+            from tandem.services.protocol.request import GenerationRequest
+            from tandem.services.protocol.sampling_params import SamplingParams
             from tandem.services.serving.decode_channel import DecodeChannel
 
             reports: list[object] = []  # the channel's lists: the hello, then one a tick

@@ -31,8 +31,8 @@ import torch
 from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.protocol.sampling_params import SamplingParams
 
 _SOURCE_MODULES = ["argparse", "csv", "json", "shlex", "string", "textwrap"]
 

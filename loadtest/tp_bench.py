@@ -23,7 +23,7 @@ from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
-from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 32
 

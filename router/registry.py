@@ -11,12 +11,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tandem.router.errors import RegistrationRefused, RegistryUnavailable, SettingsMismatch
-from tandem.services.protocol.block_hash import HASH_SCHEME, HashSettings
+from tandem.services.protocol.block_hash import HashSettings
+from tandem.services.protocol.messages import WorkerInfo, WorkerLoad
 
 if TYPE_CHECKING:
     from tandem.router.forwarder import WorkerEventForwarder
@@ -25,33 +26,6 @@ log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 Clock = Callable[[], float]
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What a worker is; fixed for its lifetime."""
-
-    worker_id: str
-    role: str  # "prefill" or "decode"
-    address: str
-    block_size: int
-    model_id: str
-    capacity_blocks: int
-    hash_scheme: str = HASH_SCHEME
-    # Opaque strings for peers (e.g. base64 NIXL agent metadata), exchanged once per peer.
-    metadata: Mapping[str, str] = field(default_factory=dict)
-
-    def hash_settings(self) -> HashSettings:
-        return HashSettings(self.block_size, self.model_id, self.hash_scheme)
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """How busy a worker is, sampled when it heartbeats."""
-
-    pending_prefill_blocks: int = 0  # prompt blocks queued or being computed, cache hits excluded
-    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    running_sequences: int = 0
 
 
 IDLE = WorkerLoad()

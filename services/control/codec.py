@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.services.engine.sampling_params import SamplingParams
-from tandem.services.engine.sequence import TokenLogprobs
+from tandem.services.protocol.sampling_params import SamplingParams
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
@@ -23,15 +22,6 @@ def params_from_dict(data: Any) -> SamplingParams:
         return SamplingParams(**data)
     except TypeError as exc:
         raise ValueError(f"bad sampling params: {exc}") from None
-
-
-def logprobs_to_dict(lp: TokenLogprobs) -> dict[str, Any]:
-    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-
-
-def logprobs_from_dict(data: dict[str, Any]) -> TokenLogprobs:
-    return TokenLogprobs(int(data["token_id"]), float(data["logprob"]),
-                         [(int(t), float(p)) for t, p in data["top"]])
 
 
 def token_ids(data: Any, what: str = "prompt") -> list[int]:

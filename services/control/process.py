@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from tandem.services import tracing
-from tandem.services.control.auth import ClusterKey
 from tandem.services.control.rpc import Handler, RpcServer
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.kv_transfer.factory import make_transport
 from tandem.services.kv_transfer.transport import KVTransport, TransferFaults
+from tandem.services.protocol.auth import ClusterKey
 
 READY = "TANDEM-READY"
 
@@ -43,7 +43,7 @@ class WorkerSpec:
     faults: dict[str, Any] = field(default_factory=dict)  # TransferFaults fields (debug)
     host: str = "127.0.0.1"
     port: int = 0  # control channel; 0 picks a free port
-    # The cluster secret (services/control/auth.py): the control channel and KV reads prove
+    # The cluster secret (services/protocol/auth.py): the control channel and KV reads prove
     # it. None: both unauthenticated (tests of that only).
     cluster_secret_file: str | None = None
 

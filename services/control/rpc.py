@@ -6,7 +6,7 @@ the handler in a ``control.<method>`` span under it.
 A connection carries one call at a time; the client keeps a pool for concurrent calls. When
 a client drops a connection mid-call, the server cancels that call (a closed stream aborts).
 
-With a ``ClusterKey`` (the cluster secret, services/control/auth.py), each connection starts
+With a ``ClusterKey`` (the cluster secret, services/protocol/auth.py), each connection starts
 with the cluster handshake: a client that cannot prove the secret is answered with the reason
 and disconnected before any call is read (counted in ``refused``, logged once per
 connection); a server that cannot prove it is not called.
@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from tandem.services import tracing
-from tandem.services.control import auth
-from tandem.services.control.auth import ClusterKey
 from tandem.services.kv_transfer.framing import FrameError, encode_frame, read_frame
+from tandem.services.protocol import auth
+from tandem.services.protocol.auth import ClusterKey
 
 log = logging.getLogger(__name__)
 

@@ -6,16 +6,16 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.services.control.auth import ClusterKey
 from tandem.services.control.codec import params_from_dict, params_to_dict, token_ids
 from tandem.services.control.rpc import Handler, RpcClient
 from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
 from tandem.services.decode.worker import DecodeResult, DecodeWorker, KVSource
-from tandem.services.engine.outputs import EngineOverloadedError, RequestError
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
-from tandem.services.prefill.result import PrefillResult
 from tandem.services.prefill.service import RemotePrefill
+from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
+from tandem.services.protocol.sampling_params import SamplingParams
 
 
 class RequestAbortedError(RuntimeError):

@@ -16,7 +16,7 @@ import time
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from tandem.services import tracing
-from tandem.services.engine.outputs import RequestOutput
+from tandem.services.protocol.outputs import RequestOutput
 
 MAX_STEP_EVENTS = 32  # per request: a long generation must not make a huge span
 

@@ -31,14 +31,13 @@ from tandem.services.decode.trace import DecodeTrace
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.kv_cache import block_bytes, kv_storage
 from tandem.services.engine.llm_engine import ImportSlot, LLMEngine
-from tandem.services.engine.outputs import EngineOverloadedError, RequestError, RequestOutput
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.kv_transfer.checksum import block_checksums
-from tandem.services.kv_transfer.handle import KVHandle
 from tandem.services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
 from tandem.services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
-from tandem.services.prefill.result import PrefillResult
+from tandem.services.protocol.handoff import KVHandle, PrefillResult
 from tandem.services.protocol.kv_events import KVEvent
+from tandem.services.protocol.outputs import EngineOverloadedError, RequestError, RequestOutput
+from tandem.services.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

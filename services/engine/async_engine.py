@@ -32,10 +32,15 @@ import torch
 
 from tandem.services.engine.faults import FatalEngineFault
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.engine.outputs import EngineDeadError, EngineError, EngineStats, RequestOutput
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.engine.tensor_parallel import TensorParallelError
 from tandem.services.protocol.kv_events import KVEvent
+from tandem.services.protocol.outputs import (
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    RequestOutput,
+)
+from tandem.services.protocol.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

@@ -26,23 +26,24 @@ from tandem.services.engine.logits_controls import Draw, controlled
 from tandem.services.engine.model import LlamaModel, Shard
 from tandem.services.engine.model_loader import LoadedModel, load_model
 from tandem.services.engine.model_runner import ModelRunner
-from tandem.services.engine.outputs import (
-    EngineOverloadedError,
-    EngineStats,
-    PinnedKV,
-    RequestError,
-    RequestOutput,
-)
 from tandem.services.engine.sampler import rows_logprobs, sample, token_logprobs, verify
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.engine.scheduler import Scheduler
-from tandem.services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from tandem.services.engine.sequence import Sequence, SequenceStatus
 from tandem.services.engine.speculative import build_proposer
 from tandem.services.engine.speculative.policy import SpecPolicy
 from tandem.services.engine.speculative.proposer import Proposer
 from tandem.services.engine.tensor_parallel import FollowerSettings, TensorParallelGroup
 from tandem.services.protocol.block_hash import HashSettings
 from tandem.services.protocol.kv_events import KVEvent
+from tandem.services.protocol.outputs import (
+    EngineOverloadedError,
+    EngineStats,
+    FinishReason,
+    PinnedKV,
+    RequestError,
+    RequestOutput,
+)
+from tandem.services.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.protocol.block_hash import BlockHash
+from tandem.services.protocol.outputs import FinishReason, TokenLogprobs
+from tandem.services.protocol.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -28,19 +29,6 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     PINNED = "pinned"  # prefill done; its KV is held for a transfer until release_kv
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # an EOS or stop token
-    LENGTH = "length"  # max_tokens or the context length
-    ABORT = "abort"
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 _uids = itertools.count()

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from tandem.services.engine.outputs import EngineStats, RequestOutput
-from tandem.services.request import GenerationRequest
+from tandem.services.protocol.outputs import EngineStats, RequestOutput
+from tandem.services.protocol.request import GenerationRequest
 
 if TYPE_CHECKING:  # the gateway runs without torch; only colocated mode builds an engine
     from tandem.services.engine.async_engine import AsyncEngine
@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # the gateway runs without torch; only colocated mode builds 
 class GenerationBackend(Protocol):
     """Streams ``RequestOutput``s for a tokenized request.
 
-    ``generate`` raises ``tandem.services.engine.outputs.RequestError`` for an invalid request and
+    ``generate`` raises ``tandem.services.protocol.outputs.RequestError`` for an invalid request and
     ``EngineOverloadedError`` when its queues are full (both when the stream is first awaited);
     closing the stream before it finishes aborts the request and frees its KV blocks.
     """

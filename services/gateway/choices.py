@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from tandem.services.gateway.core import Gateway, Generation
 from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.request_trace import RequestTrace
-from tandem.services.request import GenerationRequest
+from tandem.services.protocol.request import GenerationRequest
 
 T = TypeVar("T")
 _SEED_SPACE = 2**64  # seeds are 64-bit (inputs.py); seed + i wraps within them

@@ -18,8 +18,6 @@ from collections.abc import (
 from dataclasses import dataclass
 
 from tandem.services.engine.grammar import Grammars
-from tandem.services.engine.outputs import EngineStats
-from tandem.services.engine.sampling_params import StructuredOutput
 from tandem.services.engine.tokenizer import Tokenizer
 from tandem.services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
 from tandem.services.gateway.config import GatewayConfig
@@ -36,7 +34,9 @@ from tandem.services.gateway.metrics import (
 from tandem.services.gateway.pipeline import Delta, generate_deltas
 from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.tenants import Tenants
-from tandem.services.request import DEFAULT_TENANT, UNKNOWN_TENANT, GenerationRequest
+from tandem.services.protocol.outputs import EngineStats
+from tandem.services.protocol.request import DEFAULT_TENANT, UNKNOWN_TENANT, GenerationRequest
+from tandem.services.protocol.sampling_params import StructuredOutput
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.services.engine.outputs import (
+from tandem.services.protocol.outputs import (
     DeadlineExceededError,
     EngineDeadError,
     EngineError,

@@ -16,7 +16,6 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.services.engine.sampling_params import StructuredOutput
 from tandem.services.gateway.choices import Choices, start_choices
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.errors import GatewayError, bad_request
@@ -35,6 +34,7 @@ from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.pipeline import Delta
 from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.tls import ServerTLS
+from tandem.services.protocol.sampling_params import StructuredOutput
 from tandem.services.version import version
 
 MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request_id, echoed back

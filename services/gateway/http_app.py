@@ -41,7 +41,7 @@ from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.token_text import TokenText
 from tandem.services.gateway.tools import CallStream, ToolCall, parse_reply, with_tools
-from tandem.services.request import GenerationRequest
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.version import version
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,9 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from tandem.services.engine.outputs import EngineStats
-from tandem.services.engine.sequence import FinishReason
 from tandem.services.gateway.errors import GatewayError
-from tandem.services.request import DEFAULT_TENANT, UNKNOWN_TENANT
+from tandem.services.protocol.outputs import EngineStats, FinishReason
+from tandem.services.protocol.request import DEFAULT_TENANT, UNKNOWN_TENANT
 
 # vLLM's buckets, so dashboards and SLO queries carry over.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.services.engine.sequence import TokenLogprobs
 from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.token_text import TokenText
 from tandem.services.gateway.tools import CallStream, ToolCall
+from tandem.services.protocol.outputs import TokenLogprobs
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 

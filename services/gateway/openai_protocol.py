@@ -13,11 +13,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from tandem.services.engine.sampling_params import StructuredOutput
 from tandem.services.gateway.errors import GatewayError, bad_request, unsupported
 from tandem.services.gateway.inputs import MAX_CHOICES, SamplingOptions, template_message
 from tandem.services.gateway.tools import Function, assistant_calls_text
 from tandem.services.gateway.tools import constraint as tool_constraint
+from tandem.services.protocol.sampling_params import StructuredOutput
 
 
 def _integral(value: object) -> object:

@@ -13,15 +13,14 @@ import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from tandem.services.engine.outputs import DeadlineExceededError, RequestOutput
-from tandem.services.engine.sequence import TokenLogprobs
 from tandem.services.engine.tokenizer import Tokenizer
 from tandem.services.gateway.backend import GenerationBackend
 from tandem.services.gateway.detokenizer import IncrementalDetokenizer
 from tandem.services.gateway.errors import GatewayError, from_backend
 from tandem.services.gateway.metrics import ERROR, RequestTimer, failure_reason
 from tandem.services.gateway.stop_strings import StopStringMatcher
-from tandem.services.request import GenerationRequest
+from tandem.services.protocol.outputs import DeadlineExceededError, RequestOutput, TokenLogprobs
+from tandem.services.protocol.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 

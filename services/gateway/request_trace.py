@@ -15,7 +15,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 from tandem.services import tracing
 from tandem.services.gateway.errors import GatewayError
 from tandem.services.gateway.pipeline import Delta
-from tandem.services.request import GenerationRequest
+from tandem.services.protocol.request import GenerationRequest
 
 
 class RequestTrace:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.services.gateway.errors import GatewayError, unauthorized
-from tandem.services.request import DEFAULT_TENANT, UNKNOWN_TENANT
+from tandem.services.protocol.request import DEFAULT_TENANT, UNKNOWN_TENANT
 
 
 class TenantConfigError(ValueError):

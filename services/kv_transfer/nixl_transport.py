@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.services.control.auth import ClusterKey
 from tandem.services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
+from tandem.services.protocol.auth import ClusterKey
 
 
 def _import_nixl() -> Any:

@@ -4,7 +4,7 @@ Every worker serves reads of its own cache; a reader sends ``{"op": "read", "lea
 "reader": <its worker id>, "blocks": [...]}`` and gets ``{"ok": true, "nbytes": N}`` followed
 by the blocks' raw bytes in request order (or ``{"ok": false, "error": ...}``: among others for
 a read that no live lease of this worker offered to that reader covers, ``reads_allowed``).
-With a cluster key each connection starts with the cluster handshake (services/control/auth.py),
+With a cluster key each connection starts with the cluster handshake (services/protocol/auth.py),
 which proves the reader's name; a connection that fails it is closed before any read.
 
 Bytes go straight between the socket and a host cache; a GPU cache is staged through host
@@ -26,8 +26,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.services.control import auth
-from tandem.services.control.auth import ClusterKey
 from tandem.services.kv_transfer.framing import (
     FrameError,
     encode_frame,
@@ -35,6 +33,8 @@ from tandem.services.kv_transfer.framing import (
     sock_recv_into,
 )
 from tandem.services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
+from tandem.services.protocol import auth
+from tandem.services.protocol.auth import ClusterKey
 
 log = logging.getLogger(__name__)
 

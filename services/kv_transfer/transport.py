@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from tandem.services.control.auth import ClusterKey
 from tandem.services.engine.kv_cache import block_bytes
+from tandem.services.protocol.auth import ClusterKey
 
 
 class KVTransferError(RuntimeError):

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tandem.services.control.auth import ClusterKey
 from tandem.services.control.codec import params_from_dict, params_to_dict, token_ids
 from tandem.services.control.rpc import Handler, RpcClient
-from tandem.services.engine.outputs import EngineOverloadedError, RequestError
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
-from tandem.services.prefill.result import PrefillResult
 from tandem.services.prefill.worker import PrefillWorker
+from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
+from tandem.services.protocol.sampling_params import SamplingParams
 
 ERRORS: dict[str, type[Exception]] = {
     "PairingError": PairingError, "RequestError": RequestError,
@@ -51,7 +51,7 @@ def prefill_handlers(worker: PrefillWorker) -> dict[str, Handler]:
 class RemotePrefill:
     """A prefill worker in another process; usable wherever a PrefillWorker is (a PrefillPeer
     for decode workers, ``prefill`` for the gateway). ``key``, ``name``: the cluster secret
-    this client proves, under its worker id (services/control/auth.py)."""
+    this client proves, under its worker id (services/protocol/auth.py)."""
 
     def __init__(self, host: str, port: int, key: ClusterKey | None = None,
                  name: str = "gateway") -> None:

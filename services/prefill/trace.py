@@ -13,8 +13,8 @@ from opentelemetry.trace import SpanKind
 
 from tandem.services import tracing
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.engine.outputs import RequestOutput
-from tandem.services.prefill.result import PrefillResult
+from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.outputs import RequestOutput
 
 
 class PrefillTrace:

@@ -1,6 +1,14 @@
-"""What travels between Tandem's processes and layers, imported by each of them and importing
-nothing of theirs (no torch, no Ray):
+"""What travels between Tandem's processes and layers, each message documented once here,
+importing nothing of ours (no torch, no Ray):
 
+- ``request``: ``GenerationRequest``, the request as every layer after parsing sees it, from
+  the gateway through the prefill worker to the engine of the decode worker.
+- ``sampling_params``: ``SamplingParams``, how to pick tokens, checked where it is built.
+- ``outputs``: ``RequestOutput`` (a request's new tokens, logprobs, finish reason), the
+  engine's stats and the errors every layer raises and maps to a client status.
+- ``handoff``: the prefill-to-decode hand-off: ``KVHandle`` (the lease on a prompt's pinned
+  blocks) and ``PrefillResult`` (first token + handle).
+- ``auth``: the cluster secret: the workers' handshake and the MACs on handles and pairings.
 - ``block_hash``: a KV block's identity (the chained hash of its tokens), the same in the
   router and every worker.
 - ``kv_events``: a worker's KV cache changes (blocks stored, removed, cleared) as the router

@@ -32,19 +32,19 @@ from ray.serve.handle import DeploymentHandle
 
 from tandem.router import NoHealthyWorkers, Router, RoutingDecision
 from tandem.services import tracing
-from tandem.services.engine.outputs import (
+from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.messages import ReplicaGoneError
+from tandem.services.protocol.outputs import (
     DeadlineExceededError,
     EngineDeadError,
     EngineStats,
+    FinishReason,
     RequestOutput,
     UnavailableError,
 )
-from tandem.services.engine.sequence import FinishReason
-from tandem.services.prefill.result import PrefillResult
-from tandem.services.request import GenerationRequest
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.serving.cluster_view import ClusterView, WorkerSnapshot
 from tandem.services.serving.decode_channel import DecodeChannel, StreamStalledError
-from tandem.services.serving.messages import ReplicaGoneError
 from tandem.services.serving.replica_ids import known_replicas
 from tandem.services.serving.serve_calls import call
 

@@ -16,8 +16,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from tandem.services.engine.outputs import RequestError, RequestOutput
-from tandem.services.serving.messages import ChannelClosedError, RequestDone, WorkerReport
+from tandem.services.protocol.messages import ChannelClosedError, RequestDone, WorkerReport
+from tandem.services.protocol.outputs import RequestError, RequestOutput
 
 if TYPE_CHECKING:
     from tandem.services.decode.worker import DecodeStream

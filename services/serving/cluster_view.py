@@ -23,8 +23,8 @@ from ray.serve.handle import DeploymentHandle
 
 from tandem.router import InProcessEventBus, InProcessRegistry, Router, WorkerInfo
 from tandem.router.wire import decode_event
-from tandem.services.engine.outputs import EngineStats
-from tandem.services.serving.messages import WorkerReport
+from tandem.services.protocol.messages import WorkerReport
+from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving.replica_ids import known_replicas
 
 log = logging.getLogger(__name__)

@@ -27,14 +27,14 @@ from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
-from tandem.services.engine.outputs import DeadlineExceededError, RequestOutput
-from tandem.services.request import GenerationRequest
-from tandem.services.serving.messages import (
+from tandem.services.protocol.messages import (
     ChannelClosedError,
     ReplicaGoneError,
     RequestDone,
     WorkerReport,
 )
+from tandem.services.protocol.outputs import DeadlineExceededError, RequestOutput
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.serving.serve_calls import call, clean_error, stream_items
 
 log = logging.getLogger(__name__)

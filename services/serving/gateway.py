@@ -26,7 +26,6 @@ from tandem.router import (
     connect,
 )
 from tandem.services import tracing
-from tandem.services.control.auth import read_secret
 from tandem.services.engine.tokenizer_loader import load_model_metadata
 from tandem.services.gateway import (
     EngineBackend,
@@ -35,6 +34,7 @@ from tandem.services.gateway import (
 )
 from tandem.services.gateway.runner import FrontEnds
 from tandem.services.gateway.tenants import Tenants, read_api_keys
+from tandem.services.protocol.auth import read_secret
 from tandem.services.protocol.block_hash import HashSettings
 from tandem.services.serving import metrics
 from tandem.services.serving.backend import BackendTimeouts, DisaggBackend

@@ -11,7 +11,8 @@ from typing import Any
 from ray.exceptions import RayActorError, RayTaskError
 
 from tandem.services.decode.errors import DecodeRejectedError
-from tandem.services.engine.outputs import (
+from tandem.services.protocol.messages import ReplicaGoneError
+from tandem.services.protocol.outputs import (
     DeadlineExceededError,
     EngineDeadError,
     EngineError,
@@ -19,7 +20,6 @@ from tandem.services.engine.outputs import (
     RequestError,
     UnavailableError,
 )
-from tandem.services.serving.messages import ReplicaGoneError
 
 
 def clean_error(exc: BaseException) -> BaseException:

@@ -26,7 +26,6 @@ from ray.serve.handle import DeploymentHandle
 
 from tandem.router import WorkerInfo, WorkerLoad
 from tandem.services import tracing
-from tandem.services.control.auth import ClusterKey
 from tandem.services.decode.config import DecodeConfig
 from tandem.services.decode.worker import DecodeWorker
 from tandem.services.engine.faults import fault_hook_from_env, planned_faults
@@ -35,12 +34,13 @@ from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.kv_transfer.factory import make_transport
 from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
 from tandem.services.prefill.config import PrefillConfig
-from tandem.services.prefill.result import PrefillResult
 from tandem.services.prefill.worker import PrefillWorker
-from tandem.services.request import GenerationRequest
+from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.messages import ChannelClosedError, ReplicaGoneError, WorkerReport
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.serving.channel_outbox import ChannelItem, ChannelOutbox
 from tandem.services.serving.config import AppConfig
-from tandem.services.serving.messages import ChannelClosedError, ReplicaGoneError, WorkerReport
 from tandem.services.serving.worker_events import WorkerEvents
 
 Worker = PrefillWorker | DecodeWorker

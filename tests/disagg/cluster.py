@@ -10,19 +10,19 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from tandem.services.control.auth import ClusterKey
 from tandem.services.control.process import WorkerProcess, WorkerSpec, spawn_workers
 from tandem.services.decode.config import DecodeConfig
 from tandem.services.decode.worker import DecodeResult, DecodeWorker
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.kv_transfer.factory import make_transport
 from tandem.services.prefill.config import PrefillConfig
 from tandem.services.prefill.leases import Clock
-from tandem.services.prefill.result import PrefillResult
 from tandem.services.prefill.worker import PrefillWorker
+from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.sampling_params import SamplingParams
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Comparison, Reference, compare
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.engine.outputs import EngineOverloadedError, PinnedKV, RequestError
-from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.outputs import EngineOverloadedError, PinnedKV, RequestError
+from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import local_engine
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

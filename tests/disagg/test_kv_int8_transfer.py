@@ -10,8 +10,8 @@ import pytest
 
 from tandem.services.decode.worker import KVSource
 from tandem.services.engine.kv_cache import QuantizedKV, kv_storage
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.kv_transfer.pairing import PairingError
+from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import TRANSPORTS, local_pair, run_request
 
 INT8 = {"kv_cache_dtype": "int8"}

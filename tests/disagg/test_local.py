@@ -10,9 +10,9 @@ import pytest
 from tandem.services.decode.config import DecodeConfig
 from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
 from tandem.services.decode.worker import DecodeWorker, KVSource
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.prefill.config import PrefillConfig
 from tandem.services.prefill.worker import PrefillWorker
+from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import (
     TRANSPORTS,
     FakeClock,

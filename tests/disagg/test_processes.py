@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.services.control.auth import AuthError, ClusterKey
 from tandem.services.control.process import WorkerProcess
 from tandem.services.decode.errors import DecodeRejectedError
 from tandem.services.decode.service import RemoteDecode
@@ -26,6 +25,7 @@ from tandem.services.decode.worker import KVSource
 from tandem.services.kv_transfer.tcp_transport import TcpTransport
 from tandem.services.kv_transfer.transport import KVTransferError
 from tandem.services.prefill.service import RemotePrefill
+from tandem.services.protocol.auth import AuthError, ClusterKey
 from tests.disagg.cluster import (
     GREEDY,
     TRANSPORTS,

@@ -15,8 +15,8 @@ import pytest
 from tandem.services.decode.worker import KVSource
 from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.prefill.config import PrefillConfig
+from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import FakeClock, free_blocks, local_engine, local_pair, run_request
 from tests.engine.helpers import chat
 

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.services.control.auth import ClusterKey
-from tandem.services.engine.outputs import EngineStats
 from tandem.services.kv_transfer import nixl_transport
 from tandem.services.kv_transfer.factory import make_transport
 from tandem.services.kv_transfer.framing import encode_frame, read_frame
 from tandem.services.kv_transfer.tcp_transport import TcpTransport
 from tandem.services.kv_transfer.transport import KVTransferError, KVTransport
 from tandem.services.prefill.leases import LeaseTable
+from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving.cluster_view import WorkerSnapshot
 from tandem.services.serving.metrics import WorkerCollector
 

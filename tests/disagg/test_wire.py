@@ -10,9 +10,8 @@ import pytest
 
 from tandem.services.control.rpc import RpcClient, RpcError, RpcServer
 from tandem.services.kv_transfer.framing import FrameError, decode_header, encode_frame
-from tandem.services.kv_transfer.handle import KVHandle
 from tandem.services.prefill.leases import LeaseTable
-from tandem.services.prefill.result import PrefillResult
+from tandem.services.protocol.handoff import KVHandle, PrefillResult
 from tests.disagg.cluster import FakeClock
 
 

@@ -11,9 +11,9 @@ from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterCo
 from tandem.router.hashing import HashSettings
 from tandem.services.decode.metrics import DecodeMetrics
 from tandem.services.doctor.evidence import EMPTY, Evidence, Scrape
-from tandem.services.engine.outputs import EngineStats
 from tandem.services.gateway.metrics import GatewayMetrics
 from tandem.services.prefill.metrics import PrefillMetrics
+from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving import metrics as serving_metrics
 from tandem.services.serving.cluster_view import WorkerSnapshot
 from tandem.services.serving.config import AppConfig

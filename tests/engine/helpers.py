@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.engine.outputs import RequestOutput
-from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.outputs import RequestOutput
+from tandem.services.protocol.sampling_params import SamplingParams
 
 
 def chat(engine: LLMEngine, text: str) -> list[int]:

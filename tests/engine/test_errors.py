@@ -9,8 +9,8 @@ import pytest
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import ModelLoadError, builtin_model_path, load_model
-from tandem.services.engine.outputs import EngineOverloadedError, RequestError
-from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
+from tandem.services.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -21,8 +21,8 @@ from tandem.services.engine.faults import (
     planned_faults,
     release_hung_steps,
 )
-from tandem.services.engine.outputs import EngineDeadError, EngineError, RequestOutput
-from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.outputs import EngineDeadError, EngineError, RequestOutput
+from tandem.services.protocol.sampling_params import SamplingParams
 
 STEP_SEED, FATAL_SEED, HANG_SEED = 666, 667, 668
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

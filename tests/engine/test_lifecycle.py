@@ -7,9 +7,8 @@ import asyncio
 import pytest
 
 from tandem.services.engine.async_engine import AsyncEngine
-from tandem.services.engine.outputs import RequestError
-from tandem.services.engine.sampling_params import SamplingParams
-from tandem.services.engine.sequence import FinishReason
+from tandem.services.protocol.outputs import FinishReason, RequestError
+from tandem.services.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import math
 
-from tandem.services.engine.sampling_params import SamplingParams
+from tandem.services.protocol.sampling_params import SamplingParams
 
 
 def chat(engine, text):  # type: ignore[no-untyped-def]

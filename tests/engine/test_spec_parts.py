@@ -7,10 +7,10 @@ import pytest
 
 from tandem.services.engine.config import SpeculativeConfig
 from tandem.services.engine.sampler import accept_matching
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.engine.sequence import Sequence
 from tandem.services.engine.speculative.ngram import lookup
 from tandem.services.engine.speculative.policy import SpecPolicy
+from tandem.services.protocol.sampling_params import SamplingParams
 
 
 def seq(request_id: str, params: SamplingParams | None = None) -> Sequence:

@@ -20,9 +20,9 @@ from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model import Shard, split_evenly
 from tandem.services.engine.model_loader import LoadedModel
-from tandem.services.engine.outputs import EngineDeadError, EngineOverloadedError
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.engine.tensor_parallel import TensorParallelError, wait_all_reduce
+from tandem.services.protocol.outputs import EngineDeadError, EngineOverloadedError
+from tandem.services.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import chat
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -15,7 +15,6 @@ import pytest
 
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.model_loader import LoadedModel
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.gateway.backend import EngineBackend
 from tandem.services.gateway.choices import choice_request
 from tandem.services.gateway.config import GatewayConfig
@@ -23,7 +22,8 @@ from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import ServeAddresses
-from tandem.services.request import GenerationRequest
+from tandem.services.protocol.request import GenerationRequest
+from tandem.services.protocol.sampling_params import SamplingParams
 from tests.gateway.helpers import serving, wait_engine_idle, wait_until
 
 BLOCK_SIZE = 16  # the engine's (EngineConfig.block_size)

@@ -64,8 +64,8 @@ def test_gateway_replica_imports_no_torch() -> None:
     backend, the request and report messages): the model's weights stay on the workers."""
     loaded = modules_after("""
         import tandem.services.serving.gateway, tandem.services.serving.backend
-        import tandem.services.serving.messages
-        import tandem.services.request
+        import tandem.services.protocol.messages
+        import tandem.services.protocol.request
     """)
     assert {"ray", "tandem.router", "tandem.services"} <= loaded
     assert not loaded & {"torch", "transformers"}

@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from tandem.services.engine.async_engine import AsyncEngine
-from tandem.services.engine.sampling_params import SamplingParams
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.openai_protocol import (
     NOT_SUPPORTED,
@@ -25,6 +24,7 @@ from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import ServeAddresses
 from tandem.services.gateway.token_text import TokenText
+from tandem.services.protocol.sampling_params import SamplingParams
 from tests.gateway.helpers import engine_tokens
 
 

@@ -11,8 +11,8 @@ from tandem.loadtest.bench.server_metrics import (
     metrics_url,
     parse_cache_counters,
 )
-from tandem.services.engine.outputs import EngineStats
 from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving import metrics as worker_metrics
 from tandem.services.serving.cluster_view import WorkerSnapshot
 

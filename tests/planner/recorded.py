@@ -6,9 +6,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
-from tandem.services.engine.outputs import EngineStats
 from tandem.services.gateway.metrics import REJECTED, GatewayMetrics
-from tandem.services.request import DEFAULT_TENANT
+from tandem.services.protocol.outputs import EngineStats
+from tandem.services.protocol.request import DEFAULT_TENANT
 from tandem.services.serving import metrics as worker_metrics
 from tandem.services.serving.cluster_view import WorkerSnapshot
 

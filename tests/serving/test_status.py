@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 
 from tandem.services.cli import main
-from tandem.services.engine.outputs import EngineStats
 from tandem.services.gateway.metrics import GatewayMetrics
+from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving import metrics as worker_metrics
 from tandem.services.serving.cluster_view import WorkerSnapshot
 from tandem.services.serving.status import cluster_status, render, short_id

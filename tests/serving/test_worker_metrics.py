@@ -3,7 +3,7 @@ engine runs."""
 
 from __future__ import annotations
 
-from tandem.services.engine.outputs import EngineStats
+from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving.cluster_view import WorkerSnapshot
 from tandem.services.serving.metrics import WorkerCollector
 

@@ -6,9 +6,31 @@ model's dependencies.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import Any
 
-from tandem.services.engine.sequence import FinishReason, TokenLogprobs
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # an EOS or stop token
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "logprob": self.logprob,
+                "top": [list(t) for t in self.top]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenLogprobs:
+        return cls(int(data["token_id"]), float(data["logprob"]),
+                   [(int(t), float(p)) for t, p in data["top"]])
 
 
 class RequestError(ValueError):

@@ -1,10 +1,12 @@
-"""What travels between the gateway and the worker replicas, one type per thing.
+"""What travels between the gateway, the router and the worker replicas, one type per thing.
 
-- ``GenerationRequest`` (services/request.py): the request, as the gateway built it; P's
-  ``PrefillResult`` (services/prefill/result.py) rides in it to D.
+- ``WorkerInfo`` / ``WorkerLoad``: what a worker is (fixed) and how busy it is (each report),
+  as the router's registry keeps them.
+- ``GenerationRequest`` (services/protocol/request.py): the request, as the gateway built it; P's
+  ``PrefillResult`` (services/protocol/handoff.py) rides in it to D.
 - ``WorkerReport``: a worker's load and its queued KV events (in-process mode), sent with every
   response and status poll.
-- ``RequestOutput`` (services/engine/outputs.py) carries the tokens; on a decode channel (one
+- ``RequestOutput`` (services/protocol/outputs.py) carries the tokens; on a decode channel (one
   stream per gateway and decode replica, services/serving/decode_channel.py) each names its
   request, and ``RequestDone`` ends one request's part of the channel.
 
@@ -14,10 +16,38 @@ gateway builds them from parsed, checked fields). No torch, no Ray here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tandem.router import WorkerLoad
-from tandem.services.engine.outputs import UnavailableError
+from tandem.services.protocol.block_hash import HASH_SCHEME, HashSettings
+from tandem.services.protocol.outputs import UnavailableError
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker is; fixed for its lifetime."""
+
+    worker_id: str
+    role: str  # "prefill" or "decode"
+    address: str
+    block_size: int
+    model_id: str
+    capacity_blocks: int
+    hash_scheme: str = HASH_SCHEME
+    # Opaque strings for peers (e.g. base64 NIXL agent metadata), exchanged once per peer.
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def hash_settings(self) -> HashSettings:
+        return HashSettings(self.block_size, self.model_id, self.hash_scheme)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """How busy a worker is, sampled when it heartbeats."""
+
+    pending_prefill_blocks: int = 0  # prompt blocks queued or being computed, cache hits excluded
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    running_sequences: int = 0
 
 
 class ReplicaGoneError(UnavailableError):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tandem.services.engine.sampling_params import SamplingParams
-from tandem.services.prefill.result import PrefillResult
+from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.sampling_params import SamplingParams
 
 DEFAULT_TENANT = "default"  # requests without API keys, and a bare key's (gateway/tenants.py)
 UNKNOWN_TENANT = "unknown"  # a refused request's metrics label when its key was missing or wrong
