@@ -21,6 +21,7 @@ import torch
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 STEPS_PER_ROUND = 5
@@ -36,7 +37,8 @@ def decoding_engine(loaded: LoadedModel, dtype: str, batch: int, context: int,
         engine.runner.decode_rows = None
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{i}", [100 + (i + j) % 1000 for j in range(context)], params)
+        prompt = [100 + (i + j) % 1000 for j in range(context)]
+        engine.add_request(GenerationRequest(f"r{i}", prompt, params))
     while engine.scheduler.waiting or any(
             s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()

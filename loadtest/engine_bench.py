@@ -27,6 +27,7 @@ import torch
 from tandem.services.engine.config import ATTENTION_BACKENDS, WEIGHT_FORMATS, EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 
@@ -112,7 +113,7 @@ def bench_decode_step(loaded: LoadedModel, dtype: str, batch: int, context: int,
     work = make_workload(batch, context, 1, loaded.config.vocab_size, seed=batch)
     params = SamplingParams(max_tokens=steps + 200, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(work.prompts):
-        engine.add_request(f"d{i}", prompt, params)
+        engine.add_request(GenerationRequest(f"d{i}", prompt, params))
     while any(s.num_output_tokens == 0 for s in engine.requests.values()):
         engine.step()
     model = engine.runner.model

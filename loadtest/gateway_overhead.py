@@ -30,6 +30,7 @@ import psutil
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1")
@@ -85,7 +86,8 @@ async def engine_run(engine: AsyncEngine, token_prompts: list[list[int]], concur
     async def one(i: int, prompt: list[int]) -> None:
         async with gate:
             start, last = time.perf_counter(), None
-            async for out in engine.generate(f"r{concurrency}-{i}", prompt, params):
+            async for out in engine.generate(GenerationRequest(
+                f"r{concurrency}-{i}", prompt, params)):
                 now = time.perf_counter()
                 for k in range(len(out.new_token_ids)):
                     if last is None:

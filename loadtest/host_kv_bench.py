@@ -22,6 +22,7 @@ import torch
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
@@ -29,7 +30,7 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
 def time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
     began = time.perf_counter()
-    engine.add_request(request_id, prompt, FIRST_TOKEN)
+    engine.add_request(GenerationRequest(request_id, prompt, FIRST_TOKEN))
     while not any(out.new_token_ids for out in engine.step()):
         pass
     elapsed = time.perf_counter() - began

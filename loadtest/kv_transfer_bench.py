@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.services.control.process import WorkerSpec, spawn_workers
-from tandem.services.decode.service import RemoteDecode
-from tandem.services.prefill.service import RemotePrefill
+from tandem.loadtest.rpc_workers.decode import RemoteDecode
+from tandem.loadtest.rpc_workers.prefill import RemotePrefill
+from tandem.loadtest.rpc_workers.process import WorkerSpec, spawn_workers
 from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -87,14 +88,17 @@ async def bench_transport(transport: str, lens: list[int], repeats: int, threads
         for length in lens:
             prompt = make_prompt(length, seed=length)
             start = time.perf_counter()
-            first = await p.prefill(f"cold-{length}", prompt, PARAMS, reader=d_id)
+            first = await p.prefill(GenerationRequest(
+                f"cold-{length}", prompt, PARAMS), reader=d_id)
             ttft = time.perf_counter() - start
             samples, nbytes = [], 0
             for r in range(repeats + 1):
                 if r:
-                    first = await p.prefill(f"warm-{length}-{r}", prompt, PARAMS, reader=d_id)
+                    first = await p.prefill(GenerationRequest(
+                        f"warm-{length}-{r}", prompt, PARAMS), reader=d_id)
                 before = await _metrics(d)
-                result = await d.generate(f"pull-{length}-{r}", prompt, PARAMS, first)
+                result = await d.generate(GenerationRequest(
+                    f"pull-{length}-{r}", prompt, PARAMS, prefill=first))
                 after = await _metrics(d)
                 if result.kv_source != "transfer":
                     raise RuntimeError(f"{transport}: pull fell back to {result.kv_source}")

@@ -32,6 +32,7 @@ from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
 from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 _SOURCE_MODULES = ["argparse", "csv", "json", "shlex", "string", "textwrap"]
@@ -98,7 +99,7 @@ def run(loaded: LoadedModel, prompts: list[list[int]], batch: int, method: str, 
     for wave in range(0, len(prompts), batch):
         ids = [f"w{wave}-{i}" for i in range(len(prompts[wave:wave + batch]))]
         for request_id, prompt in zip(ids, prompts[wave:wave + batch], strict=True):
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(GenerationRequest(request_id, prompt, params))
         got: dict[str, list[int]] = {i: [] for i in ids}
         first: dict[str, float] = {}
         last: dict[str, float] = {}

@@ -23,6 +23,7 @@ from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 PROMPT_TOKENS = 32
@@ -34,7 +35,7 @@ def decode_step_s(engine: LLMEngine, batch: int, steps: int, run: int) -> float:
     vocab = engine.model_config.vocab_size
     for i in range(batch):
         prompt = [(run * 7919 + i * 104729 + t * 31) % vocab for t in range(PROMPT_TOKENS)]
-        engine.add_request(f"{run}-{i}", prompt, params)
+        engine.add_request(GenerationRequest(f"{run}-{i}", prompt, params))
     engine.step()  # every prompt in one step (batch x 32 tokens within the chunk)
     times = []
     for _ in range(steps):

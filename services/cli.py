@@ -20,6 +20,7 @@ from tandem.services.engine.config import (
     WEIGHT_FORMATS,
 )
 from tandem.services.extras import MissingExtra, require
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.version import version
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -69,7 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
               else tok.encode(args.prompt))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
-    engine.add_request("cli", prompt, params)
+    engine.add_request(GenerationRequest("cli", prompt, params))
     start, emitted = time.perf_counter(), []
     printed = ""
     while engine.has_unfinished_requests():

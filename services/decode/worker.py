@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +34,10 @@ from tandem.services.engine.llm_engine import ImportSlot, LLMEngine
 from tandem.services.kv_transfer.checksum import block_checksums
 from tandem.services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
 from tandem.services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
-from tandem.services.protocol.handoff import KVHandle, PrefillResult
+from tandem.services.protocol.handoff import KVHandle
 from tandem.services.protocol.kv_events import KVEvent
 from tandem.services.protocol.outputs import EngineOverloadedError, RequestError, RequestOutput
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -166,49 +166,46 @@ class DecodeWorker:
 
     # -- requests -------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams, prefill: PrefillResult | None,
-                       cache_salt: str | None = None) -> DecodeResult:
+    async def generate(self, request: GenerationRequest) -> DecodeResult:
         """Run the request to the end; see ``submit``."""
-        stream = await self.submit(request_id, prompt_token_ids, params, prefill, cache_salt)
-        tokens = [] if prefill is None else [prefill.first_token]
+        stream = await self.submit(request)
+        tokens = [] if request.prefill is None else [request.prefill.first_token]
         finish_reason = None
         async for out in stream:
             tokens.extend(out.new_token_ids)
             finish_reason = out.finish_reason
-        return DecodeResult(request_id, tokens,
+        return DecodeResult(request.request_id, tokens,
                             None if finish_reason is None else str(finish_reason),
                             stream.kv_source)
 
-    async def submit(self, request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams, prefill: PrefillResult | None,
-                     cache_salt: str | None = None, output_token_ids: Sequence[int] = ()
-                     ) -> DecodeStream:
-        """Import the prompt's KV named by ``prefill`` (None: prefill here, after the tokens it
-        already generated elsewhere, ``output_token_ids``) and start decoding.
+    async def submit(self, request: GenerationRequest) -> DecodeStream:
+        """Import the prompt's KV named by ``request.prefill`` (None: prefill here, after the
+        tokens it already generated elsewhere, ``request.output_token_ids``) and start
+        decoding.
 
         Raises ``DecodeRejectedError`` when this worker will not take the request,
         ``KVTransferFailedError`` when the pull failed and ``on_transfer_failure`` is "fail",
         ``RequestError`` for an invalid request. Cancelling it aborts the request and rejects
         the lease. The ``decode`` span starts here, under the current trace context.
         """
-        trace = DecodeTrace(request_id, self.worker_id, len(prompt_token_ids))
+        trace = DecodeTrace(request.request_id, self.worker_id, request.num_prompt_tokens)
         try:
-            return await self._submit(request_id, list(prompt_token_ids), params, prefill,
-                                      cache_salt, trace, list(output_token_ids))
+            return await self._submit(request, trace)
         except BaseException as exc:
             trace.fail(exc)
             raise
 
-    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      prefill: PrefillResult | None, cache_salt: str | None,
-                      trace: DecodeTrace, resumed: list[int]) -> DecodeStream:
+    async def _submit(self, request: GenerationRequest, trace: DecodeTrace) -> DecodeStream:
+        request_id, prefill = request.request_id, request.prefill
         if prefill is None:
             if not self.accepting:
                 raise DecodeRejectedError(f"decode worker {self.worker_id} is shutting down")
-            return self._stream(request_id, KVSource.LOCAL, lambda e: e.add_request(
-                request_id, prompt, params, cache_salt, output_token_ids=resumed), trace)
-        if resumed:
+            return self._stream(request_id, KVSource.LOCAL, lambda e: e.add_request(request),
+                                trace)
+        # Prefilled elsewhere: from here it is the prompt and its first token (a recompute or
+        # a queued import prefills both here).
+        after_first = dataclasses.replace(request, output_token_ids=(prefill.first_token,))
+        if request.output_token_ids:
             raise RequestError("a resumed request carries no prefill result")
         kv = prefill.kv
         if kv is None and prefill.finish_reason is not None:
@@ -218,26 +215,25 @@ class DecodeWorker:
             if not self.accepting:
                 raise DecodeRejectedError(f"decode worker {self.worker_id} is shutting down")
             self.metrics.recomputes += 1
-            first = prefill.first_token
-            return self._stream(request_id, KVSource.RECOMPUTE, lambda e: e.add_request(
-                request_id, prompt, params, cache_salt, output_token_ids=[first]), trace)
+            return self._stream(request_id, KVSource.RECOMPUTE,
+                                lambda e: e.add_request(after_first), trace)
         self.metrics.imports += 1
         link = self._peers.get(kv.worker_id)
         if not self.accepting:
             await self._reject(link, kv, "shutting_down")
             raise DecodeRejectedError(f"decode worker {self.worker_id} is shutting down")
-        if kv.num_tokens != len(prompt) or len(kv.block_ids) != -(-len(prompt)
-                                                                 // self._block_size):
+        num_prompt = request.num_prompt_tokens
+        if kv.num_tokens != num_prompt or len(kv.block_ids) != -(-num_prompt
+                                                                // self._block_size):
             await self._reject(link, kv, "invalid_request")
             raise RequestError(f"KV handle covers {kv.num_tokens} tokens in "
-                               f"{len(kv.block_ids)} blocks; the prompt has {len(prompt)}")
+                               f"{len(kv.block_ids)} blocks; the prompt has {num_prompt}")
 
         self._phases[request_id] = "allocating"
         try:
             # Current while it runs: the lease release on P becomes its child.
             with use_span(trace.transfer(), end_on_exit=True) as span:
-                slot = await self._reserve(request_id, prompt, prefill.first_token, params,
-                                           cache_salt, link, kv)
+                slot = await self._reserve(request, prefill.first_token, link, kv)
                 failure = None if slot is None else await self._pull(request_id, link, kv,
                                                                      slot, span)
                 if failure is not None:
@@ -251,9 +247,7 @@ class DecodeWorker:
         start: Callable[[LLMEngine], None]
         if slot is None:
             self.metrics.queued += 1
-            first = prefill.first_token
-            start, source = (lambda e: e.add_request(request_id, prompt, params, cache_salt,
-                                                     output_token_ids=[first])), KVSource.QUEUED
+            start, source = (lambda e: e.add_request(after_first)), KVSource.QUEUED
         elif failure is None:
             start, source = (lambda e: e.commit_import(request_id)), KVSource.TRANSFER
         elif self.config.on_transfer_failure == "fail":
@@ -284,17 +278,15 @@ class DecodeWorker:
         return DecodeStream(request_id, source, outputs, lambda: self.engine.abort(request_id),
                             trace=trace if trace.recording else None)
 
-    async def _reserve(self, request_id: str, prompt: list[int], first_token: int,
-                       params: SamplingParams, cache_salt: str | None, link: PeerLink | None,
-                       kv: KVHandle) -> ImportSlot | None:
+    async def _reserve(self, request: GenerationRequest, first_token: int,
+                       link: PeerLink | None, kv: KVHandle) -> ImportSlot | None:
         """Blocks for the import, or None (the lease rejected) when none are free now: the
         request is then queued to prefill here, never refused after its first token."""
         try:
-            return await self.engine.call(lambda e: e.begin_import(
-                request_id, prompt, first_token, params, cache_salt))
+            return await self.engine.call(lambda e: e.begin_import(request, first_token))
         except EngineOverloadedError as exc:
-            log.info("%s: request %s: %s; queued to prefill here", self.worker_id, request_id,
-                     exc)
+            log.info("%s: request %s: %s; queued to prefill here", self.worker_id,
+                     request.request_id, exc)
             await self._reject(link, kv, "no_capacity")
             return None
         except RequestError:

@@ -40,7 +40,7 @@ from tandem.services.protocol.outputs import (
     EngineStats,
     RequestOutput,
 )
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest
 
 T = TypeVar("T")
 
@@ -135,14 +135,10 @@ class AsyncEngine:
         if self.health_error is not None:
             raise EngineDeadError(f"the engine stopped: {self.health_error}")
 
-    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 params: SamplingParams, cache_salt: str | None = None,
-                 prefill_only: bool = False) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. The request is queued on the first iteration, where an
         invalid one raises. Closing the stream early aborts the request."""
-        prompt = list(prompt_token_ids)
-        return self._outputs(request_id, lambda engine: engine.add_request(
-            request_id, prompt, params, cache_salt, prefill_only=prefill_only))
+        return self._outputs(request.request_id, lambda engine: engine.add_request(request))
 
     def stream(self, request_id: str, start: Callable[[LLMEngine], object]
                ) -> AsyncIterator[RequestOutput]:

@@ -43,6 +43,7 @@ from tandem.services.protocol.outputs import (
     RequestError,
     RequestOutput,
 )
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -187,17 +188,14 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int],
-                    params: SamplingParams | None = None, cache_salt: str | None = None,
-                    prefill_only: bool = False, output_token_ids: Seq[int] = ()) -> None:
+    def add_request(self, request: GenerationRequest, prefill_only: bool = False) -> None:
         """Queue a request. ``prefill_only`` (the prefill role) stops it after the first token
         and pins the prompt's blocks: that output carries a ``PinnedKV`` (none when a
         tensor-parallel engine's staging is full: see ``_pin``); see ``release_kv``.
-        ``output_token_ids``: tokens it already generated elsewhere (a resumed request: they
-        are recomputed, or found in the prefix cache, and it goes on from the next one, with
-        ``max_tokens`` counting them)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt,
-                                 output_token_ids)
+        ``request.output_token_ids``: tokens it already generated elsewhere (a resumed request:
+        they are recomputed, or found in the prefix cache, and it goes on from the next one,
+        with ``max_tokens`` counting them)."""
+        seq = self._new_sequence(request, request.output_token_ids)
         seq.prefill_only = prefill_only
         self.scheduler.add(seq)
 
@@ -241,18 +239,17 @@ class LLMEngine:
 
     # -- disaggregation: decode side ------------------------------------------------------
 
-    def begin_import(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
-                     params: SamplingParams | None = None, cache_salt: str | None = None
-                     ) -> ImportSlot:
+    def begin_import(self, request: GenerationRequest, first_token: int) -> ImportSlot:
         """Reserve blocks for a prompt prefilled elsewhere, whose first token is known.
 
         Leading blocks this engine already caches are reused; the caller transfers the rest,
         then calls ``commit_import`` (or ``recompute_import``, or ``abort_request``). Raises
         ``EngineOverloadedError`` when the blocks are not free now (then ``add_request`` with
-        ``output_token_ids=[first_token]`` queues it to be prefilled here).
+        ``output_token_ids=(first_token,)`` queues it to be prefilled here).
         """
-        seq = self._imported_sequence(request_id, prompt_token_ids, first_token, params,
-                                      cache_salt)
+        request_id = request.request_id
+        seq = self._new_sequence(request, (first_token,))
+        seq.prompt_logprobs_sent = True  # the prefill worker computed and sent them
         num_cached_blocks = self.scheduler.begin_import(seq)
         if num_cached_blocks is None:
             bm = self.block_manager
@@ -302,13 +299,6 @@ class LLMEngine:
         self._free_staging.extend(reversed(staged))
         return staged, block_ids
 
-    def _imported_sequence(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
-                           params: SamplingParams | None, cache_salt: str | None) -> Sequence:
-        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt,
-                                 [first_token])
-        seq.prompt_logprobs_sent = True  # the prefill worker computed and sent them
-        return seq
-
     def commit_import(self, request_id: str) -> None:
         """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding.
         With tensor parallelism the staging blocks go to every rank's cache first."""
@@ -331,15 +321,14 @@ class LLMEngine:
 
     # -- internals: requests --------------------------------------------------------------
 
-    def _new_sequence(self, request_id: str, prompt_token_ids: Seq[int],
-                      params: SamplingParams | None, cache_salt: str | None,
-                      output_token_ids: Seq[int] = ()) -> Sequence:
-        params = params or SamplingParams()
+    def _new_sequence(self, request: GenerationRequest, output_token_ids: Seq[int]
+                      ) -> Sequence:
+        request_id, params = request.request_id, request.params
         if not params.greedy and params.seed is None:
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         if self.scheduler.get(request_id) is not None:
             raise RequestError(f"request id {request_id!r} is already in use")
-        prompt = list(prompt_token_ids)
+        prompt = list(request.prompt_token_ids)
         if not prompt:
             raise RequestError("prompt is empty: send at least one token")
         if len(prompt) >= self.max_model_len:
@@ -361,7 +350,7 @@ class LLMEngine:
                 f"{len(self.scheduler.waiting)} requests are already waiting; retry later"
             )
         seq = Sequence(request_id, prompt + outputs, len(prompt), params,
-                       self.hash_settings.extra_keys(cache_salt))
+                       self.hash_settings.extra_keys(request.cache_salt))
         if params.structured_output is not None:
             seq.matcher = self.grammars.matcher(params.structured_output, outputs)
             if seq.matcher.is_error():
@@ -546,7 +535,7 @@ class LLMEngine:
         ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
         results: dict[str, list[int]] = {i: [] for i in ids}
         for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
-            self.add_request(request_id, prompt, p)
+            self.add_request(GenerationRequest(request_id, prompt, p))
         while any(r in self.requests for r in ids):
             for out in self.step():
                 if out.request_id in results:

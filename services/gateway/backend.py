@@ -60,8 +60,7 @@ class EngineBackend:
         self.engine = engine
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(request.request_id, request.prompt_token_ids,
-                                    request.params, request.cache_salt)
+        return self.engine.generate(request)
 
     @property
     def stats(self) -> EngineStats:

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from tandem.services.engine.async_engine import AsyncEngine
@@ -27,7 +27,7 @@ from tandem.services.prefill.trace import PrefillTrace
 from tandem.services.protocol.handoff import KVHandle, PrefillResult
 from tandem.services.protocol.kv_events import KVEvent
 from tandem.services.protocol.outputs import RequestOutput
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -102,30 +102,28 @@ class PrefillWorker:
 
     # -- requests -------------------------------------------------------------------------
 
-    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, cache_salt: str | None = None,
-                      reader: str | None = None) -> PrefillResult:
+    async def prefill(self, request: GenerationRequest, reader: str | None = None
+                      ) -> PrefillResult:
         """Prefill the prompt and sample its first token; unless that ends the request, the
         prompt's blocks stay pinned under a lease until released, rejected or expired. Only
         the decode worker ``reader`` may read them under it (None: any paired one)."""
-        prompt = list(prompt_token_ids)
-        trace = PrefillTrace(request_id, self.worker_id, len(prompt))
+        trace = PrefillTrace(request.request_id, self.worker_id, request.num_prompt_tokens)
         try:
-            result = await self._prefill(request_id, prompt, params, cache_salt, reader,
-                                         trace)
+            result = await self._prefill(request, reader, trace)
         except BaseException as exc:
             trace.fail(exc)
             raise
         trace.finish(result)
         return result
 
-    async def _prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       cache_salt: str | None, reader: str | None, trace: PrefillTrace
-                       ) -> PrefillResult:
+    async def _prefill(self, request: GenerationRequest, reader: str | None,
+                       trace: PrefillTrace) -> PrefillResult:
+        request_id = request.request_id
+
         def start(engine: LLMEngine) -> None:
             if trace.recording:
                 trace.admitted(engine)
-            engine.add_request(request_id, prompt, params, cache_salt, prefill_only=True)
+            engine.add_request(request, prefill_only=True)
 
         last: RequestOutput | None = None
         async for out in self.engine.stream(request_id, start):
@@ -140,7 +138,8 @@ class PrefillWorker:
             self.metrics.unstaged += 1
             log.warning("%s: request %s: no free staging blocks for its %d prompt blocks; "
                         "the decode worker will recompute its prefill", self.worker_id,
-                        request_id, -(-len(prompt) // self.engine.llm.config.block_size))
+                        request_id,
+                        -(-request.num_prompt_tokens // self.engine.llm.config.block_size))
         if last.kv is not None:
             lease = self.leases.grant(request_id, last.kv.block_ids, reader)
             self.metrics.leases_granted += 1

@@ -149,8 +149,7 @@ class PrefillReplica(_Replica):
         read the blocks and release the lease)."""
         self._check_route(route_to)
         with tracing.attached(request.trace):  # the gateway's request span parents this one
-            result = await self.worker.prefill(request.request_id, request.prompt_token_ids,
-                                               request.params, request.cache_salt, reader)
+            result = await self.worker.prefill(request, reader)
         fault = self._faults.get(request.params.seed) if request.params.seed is not None else None
         if fault in ("sigstop", "sigkill") and result.kv is not None:
             self._tripwire = (result.kv.lease_id, signal.SIGSTOP if fault == "sigstop"
@@ -266,9 +265,7 @@ class DecodeReplica(_Replica):
         with tracing.attached(request.trace):  # the gateway's request span parents this one
             if first is not None and first.kv is not None:
                 await self._pair(first.kv.worker_id)
-            stream = await self.worker.submit(request.request_id, request.prompt_token_ids,
-                                              request.params, first, request.cache_salt,
-                                              request.output_token_ids)
+            stream = await self.worker.submit(request)
         await outbox.add(stream)
 
     async def abort(self, channel_id: str, request_id: str, route_to: str | None = None

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from tandem.services.control.process import WorkerProcess, WorkerSpec, spawn_workers
+from tandem.loadtest.rpc_workers.process import WorkerProcess, WorkerSpec, spawn_workers
 from tandem.services.decode.config import DecodeConfig
 from tandem.services.decode.worker import DecodeResult, DecodeWorker
 from tandem.services.engine.config import EngineConfig
@@ -22,6 +22,7 @@ from tandem.services.prefill.leases import Clock
 from tandem.services.prefill.worker import PrefillWorker
 from tandem.services.protocol.auth import ClusterKey
 from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Comparison, Reference, compare
@@ -42,17 +43,14 @@ class FakeClock:
 
 
 class Prefill(Protocol):
-    async def prefill(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, cache_salt: str | None = None,
-                      reader: str | None = None) -> PrefillResult: ...
+    async def prefill(self, request: GenerationRequest, reader: str | None = None
+                      ) -> PrefillResult: ...
 
     async def status(self) -> dict[str, Any]: ...
 
 
 class Decode(Protocol):
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, prefill: PrefillResult | None,
-                       cache_salt: str | None = None) -> DecodeResult: ...
+    async def generate(self, request: GenerationRequest) -> DecodeResult: ...
 
     async def status(self) -> dict[str, Any]: ...
 
@@ -61,9 +59,9 @@ async def run_request(prefill: Prefill, decode: Decode, request_id: str, prompt:
                       params: SamplingParams = GREEDY, reader: str = "d0") -> DecodeResult:
     """What the gateway does: first token from P (its lease offered to the decode worker
     ``reader``), the rest from D."""
-    first = await prefill.prefill(request_id, prompt, params, reader=reader)
+    first = await prefill.prefill(GenerationRequest(request_id, prompt, params), reader=reader)
     assert not first.finished, "the test prompts never end at their first token"
-    return await decode.generate(request_id, prompt, params, first)
+    return await decode.generate(GenerationRequest(request_id, prompt, params, prefill=first))
 
 
 async def free_blocks(worker: Prefill | Decode) -> int:

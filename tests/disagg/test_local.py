@@ -12,6 +12,7 @@ from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedE
 from tandem.services.decode.worker import DecodeWorker, KVSource
 from tandem.services.prefill.config import PrefillConfig
 from tandem.services.prefill.worker import PrefillWorker
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import (
     TRANSPORTS,
@@ -95,9 +96,9 @@ def test_peer_gone_recomputes(loaded_model, prompts, references):
     """The prefill worker's KV server is gone (TCP: connection refused)."""
     async def scenario() -> None:
         async with local_pair(loaded_model, "tcp") as (p, d):
-            first = await p.prefill("r", prompts[PROMPT], SHORT)
+            first = await p.prefill(GenerationRequest("r", prompts[PROMPT], SHORT))
             await p.transport.close()
-            result = await d.generate("r", prompts[PROMPT], SHORT, first)
+            result = await d.generate(GenerationRequest("r", prompts[PROMPT], SHORT, prefill=first))
             assert result.kv_source is KVSource.RECOMPUTE
             compare_prefix(result.output_token_ids, references[PROMPT], "peer gone")
             await all_free(p, d)  # D's reject still reached P's control side
@@ -110,8 +111,9 @@ def test_abort_mid_transfer_frees_both_sides(loaded_model, prompts, transport):
     async def scenario() -> None:
         async with local_pair(loaded_model, transport) as (p, d):
             prompt = prompts[6]  # 976 tokens: 61 blocks
-            first = await p.prefill("r", prompt, SHORT)
-            task = asyncio.create_task(d.generate("r", prompt, SHORT, first))
+            first = await p.prefill(GenerationRequest("r", prompt, SHORT))
+            task = asyncio.create_task(d.generate(GenerationRequest(
+                "r", prompt, SHORT, prefill=first)))
             deadline = asyncio.get_running_loop().time() + 60
             while d.phase("r") != "transferring":  # yield to every loop iteration
                 assert not task.done() and asyncio.get_running_loop().time() < deadline
@@ -130,12 +132,14 @@ def test_closing_a_decode_stream_aborts_the_request(loaded_model, prompts):
     async def scenario() -> None:
         long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
         async with local_pair(loaded_model, "nixl") as (p, d):
-            first = await p.prefill("unread", prompts[PROMPT], long)
-            stream = await d.submit("unread", prompts[PROMPT], long, first)
+            first = await p.prefill(GenerationRequest(
+                "unread", prompts[PROMPT], long))
+            stream = await d.submit(GenerationRequest(
+                "unread", prompts[PROMPT], long, prefill=first))
             assert stream.kv_source is KVSource.TRANSFER
             await stream.aclose()  # before reading anything
-            first = await p.prefill("read", prompts[PROMPT], long)
-            stream = await d.submit("read", prompts[PROMPT], long, first)
+            first = await p.prefill(GenerationRequest("read", prompts[PROMPT], long))
+            stream = await d.submit(GenerationRequest("read", prompts[PROMPT], long, prefill=first))
             async for _ in stream:
                 break
             await stream.aclose()
@@ -151,7 +155,7 @@ def test_expired_lease_frees_blocks_and_late_pull_recomputes(loaded_model, promp
         config = PrefillConfig(lease_ttl_s=30, reap_interval_s=3600, checksums=True)
         async with local_pair(loaded_model, "nixl", prefill=config, clock=clock) as (p, d):
             start = await free_blocks(p)
-            first = await p.prefill("r", prompts[PROMPT], SHORT)
+            first = await p.prefill(GenerationRequest("r", prompts[PROMPT], SHORT))
             assert await free_blocks(p) < start
             clock.advance(29.9)
             assert await p.expire_leases() == 0
@@ -159,7 +163,7 @@ def test_expired_lease_frees_blocks_and_late_pull_recomputes(loaded_model, promp
             assert await p.expire_leases() == 1
             assert await free_blocks(p) == start and p.metrics.leases_expired == 1
             # A decode worker that shows up after expiry must not trust what it reads.
-            result = await d.generate("r", prompts[PROMPT], SHORT, first)
+            result = await d.generate(GenerationRequest("r", prompts[PROMPT], SHORT, prefill=first))
             assert result.kv_source is KVSource.RECOMPUTE
             compare_prefix(result.output_token_ids, references[PROMPT], "late pull")
             assert p.metrics.late_messages == 1
@@ -176,9 +180,11 @@ def test_decode_without_room_queues_the_prompt_and_refuses_only_when_draining(
     async def scenario() -> None:
         async with local_pair(loaded_model, transport,
                               decode_engine={"num_kv_blocks": 20}) as (p, d):
-            await d.engine.call(lambda e: e.begin_import("hog", prompts[4], 1, SHORT))
-            first = await p.prefill("r", prompts[PROMPT], SHORT)
-            result = asyncio.ensure_future(d.generate("r", prompts[PROMPT], SHORT, first))
+            hog = GenerationRequest("hog", prompts[4], SHORT)
+            await d.engine.call(lambda e: e.begin_import(hog, 1))
+            first = await p.prefill(GenerationRequest("r", prompts[PROMPT], SHORT))
+            result = asyncio.ensure_future(d.generate(GenerationRequest(
+                "r", prompts[PROMPT], SHORT, prefill=first)))
             while d.metrics.queued == 0:  # queued, waiting for blocks
                 await asyncio.sleep(0.01)
             assert p.metrics.reject_reasons == {"no_capacity": 1}
@@ -188,9 +194,9 @@ def test_decode_without_room_queues_the_prompt_and_refuses_only_when_draining(
             assert decoded.kv_source is KVSource.QUEUED
             compare_prefix(decoded.output_token_ids, references[PROMPT], "queued import")
             d.drain()
-            first = await p.prefill("r2", prompts[0], SHORT)
+            first = await p.prefill(GenerationRequest("r2", prompts[0], SHORT))
             with pytest.raises(DecodeRejectedError, match="shutting down"):
-                await d.generate("r2", prompts[0], SHORT, first)
+                await d.generate(GenerationRequest("r2", prompts[0], SHORT, prefill=first))
             assert p.metrics.reject_reasons == {"no_capacity": 1, "shutting_down": 1}
             assert await free_blocks(p) == p.engine.llm.block_manager.num_blocks
 

@@ -18,14 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.services.control.process import WorkerProcess
+from tandem.loadtest.rpc_workers.decode import RemoteDecode
+from tandem.loadtest.rpc_workers.prefill import RemotePrefill
+from tandem.loadtest.rpc_workers.process import WorkerProcess
 from tandem.services.decode.errors import DecodeRejectedError
-from tandem.services.decode.service import RemoteDecode
 from tandem.services.decode.worker import KVSource
 from tandem.services.kv_transfer.tcp_transport import TcpTransport
 from tandem.services.kv_transfer.transport import KVTransferError
-from tandem.services.prefill.service import RemotePrefill
 from tandem.services.protocol.auth import AuthError, ClusterKey
+from tandem.services.protocol.request import GenerationRequest
 from tests.disagg.cluster import (
     GREEDY,
     TRANSPORTS,
@@ -139,14 +140,16 @@ def test_reject_and_killed_decode_free_prefill_blocks(cluster, prompts):
                 await d1.pair_prefill("127.0.0.1", cluster.prefill.port)
                 start = await free_blocks(p)
                 await d1.drain()
-                first = await p.prefill("rejected", prompts[5], GREEDY, reader="d1")
+                first = await p.prefill(GenerationRequest(
+                    "rejected", prompts[5], GREEDY), reader="d1")
                 assert await free_blocks(p) < start
                 with pytest.raises(DecodeRejectedError, match="shutting down"):
-                    await d1.generate("rejected", prompts[5], GREEDY, first)
+                    await d1.generate(GenerationRequest(
+                        "rejected", prompts[5], GREEDY, prefill=first))
                 assert await free_blocks(p) == start
                 await d1.close()
 
-                await p.prefill("orphaned", prompts[5], GREEDY, reader="d1")
+                await p.prefill(GenerationRequest("orphaned", prompts[5], GREEDY), reader="d1")
                 assert await free_blocks(p) < start
                 doomed.kill()
                 async def all_free_again() -> bool:
@@ -171,11 +174,12 @@ def test_a_forged_lease_reads_nothing_and_the_output_stays_exact(cluster, prompt
         async with cluster.clients() as (p, d):
             start = await free_blocks(p)
             before = (await d.status())["metrics"]
-            first = await p.prefill("forged", prompts[6], GREEDY, reader="d0")
+            first = await p.prefill(GenerationRequest("forged", prompts[6], GREEDY), reader="d0")
             assert first.kv is not None
             forged = dataclasses.replace(first, kv=dataclasses.replace(first.kv,
                                                                        lease_id="f" * 32))
-            result = await d.generate("forged", prompts[6], GREEDY, forged)
+            result = await d.generate(GenerationRequest(
+                "forged", prompts[6], GREEDY, prefill=forged))
             check_all([result.output_token_ids], [references[6]], "forged lease")
             assert result.kv_source == KVSource.RECOMPUTE
             after = (await d.status())["metrics"]
@@ -204,7 +208,7 @@ def test_without_the_cluster_secret_nothing_is_pinned_or_read(cluster, prompts, 
                 outsider_d = RemoteDecode("127.0.0.1", cluster.decode.port, key)
                 try:
                     with pytest.raises(AuthError):
-                        await outsider_p.prefill("intruder", prompts[3], GREEDY)
+                        await outsider_p.prefill(GenerationRequest("intruder", prompts[3], GREEDY))
                     with pytest.raises(AuthError):
                         await outsider_p.rpc.call("pair", {"info": {}})
                     with pytest.raises(AuthError):
@@ -216,7 +220,7 @@ def test_without_the_cluster_secret_nothing_is_pinned_or_read(cluster, prompts, 
             assert status["leases"] == 0 and await free_blocks(p) == start
             assert status["metrics"]["prefills"] == before["prefills"]
 
-            first = await p.prefill("elsewhere", prompts[7], GREEDY, reader="d9")
+            first = await p.prefill(GenerationRequest("elsewhere", prompts[7], GREEDY), reader="d9")
             assert first.kv is not None and first.kv.reader == "d9"
             as_d0 = RemotePrefill("127.0.0.1", cluster.prefill.port, cluster.key, "d0")
             try:
@@ -240,7 +244,8 @@ def test_without_the_cluster_secret_nothing_is_pinned_or_read(cluster, prompts, 
                         await reader.close()
                 refused += 2
             d_before = (await d.status())["metrics"]
-            result = await d.generate("elsewhere", prompts[7], GREEDY, first)
+            result = await d.generate(GenerationRequest(
+                "elsewhere", prompts[7], GREEDY, prefill=first))
             assert result.kv_source is KVSource.RECOMPUTE
             check_all([result.output_token_ids], [references[7]], "a lease for another")
             d_after = (await d.status())["metrics"]
@@ -257,9 +262,10 @@ def test_prefill_killed_mid_request_recomputes(cluster, prompts, references):
     """Runs last for its cluster: the prefill worker dies after the first token."""
     async def scenario() -> None:
         async with cluster.clients() as (p, d):
-            first = await p.prefill("orphan", prompts[4], GREEDY, reader="d0")
+            first = await p.prefill(GenerationRequest("orphan", prompts[4], GREEDY), reader="d0")
             cluster.prefill.kill()
-            result = await d.generate("orphan", prompts[4], GREEDY, first)
+            result = await d.generate(GenerationRequest(
+                "orphan", prompts[4], GREEDY, prefill=first))
             assert result.kv_source is KVSource.RECOMPUTE
             compare(result.output_token_ids, references[4], "prefill worker killed")
             assert await free_blocks(d) == (await d.status())["engine"]["num_blocks"]

@@ -16,6 +16,7 @@ from tandem.services.decode.worker import KVSource
 from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.prefill.config import PrefillConfig
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import FakeClock, free_blocks, local_engine, local_pair, run_request
 from tests.engine.helpers import chat
@@ -103,13 +104,14 @@ def test_full_staging_means_no_lease_and_decode_recomputes(loaded_model, prompts
             llm = p.engine.llm
             assert llm.staging is not None and kv_storage(llm.staging).shape[0] == 40
             start = await free_blocks(p)
-            held = [await p.prefill(f"held{i}", long, GREEDY, reader="d0") for i in range(2)]
+            held = [await p.prefill(GenerationRequest(
+                f"held{i}", long, GREEDY), reader="d0") for i in range(2)]
             assert all(h.kv is not None and len(h.kv.block_ids) == 15 for h in held)
             assert len(llm._free_staging) == 10
-            first = await p.prefill("r0", long, GREEDY, reader="d0")
+            first = await p.prefill(GenerationRequest("r0", long, GREEDY), reader="d0")
             assert first.kv is None and not first.finished and p.metrics.unstaged == 1
             assert p.metrics.leases_granted == 2 and len(llm._free_staging) == 10
-            result = await d.generate("r0", long, GREEDY, first)
+            result = await d.generate(GenerationRequest("r0", long, GREEDY, prefill=first))
             assert result.kv_source is KVSource.RECOMPUTE
             assert result.output_token_ids == expected
             assert d.metrics.recomputes == 1

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from tandem.services.control.rpc import RpcClient, RpcError, RpcServer
+from tandem.loadtest.rpc_workers.rpc import RpcClient, RpcError, RpcServer
 from tandem.services.kv_transfer.framing import FrameError, decode_header, encode_frame
 from tandem.services.prefill.leases import LeaseTable
 from tandem.services.protocol.handoff import KVHandle, PrefillResult

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.protocol.outputs import RequestOutput
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 
@@ -24,7 +25,8 @@ def run(engine: LLMEngine, prompt: list[int], params: SamplingParams,
 def outputs(engine: LLMEngine, prompt: list[int], params: SamplingParams,
             output: Sequence[int] = (), request_id: str = "r") -> list[RequestOutput]:
     """``run``'s request, as the engine's outputs."""
-    engine.add_request(request_id, prompt, params, output_token_ids=output)
+    engine.add_request(GenerationRequest(request_id, prompt, params,
+                                         output_token_ids=tuple(output)))
     found: list[RequestOutput] = []
     while engine.has_unfinished_requests():
         found += [out for out in engine.step() if out.request_id == request_id]

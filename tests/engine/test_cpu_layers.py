@@ -20,6 +20,7 @@ from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.cpu_layers import CpuLayers
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 REASON = cpu_kernels.unavailable_reason()
@@ -37,7 +38,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
         ) -> list[tuple[str, list[int], list[tuple[int, float, list[tuple[int, float]]]]]]:
     """Every step's outputs: each request's new tokens and their logprobs (float bits)."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(GenerationRequest(f"r{i}", prompt, params))
     steps = []
     while engine.has_unfinished_requests():
         for out in engine.step():

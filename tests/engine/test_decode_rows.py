@@ -8,6 +8,7 @@ import pytest
 
 from tandem.services.engine.attention.decode_rows import DecodeRows
 from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 # Prompts of different lengths and outputs of different lengths: sequences start and finish
@@ -21,7 +22,7 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[tuple[int, flo
               for _, n in LENGTHS]
     out: dict[str, list[tuple[int, float]]] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", prompt, p)
+        engine.add_request(GenerationRequest(f"r{i}", prompt, p))
     while engine.has_unfinished_requests():
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(

@@ -10,6 +10,7 @@ from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import ModelLoadError, builtin_model_path, load_model
 from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -31,14 +32,14 @@ def test_bad_requests_leave_the_engine_serving(make_engine):
     engine = make_engine(max_model_len=256)
     good = engine.tokenizer.encode("The sky is")
     with pytest.raises(RequestError, match="empty"):
-        engine.add_request("empty", [], GREEDY)
+        engine.add_request(GenerationRequest("empty", [], GREEDY))
     with pytest.raises(RequestError, match="context length is 256"):
-        engine.add_request("long", [42] * 300, GREEDY)
+        engine.add_request(GenerationRequest("long", [42] * 300, GREEDY))
     with pytest.raises(RequestError, match="outside the vocabulary"):
-        engine.add_request("vocab", [10**9], GREEDY)
-    engine.add_request("dup", good, GREEDY)
+        engine.add_request(GenerationRequest("vocab", [10**9], GREEDY))
+    engine.add_request(GenerationRequest("dup", good, GREEDY))
     with pytest.raises(RequestError, match="already in use"):
-        engine.add_request("dup", good, GREEDY)
+        engine.add_request(GenerationRequest("dup", good, GREEDY))
     engine.abort_request("dup")
     assert engine.generate([good], GREEDY)[0] == make_engine().generate([good], GREEDY)[0]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -47,13 +48,13 @@ def test_bad_requests_leave_the_engine_serving(make_engine):
 def test_full_waiting_queue_is_refused(make_engine):
     engine = make_engine(max_waiting=2)
     prompt = engine.tokenizer.encode("Hello")
-    engine.add_request("a", prompt, GREEDY)
-    engine.add_request("b", prompt, GREEDY)
+    engine.add_request(GenerationRequest("a", prompt, GREEDY))
+    engine.add_request(GenerationRequest("b", prompt, GREEDY))
     with pytest.raises(EngineOverloadedError, match="retry later"):
-        engine.add_request("c", prompt, GREEDY)
+        engine.add_request(GenerationRequest("c", prompt, GREEDY))
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request("c", prompt, GREEDY)  # room again
+    engine.add_request(GenerationRequest("c", prompt, GREEDY))  # room again
 
 
 def test_unknown_model_path(tmp_path):

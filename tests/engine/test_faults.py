@@ -22,6 +22,7 @@ from tandem.services.engine.faults import (
     release_hung_steps,
 )
 from tandem.services.protocol.outputs import EngineDeadError, EngineError, RequestOutput
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 STEP_SEED, FATAL_SEED, HANG_SEED = 666, 667, 668
@@ -103,7 +104,7 @@ def test_a_fatal_fault_fails_every_request_and_refuses_new_ones(faulty_engine) -
 
     async def run() -> None:
         bystander = asyncio.ensure_future(_collect(faulty_engine, "bystander", prompt, long))
-        stream = faulty_engine.generate("victim", prompt, fatal)
+        stream = faulty_engine.generate(GenerationRequest("victim", prompt, fatal))
         with pytest.raises(EngineDeadError, match="injected fatal fault"):
             async for _ in stream:
                 pass

@@ -13,6 +13,7 @@ from tandem.services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.protocol.block_hash import BlockHash
 from tandem.services.protocol.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tandem.services.serving.config import AppConfig, ConfigError
 
@@ -28,7 +29,7 @@ def pool_gb(engine: LLMEngine, blocks: int) -> float:
 def run(engine: LLMEngine, prompt: list[int], events: list[KVEvent]) -> list[int]:
     """One request to completion, collecting the KV events."""
     request_id = f"r{len(events)}-{engine.stats.prefix_cache_queries}"
-    engine.add_request(request_id, prompt, GREEDY)
+    engine.add_request(GenerationRequest(request_id, prompt, GREEDY))
     tokens: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():

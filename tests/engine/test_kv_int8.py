@@ -34,6 +34,7 @@ from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.services.engine.model import LlamaModel  # noqa: E402
 from tandem.services.engine.model_loader import LoadedModel  # noqa: E402
 from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks  # noqa: E402
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams  # noqa: E402
 from tandem.services.serving.config import AppConfig, ConfigError  # noqa: E402
 from tests.engine.helpers import run  # noqa: E402
@@ -181,7 +182,7 @@ def test_prefix_hashes_differ_by_kv_dtype(make_engine) -> None:  # type: ignore[
     assert auto.extra_keys("s") == ("m", "s")  # auto's hashes are what they were
     # An engine hashes as the router does with its settings (router/hashing.py).
     engine: LLMEngine = make_engine(kv_cache_dtype="int8", num_kv_blocks=64)
-    engine.add_request("r", tokens, SamplingParams(max_tokens=1))
+    engine.add_request(GenerationRequest("r", tokens, SamplingParams(max_tokens=1)))
     seq = engine.scheduler.requests["r"]
     settings = HashSettings(16, engine.model_config.model_id, kv_cache_dtype="int8")
     assert seq.extra_keys == settings.extra_keys()

@@ -8,6 +8,7 @@ import pytest
 
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.protocol.outputs import FinishReason, RequestError
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -19,9 +20,9 @@ def all_free(engine) -> bool:  # type: ignore[no-untyped-def]
 
 def test_abort_waiting_prefilling_and_decoding(make_engine, prompts):
     engine = make_engine(max_num_batched_tokens=64, max_num_seqs=2)
-    engine.add_request("decoding", prompts[0], GREEDY)
-    engine.add_request("prefilling", prompts[-1], GREEDY)
-    engine.add_request("waiting", prompts[1], GREEDY)
+    engine.add_request(GenerationRequest("decoding", prompts[0], GREEDY))
+    engine.add_request(GenerationRequest("prefilling", prompts[-1], GREEDY))
+    engine.add_request(GenerationRequest("waiting", prompts[1], GREEDY))
     for _ in range(3):
         engine.step()
     seqs = engine.requests
@@ -36,10 +37,10 @@ def test_abort_waiting_prefilling_and_decoding(make_engine, prompts):
 
 def test_long_prompt_never_stalls_running_sequences(make_engine, prompts):
     engine = make_engine(max_num_batched_tokens=64)
-    engine.add_request("short", prompts[0], SamplingParams(max_tokens=40, temperature=0.0,
-                                                           ignore_eos=True))
+    engine.add_request(GenerationRequest("short", prompts[0], SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True)))
     engine.step()  # the short prompt is prefilled and running
-    engine.add_request("long", prompts[-1], GREEDY)
+    engine.add_request(GenerationRequest("long", prompts[-1], GREEDY))
     long_seq = engine.requests["long"]
     steps = 0
     while long_seq.num_computed_tokens < len(prompts[-1]):
@@ -59,15 +60,15 @@ def test_stop_token_and_eos_and_context_limit(make_engine):
     free = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0))[0]
     assert free[-1] in engine.model_config.eos_token_ids  # the model ends its turn
     stop_at = free[2]
-    engine.add_request("s", prompt, SamplingParams(max_tokens=20, temperature=0.0,
-                                                   stop_token_ids=(stop_at,)))
+    engine.add_request(GenerationRequest("s", prompt, SamplingParams(max_tokens=20, temperature=0.0,
+                                                   stop_token_ids=(stop_at,))))
     outs = []
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
     assert [t for o in outs for t in o.new_token_ids] == free[:3]
     assert outs[-1].finish_reason is FinishReason.STOP
-    engine.add_request("ctx", prompt, SamplingParams(max_tokens=1000, temperature=0.0,
-                                                     ignore_eos=True))
+    engine.add_request(GenerationRequest("ctx", prompt, SamplingParams(
+        max_tokens=1000, temperature=0.0, ignore_eos=True)))
     outs = []
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
@@ -83,13 +84,13 @@ def test_async_streams_match_sync_and_cancel_frees_blocks(make_engine, prompts):
 
     async def collect(i: int) -> list[int]:
         tokens: list[int] = []
-        async for out in async_engine.generate(f"r{i}", prompts[i], GREEDY):
+        async for out in async_engine.generate(GenerationRequest(f"r{i}", prompts[i], GREEDY)):
             tokens.extend(out.new_token_ids)
         return tokens
 
     async def cancel_midway() -> int:
         params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
-        stream = async_engine.generate("cancelled", prompts[5], params)
+        stream = async_engine.generate(GenerationRequest("cancelled", prompts[5], params))
         got = 0
         async for _ in stream:
             got += 1
@@ -101,7 +102,7 @@ def test_async_streams_match_sync_and_cancel_frees_blocks(make_engine, prompts):
     async def main() -> tuple[list[list[int]], int]:
         results = await asyncio.gather(*(collect(i) for i in range(4)), cancel_midway())
         with pytest.raises(RequestError, match="empty"):
-            async for _ in async_engine.generate("bad", [], GREEDY):
+            async for _ in async_engine.generate(GenerationRequest("bad", [], GREEDY)):
                 pass
         return list(results[:4]), results[4]
 

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 
@@ -56,8 +57,8 @@ def assert_greedy_matches_transformers(hf, loaded, prompt_len: int, max_tokens: 
     engine = LLMEngine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=48), loaded)
     prompt = [int(t) for t in torch.randint(3, 49152, (prompt_len,),
                                              generator=torch.Generator().manual_seed(seed))]
-    engine.add_request("r", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                   ignore_eos=True, logprobs=0))
+    engine.add_request(GenerationRequest("r", prompt, SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)))
     tokens, logprobs = [], []
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 
@@ -37,7 +38,9 @@ def test_top_k_one_and_tiny_top_p_are_greedy(make_engine):
 def test_logprobs_of_sampled_token_and_top_n(make_engine):
     engine = make_engine()
     prompt = chat(engine, "Say hello.")
-    engine.add_request("lp", prompt, SamplingParams(max_tokens=5, temperature=0.0, logprobs=3))
+    engine.add_request(GenerationRequest("lp", prompt, SamplingParams(max_tokens=5,
+                                                                      temperature=0.0,
+                                                                      logprobs=3)))
     seen = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -77,7 +80,8 @@ def test_a_resumed_request_continues_exactly(make_engine):
                    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)):
         whole = first.generate([prompt], params)[0]
         for done in (1, 10):
-            other.add_request(f"resumed-{done}", prompt, params, output_token_ids=whole[:done])
+            other.add_request(GenerationRequest(f"resumed-{done}", prompt, params,
+                                                output_token_ids=tuple(whole[:done])))
             rest: list[int] = []
             while other.has_unfinished_requests():
                 for out in other.step():
@@ -88,7 +92,8 @@ def test_a_resumed_request_continues_exactly(make_engine):
 def test_a_sampled_request_without_a_seed_gets_one(make_engine):
     engine = make_engine()
     prompt = chat(engine, "Name a colour.")
-    engine.add_request("unseeded", prompt, SamplingParams(max_tokens=2, temperature=1.0))
+    engine.add_request(GenerationRequest("unseeded", prompt,
+                                         SamplingParams(max_tokens=2, temperature=1.0)))
     assert engine.scheduler.get("unseeded").sampling.seed is not None
     engine.abort_request("unseeded")
 

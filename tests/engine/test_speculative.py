@@ -15,6 +15,7 @@ import torch
 from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.engine.test_exactness import GREEDY, check_all
 
@@ -79,7 +80,7 @@ def test_preemption_and_aborts_mid_speculation_free_every_block(make_spec_engine
     engine = make_spec_engine(method, num_kv_blocks=100, max_num_batched_tokens=256)
     ids = [f"r{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, GREEDY)
+        engine.add_request(GenerationRequest(request_id, prompt, GREEDY))
     aborted = {"r1", "r6"}
     outputs: dict[str, list[int]] = {i: [] for i in ids}
     while engine.has_unfinished_requests():

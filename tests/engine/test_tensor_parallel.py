@@ -22,6 +22,7 @@ from tandem.services.engine.model import Shard, split_evenly
 from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.engine.tensor_parallel import TensorParallelError, wait_all_reduce
 from tandem.services.protocol.outputs import EngineDeadError, EngineOverloadedError
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import chat
 
@@ -66,12 +67,13 @@ def test_a_full_staging_area_refuses_an_import_like_a_full_cache(
     15 blocks each fit twice."""
     prompt = prompts[3][::-1]  # 227 tokens (15 blocks), none of them cached
     free = two_ranks.stats.num_free_blocks
-    slots = [two_ranks.begin_import(f"import-{i}", prompt, 1) for i in range(2)]
+    slots = [two_ranks.begin_import(GenerationRequest(f"import-{i}", prompt, SamplingParams()), 1)
+             for i in range(2)]
     assert [len(s.transfer_block_ids) for s in slots] == [15, 15]
     assert len(two_ranks._free_staging) == 40 - 30
     with pytest.raises(EngineOverloadedError, match="no room to stage 15 KV blocks for import "
                                                     r"\(10 staging blocks free\)"):
-        two_ranks.begin_import("import-2", prompt, 1)
+        two_ranks.begin_import(GenerationRequest("import-2", prompt, SamplingParams()), 1)
     assert "import-2" not in two_ranks.requests  # nothing held for it
     two_ranks.recompute_import("import-0")
     assert two_ranks.abort_request("import-0") and two_ranks.abort_request("import-1")
@@ -113,14 +115,15 @@ def test_killed_follower_stops_the_engine_with_a_clear_error(loaded_model: Loade
     async def scenario() -> None:
         runner = AsyncEngine(engine)
         try:
-            tokens = [o async for o in runner.generate("before", prompts[0], GREEDY)]
+            tokens = [o async for o in runner.generate(GenerationRequest(
+                "before", prompts[0], GREEDY))]
             assert tokens[-1].finished
             os.kill(follower.pid, signal.SIGKILL)
             follower.wait(10)
             began = time.monotonic()
             with pytest.raises(EngineDeadError, match=r"tensor-parallel group broken: .*"
                                                       r"rank 1 pid \d+: exit code -9"):
-                async for _ in runner.generate("after", prompts[0], GREEDY):
+                async for _ in runner.generate(GenerationRequest("after", prompts[0], GREEDY)):
                     pass
             assert time.monotonic() - began < 10  # at once, not after the 60 s timeout
             with pytest.raises(EngineDeadError, match="tensor-parallel"):
@@ -150,7 +153,7 @@ def test_a_hung_follower_fails_the_step_at_the_timeout(loaded_model: LoadedModel
     follower = engine.tp.followers[0]
     try:
         os.kill(follower.pid, signal.SIGSTOP)
-        engine.add_request("r", prompts[0], GREEDY)
+        engine.add_request(GenerationRequest("r", prompts[0], GREEDY))
         began = time.monotonic()
         with pytest.raises(TensorParallelError, match="all_reduce failed: .*rank 1 pid"):
             engine.step()

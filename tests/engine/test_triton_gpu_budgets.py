@@ -20,6 +20,7 @@ from tandem.services.engine.attention import triton_kernels, triton_ops  # noqa:
 from tandem.services.engine.attention.triton_kernels import paged_attention, store_kv  # noqa: E402
 from tandem.services.engine.config import EngineConfig  # noqa: E402
 from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.sm90 import H100_SHARED_BYTES, SpecializationRecorder, compile_launches  # noqa: E402
 
@@ -96,9 +97,8 @@ def test_a_serving_trace_compiles_one_variant_per_tile_choice(loaded_model, prom
         for count, (prompt, tokens) in enumerate([(prompts[0], 9), (prompts[1][:7], 5),
                                                   (prompts[2], 3), (prompts[0], 7),
                                                   (prompts[1], 4), (prompts[2][:3], 8)]):
-            engine.add_request(f"r{count}", prompt, SamplingParams(max_tokens=tokens,
-                                                                    temperature=0.0,
-                                                                    ignore_eos=True))
+            engine.add_request(GenerationRequest(f"r{count}", prompt, SamplingParams(
+                max_tokens=tokens, temperature=0.0, ignore_eos=True)))
             engine.step()
         while engine.has_unfinished_requests():
             engine.step()

@@ -13,6 +13,7 @@ import openai
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.runner import GatewayServer, ServeAddresses
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
 FUZZ_MAX_TOKENS = 4  # no fuzzed call runs longer than this many tokens (conftest's fuzz_server)
@@ -35,7 +36,8 @@ def engine_tokens(engine: AsyncEngine, prompt: list[int], max_tokens: int,
     async def run() -> list[int]:
         ids: list[int] = []
         sampling = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **params})
-        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt, sampling):
+        async for out in engine.generate(GenerationRequest(
+            f"ref-{uuid.uuid4().hex}", prompt, sampling)):
             ids += out.new_token_ids
         return ids
 

@@ -24,6 +24,7 @@ from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import ServeAddresses
 from tandem.services.gateway.token_text import TokenText
+from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.gateway.helpers import engine_tokens
 
@@ -289,7 +290,8 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(client: openai.OpenAI,
 def engine_prompt_logprobs(engine: AsyncEngine, prompt: list[int], top: int) -> list:
     async def run() -> list:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top)
-        async for out in engine.generate(f"ref-{uuid.uuid4().hex}", prompt, params):
+        async for out in engine.generate(GenerationRequest(
+            f"ref-{uuid.uuid4().hex}", prompt, params)):
             return list(out.prompt_logprobs or ())
         return []
 

@@ -139,7 +139,7 @@ def test_control_rpc_carries_the_trace(receiver: OtlpReceiver) -> None:
         import asyncio, json
         from opentelemetry import trace
         from tandem.services import tracing
-        from tandem.services.control.rpc import RpcClient, RpcServer
+        from tandem.loadtest.rpc_workers.rpc import RpcClient, RpcServer
 
         async def echo(params):
             return format(trace.get_current_span().get_span_context().trace_id, "032x")

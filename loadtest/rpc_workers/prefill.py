@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
 from typing import Any
 
-from tandem.services.control.codec import params_from_dict, params_to_dict, token_ids
-from tandem.services.control.rpc import Handler, RpcClient
+from tandem.loadtest.rpc_workers.codec import request_from_dict, request_to_dict
+from tandem.loadtest.rpc_workers.process import WorkerSpec, worker_main
+from tandem.loadtest.rpc_workers.rpc import Handler, RpcClient
+from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
+from tandem.services.kv_transfer.transport import KVTransport
+from tandem.services.prefill.config import PrefillConfig
 from tandem.services.prefill.worker import PrefillWorker
 from tandem.services.protocol.auth import ClusterKey
 from tandem.services.protocol.handoff import PrefillResult
 from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest
 
 ERRORS: dict[str, type[Exception]] = {
     "PairingError": PairingError, "RequestError": RequestError,
@@ -25,10 +29,8 @@ def prefill_handlers(worker: PrefillWorker) -> dict[str, Handler]:
         return (await worker.pair(PairingInfo.from_dict(p["info"]))).to_dict()
 
     async def prefill(p: dict[str, Any]) -> Any:
-        salt, reader = p.get("cache_salt"), p.get("reader")
-        result = await worker.prefill(str(p["request_id"]), token_ids(p["prompt"]),
-                                      params_from_dict(p["params"]),
-                                      None if salt is None else str(salt),
+        reader = p.get("reader")
+        result = await worker.prefill(request_from_dict(p["request"]),
                                       None if reader is None else str(reader))
         return result.to_dict()
 
@@ -60,12 +62,10 @@ class RemotePrefill:
     async def pair(self, info: PairingInfo) -> PairingInfo:
         return PairingInfo.from_dict(await self.rpc.call("pair", {"info": info.to_dict()}))
 
-    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, cache_salt: str | None = None,
-                      reader: str | None = None) -> PrefillResult:
-        result = await self.rpc.call("prefill", {
-            "request_id": request_id, "prompt": list(prompt_token_ids),
-            "params": params_to_dict(params), "cache_salt": cache_salt, "reader": reader})
+    async def prefill(self, request: GenerationRequest, reader: str | None = None
+                      ) -> PrefillResult:
+        result = await self.rpc.call("prefill", {"request": request_to_dict(request),
+                                                 "reader": reader})
         return PrefillResult.from_dict(result)
 
     async def release(self, lease_id: str, reader: str) -> bool:
@@ -82,3 +82,12 @@ class RemotePrefill:
 
     async def close(self) -> None:
         await self.rpc.close()
+
+
+def build(engine: LLMEngine, transport: KVTransport, spec: WorkerSpec) -> PrefillWorker:
+    return PrefillWorker(engine, transport, PrefillConfig(**spec.role), spec.worker_id)
+
+
+if __name__ == "__main__":
+    USAGE = "python -m tandem.loadtest.rpc_workers.prefill '<WorkerSpec JSON>'"
+    sys.exit(worker_main(None, USAGE, build, prefill_handlers))

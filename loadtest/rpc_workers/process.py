@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from tandem.loadtest.rpc_workers.rpc import Handler, RpcServer
 from tandem.services import tracing
-from tandem.services.control.rpc import Handler, RpcServer
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
@@ -67,7 +67,8 @@ W = TypeVar("W", bound=Worker)
 def worker_main(argv: list[str] | None, usage: str,
                 build: Callable[[LLMEngine, KVTransport, WorkerSpec], W],
                 handlers: Callable[[W], Mapping[str, Handler]]) -> int:
-    """Entry point of a worker process: ``python -m services.<role> '<WorkerSpec JSON>'``."""
+    """Entry point of a worker process (``python -m tandem.loadtest.rpc_workers.<role>
+    '<WorkerSpec JSON>'``)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print(usage, file=sys.stderr)
@@ -136,7 +137,7 @@ class WorkerProcess:
 
 def spawn_worker(role: str, spec: WorkerSpec, log_path: Path, ready_timeout_s: float = 180.0,
                  env: dict[str, str] | None = None) -> WorkerProcess:
-    """Start ``python -m tandem.services.<role>`` and wait until it serves."""
+    """Start ``python -m tandem.loadtest.rpc_workers.<role>`` and wait until it serves."""
     return spawn_workers([(role, spec, log_path)], ready_timeout_s, env)[0]
 
 
@@ -146,7 +147,8 @@ def spawn_workers(workers: Sequence[tuple[str, WorkerSpec, Path]],
     """Start several workers at once (they load their models in parallel); wait for all."""
     started = []
     for role, spec, log_path in workers:
-        cmd = [sys.executable, "-m", f"tandem.services.{role}", json.dumps(asdict(spec))]
+        cmd = [sys.executable, "-m", f"tandem.loadtest.rpc_workers.{role}",
+               json.dumps(asdict(spec))]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                        env={**os.environ, **(env or {})})

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import sys
 from typing import Any
 
-from tandem.services.control.codec import params_from_dict, params_to_dict, token_ids
-from tandem.services.control.rpc import Handler, RpcClient
+from tandem.loadtest.rpc_workers.codec import request_from_dict, request_to_dict, token_ids
+from tandem.loadtest.rpc_workers.prefill import RemotePrefill
+from tandem.loadtest.rpc_workers.process import WorkerSpec, worker_main
+from tandem.loadtest.rpc_workers.rpc import Handler, RpcClient
+from tandem.services.decode.config import DecodeConfig
 from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
 from tandem.services.decode.worker import DecodeResult, DecodeWorker, KVSource
+from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
-from tandem.services.prefill.service import RemotePrefill
+from tandem.services.kv_transfer.transport import KVTransport
 from tandem.services.protocol.auth import ClusterKey
-from tandem.services.protocol.handoff import PrefillResult
 from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest
 
 
 class RequestAbortedError(RuntimeError):
@@ -38,12 +41,9 @@ def decode_handlers(worker: DecodeWorker) -> dict[str, Handler]:
         return (await worker.pair(peer)).to_dict()
 
     async def generate(p: dict[str, Any]) -> Any:
-        request_id = str(p["request_id"])
-        prefill = None if p.get("prefill") is None else PrefillResult.from_dict(p["prefill"])
-        salt = p.get("cache_salt")
-        task = asyncio.ensure_future(worker.generate(
-            request_id, token_ids(p["prompt"]), params_from_dict(p["params"]), prefill,
-            None if salt is None else str(salt)))
+        request = request_from_dict(p["request"])
+        request_id = request.request_id
+        task = asyncio.ensure_future(worker.generate(request))
         running[request_id] = task
         try:
             result = await task
@@ -87,13 +87,8 @@ class RemoteDecode:
         return PairingInfo.from_dict(await self.rpc.call("pair_prefill",
                                                          {"host": host, "port": port}))
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams, prefill: PrefillResult | None,
-                       cache_salt: str | None = None) -> DecodeResult:
-        result = await self.rpc.call("generate", {
-            "request_id": request_id, "prompt": list(prompt_token_ids),
-            "params": params_to_dict(params), "cache_salt": cache_salt,
-            "prefill": None if prefill is None else prefill.to_dict()})
+    async def generate(self, request: GenerationRequest) -> DecodeResult:
+        result = await self.rpc.call("generate", {"request": request_to_dict(request)})
         return DecodeResult(str(result["request_id"]), token_ids(result["output_token_ids"]),
                             result["finish_reason"], KVSource(result["kv_source"]))
 
@@ -108,3 +103,12 @@ class RemoteDecode:
 
     async def close(self) -> None:
         await self.rpc.close()
+
+
+def build(engine: LLMEngine, transport: KVTransport, spec: WorkerSpec) -> DecodeWorker:
+    return DecodeWorker(engine, transport, DecodeConfig(**spec.role), spec.worker_id)
+
+
+if __name__ == "__main__":
+    USAGE = "python -m tandem.loadtest.rpc_workers.decode '<WorkerSpec JSON>'"
+    sys.exit(worker_main(None, USAGE, build, decode_handlers))

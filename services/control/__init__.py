@@ -1,1 +1,0 @@
-"""The control channel between workers: JSON request/response over TCP, and process helpers."""
