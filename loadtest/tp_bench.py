@@ -20,9 +20,9 @@ import time
 import torch
 
 from tandem.services.engine.config import EngineConfig
-from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
+from tandem.services.handoff.staging import TransferArea
 from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 
@@ -48,10 +48,10 @@ def decode_step_s(engine: LLMEngine, batch: int, steps: int, run: int) -> float:
     return statistics.median(times)
 
 
-def scatter_s(engine: LLMEngine, num_blocks: int) -> float:
+def scatter_s(engine: LLMEngine, area: TransferArea, num_blocks: int) -> float:
     assert engine.tp is not None
     began = time.perf_counter()
-    engine.tp.scatter(engine.transfer_cache, list(range(num_blocks)), engine.kv_cache,
+    engine.tp.scatter(area.cache, list(range(num_blocks)), engine.kv_cache,
                       list(range(num_blocks)))
     return time.perf_counter() - began
 
@@ -83,9 +83,10 @@ def main() -> None:
                   f"steps; runs {[round(t * 1e3, 1) for t in found[1]]} / "
                   f"{[round(t * 1e3, 1) for t in found[2]]})")
         two_ranks = engines[2]
-        n = min(args.scatter_blocks, kv_storage(two_ranks.transfer_cache).shape[0])
+        area = TransferArea(two_ranks)
+        n = min(args.scatter_blocks, area.num_staging)
         block_bytes = two_ranks.kv_spec.bytes_per_block
-        times = [scatter_s(two_ranks, n) for _ in range(args.runs)]
+        times = [scatter_s(two_ranks, area, n) for _ in range(args.runs)]
         median = statistics.median(times)
         print(f"scatter of {n} staging blocks ({n * block_bytes / 2**20:.1f} MiB, canonical): "
               f"{median * 1e3:.2f} ms median ({median * 1e3 / n:.3f} ms a block, "

@@ -10,14 +10,18 @@ from tandem.loadtest.rpc_workers.codec import request_from_dict, request_to_dict
 from tandem.loadtest.rpc_workers.prefill import RemotePrefill
 from tandem.loadtest.rpc_workers.process import WorkerSpec, worker_main
 from tandem.loadtest.rpc_workers.rpc import Handler, RpcClient
-from tandem.services.decode.config import DecodeConfig
-from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
-from tandem.services.decode.worker import DecodeResult, DecodeWorker, KVSource
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
+from tandem.services.handoff.decode import DecodeConfig, DecodeResult, DecodeWorker, KVSource
+from tandem.services.handoff.pairing import PairingError, PairingInfo
+from tandem.services.handoff.staging import TransferArea
 from tandem.services.kv_transfer.transport import KVTransport
 from tandem.services.protocol.auth import ClusterKey
-from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
+from tandem.services.protocol.outputs import (
+    DecodeRejectedError,
+    EngineOverloadedError,
+    KVTransferFailedError,
+    RequestError,
+)
 from tandem.services.protocol.request import GenerationRequest
 
 
@@ -105,8 +109,9 @@ class RemoteDecode:
         await self.rpc.close()
 
 
-def build(engine: LLMEngine, transport: KVTransport, spec: WorkerSpec) -> DecodeWorker:
-    return DecodeWorker(engine, transport, DecodeConfig(**spec.role), spec.worker_id)
+def build(engine: LLMEngine, transport: KVTransport, spec: WorkerSpec, area: TransferArea
+          ) -> DecodeWorker:
+    return DecodeWorker(engine, transport, DecodeConfig(**spec.role), spec.worker_id, area=area)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ from tandem.loadtest.rpc_workers.codec import request_from_dict, request_to_dict
 from tandem.loadtest.rpc_workers.process import WorkerSpec, worker_main
 from tandem.loadtest.rpc_workers.rpc import Handler, RpcClient
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
+from tandem.services.handoff.pairing import PairingError, PairingInfo
+from tandem.services.handoff.prefill import PrefillConfig, PrefillWorker
+from tandem.services.handoff.staging import TransferArea
 from tandem.services.kv_transfer.transport import KVTransport
-from tandem.services.prefill.config import PrefillConfig
-from tandem.services.prefill.worker import PrefillWorker
 from tandem.services.protocol.auth import ClusterKey
 from tandem.services.protocol.handoff import PrefillResult
 from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
@@ -84,8 +84,9 @@ class RemotePrefill:
         await self.rpc.close()
 
 
-def build(engine: LLMEngine, transport: KVTransport, spec: WorkerSpec) -> PrefillWorker:
-    return PrefillWorker(engine, transport, PrefillConfig(**spec.role), spec.worker_id)
+def build(engine: LLMEngine, transport: KVTransport, spec: WorkerSpec, area: TransferArea
+          ) -> PrefillWorker:
+    return PrefillWorker(engine, transport, PrefillConfig(**spec.role), spec.worker_id, area=area)
 
 
 if __name__ == "__main__":

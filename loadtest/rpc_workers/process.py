@@ -25,6 +25,7 @@ from tandem.services import tracing
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.handoff.staging import TransferArea
 from tandem.services.kv_transfer.factory import make_transport
 from tandem.services.kv_transfer.transport import KVTransport, TransferFaults
 from tandem.services.protocol.auth import ClusterKey
@@ -62,10 +63,11 @@ class Worker(Protocol):
 
 
 W = TypeVar("W", bound=Worker)
+Build = Callable[[LLMEngine, KVTransport, WorkerSpec, TransferArea], W]
 
 
 def worker_main(argv: list[str] | None, usage: str,
-                build: Callable[[LLMEngine, KVTransport, WorkerSpec], W],
+                build: Build[W],
                 handlers: Callable[[W], Mapping[str, Handler]]) -> int:
     """Entry point of a worker process (``python -m tandem.loadtest.rpc_workers.<role>
     '<WorkerSpec JSON>'``)."""
@@ -79,15 +81,15 @@ def worker_main(argv: list[str] | None, usage: str,
     return 0
 
 
-async def run_worker(spec: WorkerSpec, build: Callable[[LLMEngine, KVTransport, WorkerSpec], W],
+async def run_worker(spec: WorkerSpec, build: Build[W],
                      handlers: Callable[[W], Mapping[str, Handler]]) -> None:
     key = (ClusterKey.from_file(spec.cluster_secret_file) if spec.cluster_secret_file
            else None)
     engine = LLMEngine(EngineConfig(**spec.engine))
+    area = TransferArea(engine)
     transport = make_transport(spec.transport, spec.worker_id, TransferFaults(**spec.faults),
-                               spec.host, engine.config.device, key,
-                               kv_storage(engine.transfer_cache))
-    worker = build(engine, transport, spec)
+                               spec.host, engine.config.device, key, kv_storage(area.cache))
+    worker = build(engine, transport, spec, area)
     tracing.configure(str(getattr(worker, "role", "worker")))
     await worker.start()
     try:

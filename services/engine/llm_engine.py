@@ -54,15 +54,18 @@ class ImportSlot:
     """Blocks reserved for a prompt whose KV another worker computed.
 
     ``block_ids[:num_cached_blocks]`` already hold that KV (this engine's prefix cache); the
-    caller fills the rest, block i with the sender's block i, then commits the import: it
-    writes them into ``transfer_block_ids`` of the engine's ``transfer_cache`` (the blocks
-    themselves, or with tensor parallelism staging blocks that the commit scatters).
+    caller fills the rest (``filled_block_ids``), block i with the sender's block i, then
+    commits the import.
     """
 
     request_id: str
     block_ids: tuple[int, ...]
     num_cached_blocks: int
-    transfer_block_ids: tuple[int, ...]
+
+    @property
+    def filled_block_ids(self) -> tuple[int, ...]:
+        """The blocks the caller fills."""
+        return self.block_ids[self.num_cached_blocks:]
 
 
 @dataclass
@@ -70,10 +73,6 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     steps: int = 0
-
-
-# A tensor-parallel engine's staging area: this fraction of its blocks, at least one context.
-STAGING_FRACTION = 4
 
 
 class LLMEngine:
@@ -125,11 +124,6 @@ class LLMEngine:
             kv_cache_dtype=config.kv_cache_dtype, attention_backend=config.attention_backend,
             num_threads=config.num_threads, max_positions=self.max_model_len, world_size=tp,
             store_port=0, timeout_s=config.tensor_parallel_timeout_s), shards)
-        # KV transfers of a tensor-parallel engine go through canonical staging blocks
-        # (allocated by the first use of ``transfer_cache``).
-        self.staging: KVCache | None = None
-        self._free_staging: list[int] = []
-        self._staged: dict[str, tuple[list[int], list[int]]] = {}  # request: staging, blocks
         model = LlamaModel(loaded.config, loaded.weights,
                            get_attention_backend(config.attention_backend, config.device,
                                                  local.num_heads, local.num_kv_heads,
@@ -190,8 +184,7 @@ class LLMEngine:
 
     def add_request(self, request: GenerationRequest, prefill_only: bool = False) -> None:
         """Queue a request. ``prefill_only`` (the prefill role) stops it after the first token
-        and pins the prompt's blocks: that output carries a ``PinnedKV`` (none when a
-        tensor-parallel engine's staging is full: see ``_pin``); see ``release_kv``.
+        and pins the prompt's blocks: that output carries a ``PinnedKV``; see ``release_kv``.
         ``request.output_token_ids``: tokens it already generated elsewhere (a resumed request:
         they are recomputed, or found in the prefix cache, and it goes on from the next one,
         with ``max_tokens`` counting them)."""
@@ -228,13 +221,11 @@ class LLMEngine:
     # -- disaggregation: prefill side -----------------------------------------------------
 
     def release_kv(self, request_id: str) -> bool:
-        """Free a pinned prefill's blocks (its full blocks stay in the prefix cache) and, with
-        tensor parallelism, its staging blocks."""
+        """Free a pinned prefill's blocks (its full blocks stay in the prefix cache)."""
         seq = self.scheduler.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PINNED:
             return False
         self.scheduler.finish(seq)
-        self._unstage(request_id)
         return True
 
     # -- disaggregation: decode side ------------------------------------------------------
@@ -256,63 +247,15 @@ class LLMEngine:
             num_needed = bm.blocks_needed(seq.num_prompt_tokens) - len(bm.find_cached_prefix(seq))
             raise EngineOverloadedError(
                 f"no room to import {num_needed} KV blocks ({bm.num_free_blocks} free)")
-        filled = seq.block_ids[num_cached_blocks:]
-        if self.transfer_cache is self.kv_cache:
-            transfer_ids = filled
-        elif len(filled) <= len(self._free_staging):
-            transfer_ids = self._stage(request_id, filled)
-        else:
-            self.scheduler.finish(seq)
-            raise EngineOverloadedError(
-                f"no room to stage {len(filled)} KV blocks for import "
-                f"({len(self._free_staging)} staging blocks free)")
-        return ImportSlot(request_id, tuple(seq.block_ids), num_cached_blocks,
-                          tuple(transfer_ids))
-
-    @property
-    def transfer_cache(self) -> KVCache:
-        """The cache KV transfers read and write, in the canonical layout (every KV head):
-        the KV cache itself, or with tensor parallelism the staging blocks (a
-        ``STAGING_FRACTION`` of the blocks, at least one context; allocated on first use, so
-        an engine that never transfers, a colocated one, has none)."""
-        if self.tp is None:
-            return self.kv_cache
-        if self.staging is None:
-            spec = self.kv_spec
-            num_staging = min(spec.num_blocks,
-                              max(self.block_manager.blocks_needed(self.max_model_len),
-                                  spec.num_blocks // STAGING_FRACTION))
-            self.staging = allocate_kv_cache(dataclasses.replace(spec, num_blocks=num_staging),
-                                             self.config.device)
-            self._free_staging = list(range(num_staging - 1, -1, -1))
-        return self.staging
-
-    def _stage(self, request_id: str, block_ids: list[int]) -> list[int]:
-        """Staging blocks for ``block_ids`` of a request, held until ``_unstage``."""
-        staged = [self._free_staging.pop() for _ in block_ids]
-        self._staged[request_id] = (staged, list(block_ids))
-        return staged
-
-    def _unstage(self, request_id: str) -> tuple[list[int], list[int]]:
-        """Free a request's staging blocks; (staging blocks, the blocks they stand for)."""
-        staged, block_ids = self._staged.pop(request_id, ([], []))
-        self._free_staging.extend(reversed(staged))
-        return staged, block_ids
+        return ImportSlot(request_id, tuple(seq.block_ids), num_cached_blocks)
 
     def commit_import(self, request_id: str) -> None:
-        """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding.
-        With tensor parallelism the staging blocks go to every rank's cache first."""
-        seq = self._importing(request_id)
-        staged, block_ids = self._unstage(request_id)
-        if self.tp is not None and staged:
-            self.tp.scatter(self.transfer_cache, staged, self.kv_cache, block_ids)
-        self.scheduler.commit_import(seq)
+        """The import's blocks hold the prompt's KV: cache the full ones, schedule decoding."""
+        self.scheduler.commit_import(self._importing(request_id))
 
     def recompute_import(self, request_id: str) -> None:
         """Give up on the transfer: drop its blocks and prefill the prompt here instead."""
-        seq = self._importing(request_id)
-        self._unstage(request_id)
-        self.scheduler.recompute_import(seq)
+        self.scheduler.recompute_import(self._importing(request_id))
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do with one rank)."""
@@ -486,7 +429,7 @@ class LLMEngine:
         kv = None
         if seq.finish_reason is not None:
             self._finish(seq)
-        elif seq.prefill_only:  # done here: pinned, or (staging full) without its KV
+        elif seq.prefill_only:  # done here: pinned
             kv = self._pin(seq)
         prompt_logprobs = None
         if seq.sampling.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
@@ -589,7 +532,6 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
-        self._unstage(seq.request_id)
         self._forget(seq)
 
     def _forget(self, seq: Sequence) -> None:
@@ -599,22 +541,9 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.forget(seq.request_id)
 
-    def _pin(self, seq: Sequence) -> PinnedKV | None:
-        """Pin a prefill-only request's prompt blocks for a KV transfer. With tensor
-        parallelism the transfer reads canonical staging blocks, gathered from every rank
-        now; when too few are free the request ends here without its KV (None: the decode
-        worker prefills the prompt itself; its full blocks stay in the prefix cache)."""
+    def _pin(self, seq: Sequence) -> PinnedKV:
+        """Pin a prefill-only request's prompt blocks for a KV transfer."""
         self._forget(seq)
-        block_ids = list(seq.block_ids)
-        if self.tp is not None:
-            staging = self.transfer_cache
-            if len(block_ids) > len(self._free_staging):
-                self.scheduler.finish(seq)
-                return None
-            self.scheduler.pin(seq)
-            block_ids = self._stage(seq.request_id, block_ids)
-            self.tp.gather(self.kv_cache, seq.block_ids, staging, block_ids)
-        else:
-            self.scheduler.pin(seq)
+        self.scheduler.pin(seq)
         wait_for_writes(self.config.device)  # its blocks are read from outside our stream
-        return PinnedKV(seq.request_id, tuple(block_ids), seq.num_computed_tokens)
+        return PinnedKV(seq.request_id, tuple(seq.block_ids), seq.num_computed_tokens)

@@ -54,10 +54,10 @@ class TransferArea:
         return len(self._free)
 
     def export(self, request_id: str, block_ids: Sequence[int]) -> tuple[int, ...] | None:
-        """The blocks a transfer reads for a pinned prompt: its own, or staging blocks gathered
-        from every rank now; None when too few staging blocks are free."""
+        """The blocks a transfer reads for a pinned prompt (the engine waited for their
+        writes): its own, or staging blocks gathered from every rank now; None when too few
+        staging blocks are free."""
         if not self.staged:
-            wait_for_writes(self.engine.config.device)  # read from outside our stream
             return tuple(block_ids)
         staged = self._take(request_id, block_ids)
         if staged is None:

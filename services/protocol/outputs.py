@@ -107,3 +107,12 @@ class EngineStats:
     host_kv_offloaded_blocks: int = 0  # evicted cached blocks copied to host memory
     host_kv_blocks: int = 0  # blocks the pool holds now
     host_kv_capacity_blocks: int = 0
+
+
+class DecodeRejectedError(RuntimeError):
+    """The decode worker would not take the request (no capacity, shutting down); the
+    prefill worker was told to free its blocks. Another decode worker may take it."""
+
+
+class KVTransferFailedError(RuntimeError):
+    """The prompt's KV could not be pulled and the worker is configured not to recompute."""

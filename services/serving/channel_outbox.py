@@ -20,7 +20,7 @@ from tandem.services.protocol.messages import ChannelClosedError, RequestDone, W
 from tandem.services.protocol.outputs import RequestError, RequestOutput
 
 if TYPE_CHECKING:
-    from tandem.services.decode.worker import DecodeStream
+    from tandem.services.handoff.decode import DecodeStream
 
 ChannelItem = RequestOutput | RequestDone | WorkerReport
 

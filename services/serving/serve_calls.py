@@ -10,10 +10,10 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
-from tandem.services.decode.errors import DecodeRejectedError
 from tandem.services.protocol.messages import ReplicaGoneError
 from tandem.services.protocol.outputs import (
     DeadlineExceededError,
+    DecodeRejectedError,
     EngineDeadError,
     EngineError,
     EngineOverloadedError,

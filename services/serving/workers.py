@@ -26,15 +26,14 @@ from ray.serve.handle import DeploymentHandle
 
 from tandem.router import WorkerInfo, WorkerLoad
 from tandem.services import tracing
-from tandem.services.decode.config import DecodeConfig
-from tandem.services.decode.worker import DecodeWorker
 from tandem.services.engine.faults import fault_hook_from_env, planned_faults
 from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.handoff.decode import DecodeConfig, DecodeWorker
+from tandem.services.handoff.pairing import PairingError, PairingInfo
+from tandem.services.handoff.prefill import PrefillConfig, PrefillWorker
+from tandem.services.handoff.staging import TransferArea
 from tandem.services.kv_transfer.factory import make_transport
-from tandem.services.kv_transfer.pairing import PairingError, PairingInfo
-from tandem.services.prefill.config import PrefillConfig
-from tandem.services.prefill.worker import PrefillWorker
 from tandem.services.protocol.auth import ClusterKey
 from tandem.services.protocol.handoff import PrefillResult
 from tandem.services.protocol.messages import ChannelClosedError, ReplicaGoneError, WorkerReport
@@ -67,6 +66,7 @@ class _Replica:
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         self.engine = LLMEngine(config.engine_config(decodes=self.role == "decode"))
         self.engine.fault_hook = fault_hook_from_env(self.role)  # test-only, off by default
+        self.area = TransferArea(self.engine)  # the blocks KV transfers read or write
         self._faults = planned_faults(self.role)
         self.events = WorkerEvents(self.worker_id, config.redis_url)
         # Reports can reach the gateway out of order (a slow status poll after a response);
@@ -81,7 +81,7 @@ class _Replica:
     def _transport(self):  # type: ignore[no-untyped-def]
         return make_transport(self.config.kv_transport, self.worker_id, host=self.host,
                               device=self.engine.config.device, key=self.key,
-                              kv_cache=kv_storage(self.engine.transfer_cache))
+                              kv_cache=kv_storage(self.area.cache))
 
     def _check_route(self, route_to: str | None) -> None:
         if route_to is not None and route_to != self.worker_id:
@@ -139,7 +139,7 @@ class PrefillReplica(_Replica):
         self._tripwire: tuple[str, signal.Signals] | None = None  # test-only: see _trip
         self.worker = PrefillWorker(engine, self._transport(),
                                     PrefillConfig(lease_ttl_s=config.lease_ttl_s), self.worker_id,
-                                    on_events=self.events.on_engine_events)
+                                    on_events=self.events.on_engine_events, area=self.area)
         await self.worker.start()
         self.events.start(self.info(), self.load, lambda: self.worker.engine.healthy)
 
@@ -230,7 +230,7 @@ class DecodeReplica(_Replica):
         decode_config = DecodeConfig(transfer_timeout_s=config.kv_transfer_timeout_s,
                                      control_timeout_s=config.control_timeout_s)
         self.worker = DecodeWorker(engine, self._transport(), decode_config, self.worker_id,
-                                   on_events=self.events.on_engine_events)
+                                   on_events=self.events.on_engine_events, area=self.area)
         await self.worker.start()
         self.prefill = prefill
         self._pairing: dict[str, asyncio.Lock] = {}  # one lock per prefill worker

@@ -24,10 +24,10 @@ from prometheus_client.utils import floatToGoString
 
 from deploy.grafana import dashboards, promql, rules, slo
 from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig
-from tandem.services.decode.metrics import DecodeMetrics
 from tandem.services.gateway import metrics as gateway_metrics
 from tandem.services.gateway.metrics import GatewayMetrics
-from tandem.services.prefill.metrics import PrefillMetrics
+from tandem.services.handoff.decode import DecodeMetrics
+from tandem.services.handoff.prefill import PrefillMetrics
 from tandem.services.protocol.block_hash import HashSettings
 from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving import metrics as serving_metrics

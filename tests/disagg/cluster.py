@@ -11,15 +11,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tandem.loadtest.rpc_workers.process import WorkerProcess, WorkerSpec, spawn_workers
-from tandem.services.decode.config import DecodeConfig
-from tandem.services.decode.worker import DecodeResult, DecodeWorker
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.handoff.decode import DecodeConfig, DecodeResult, DecodeWorker
+from tandem.services.handoff.prefill import Clock, PrefillConfig, PrefillWorker
 from tandem.services.kv_transfer.factory import make_transport
-from tandem.services.prefill.config import PrefillConfig
-from tandem.services.prefill.leases import Clock
-from tandem.services.prefill.worker import PrefillWorker
 from tandem.services.protocol.auth import ClusterKey
 from tandem.services.protocol.handoff import PrefillResult
 from tandem.services.protocol.request import GenerationRequest

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from tandem.services.decode.worker import KVSource
 from tandem.services.engine.kv_cache import QuantizedKV, kv_storage
-from tandem.services.kv_transfer.pairing import PairingError
+from tandem.services.handoff.decode import KVSource
+from tandem.services.handoff.pairing import PairingError
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import TRANSPORTS, local_pair, run_request
 

@@ -7,11 +7,9 @@ import asyncio
 
 import pytest
 
-from tandem.services.decode.config import DecodeConfig
-from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
-from tandem.services.decode.worker import DecodeWorker, KVSource
-from tandem.services.prefill.config import PrefillConfig
-from tandem.services.prefill.worker import PrefillWorker
+from tandem.services.handoff.decode import DecodeConfig, DecodeWorker, KVSource
+from tandem.services.handoff.prefill import PrefillConfig, PrefillWorker
+from tandem.services.protocol.outputs import DecodeRejectedError, KVTransferFailedError
 from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import (

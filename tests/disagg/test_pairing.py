@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tandem.services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
+from tandem.services.handoff.pairing import PairingError, PairingInfo, check_pairing
 from tests.disagg.cluster import local_pair
 
 BASE = PairingInfo(worker_id="p0", role="prefill", model_id="smollm2-135m", dtype="float32",

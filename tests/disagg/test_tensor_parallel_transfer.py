@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
-from tandem.services.decode.worker import KVSource
 from tandem.services.engine.kv_cache import kv_storage
-from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.prefill.config import PrefillConfig
+from tandem.services.handoff.decode import KVSource
+from tandem.services.handoff.prefill import PrefillConfig
+from tandem.services.handoff.staging import TransferArea
 from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.disagg.cluster import FakeClock, free_blocks, local_engine, local_pair, run_request
@@ -40,22 +40,22 @@ def test_one_rank_prefill_feeds_two_rank_decode_exactly(loaded_model, prompts, t
     async def scenario() -> None:
         async with local_pair(loaded_model, transport, prefill_engine=kv,
                               decode_engine={**TWO_RANKS, **kv}) as (p, d):
-            llm = d.engine.llm
-            assert llm.staging is not None and llm.local_kv_spec.num_kv_heads == 2  # of 3
+            llm, area = d.engine.llm, d.area
+            assert area.staged and llm.local_kv_spec.num_kv_heads == 2  # of 3
             for i, prompt in enumerate(batch):
                 result = await run_request(p, d, f"r{i}", prompt, GREEDY)
                 assert result.kv_source is KVSource.TRANSFER  # checksums verified on D
                 assert result.output_token_ids == expected[i]
             assert d.metrics.blocks_reused == 10  # the follow-up pulled only its new blocks
             assert d.metrics.checksum_failures == 0
-            assert len(llm._free_staging) == kv_storage(llm.staging).shape[0]  # all back
+            assert area.num_free == kv_storage(area.cache).shape[0]  # all back
 
     asyncio.run(scenario())
 
 
-def all_staging_free(llm: LLMEngine) -> bool:
-    assert llm.staging is not None
-    return len(llm._free_staging) == kv_storage(llm.staging).shape[0] and not llm._staged
+def all_staging_free(area: TransferArea) -> bool:
+    assert area.staged
+    return area.num_free == area.num_staging == kv_storage(area.cache).shape[0]
 
 
 # P with two ranks, D with one (NIXL) and with two (TCP): float32.
@@ -73,7 +73,7 @@ def test_two_rank_prefill_feeds_decode_exactly(loaded_model, prompts, transport,
         async with local_pair(loaded_model, transport, prefill_engine=TWO_RANKS,
                               decode_engine=decode_engine) as (p, d):
             llm = p.engine.llm
-            assert llm.staging is not None and llm.local_kv_spec.num_kv_heads == 2  # of 3
+            assert p.area.staged and llm.local_kv_spec.num_kv_heads == 2  # of 3
             start = await free_blocks(p)
             for i, prompt in enumerate(batch):
                 result = await run_request(p, d, f"r{i}", prompt, GREEDY)
@@ -82,9 +82,9 @@ def test_two_rank_prefill_feeds_decode_exactly(loaded_model, prompts, transport,
             assert d.metrics.blocks_reused == 10  # the follow-up pulled only its new blocks
             assert d.metrics.checksum_failures == 0
             assert p.metrics.leases_released == 3 and len(p.leases) == 0
-            assert all_staging_free(llm) and await free_blocks(p) == start
+            assert all_staging_free(p.area) and await free_blocks(p) == start
             if decode_ranks == 2:
-                assert all_staging_free(d.engine.llm)
+                assert all_staging_free(d.area)
 
     asyncio.run(scenario())
 
@@ -101,26 +101,26 @@ def test_full_staging_means_no_lease_and_decode_recomputes(loaded_model, prompts
         async with local_pair(loaded_model, "nixl", prefill_engine=TWO_RANKS, clock=clock,
                               prefill=PrefillConfig(checksums=True, lease_ttl_s=30.0,
                                                     reap_interval_s=3600.0)) as (p, d):
-            llm = p.engine.llm
-            assert llm.staging is not None and kv_storage(llm.staging).shape[0] == 40
+            area = p.area
+            assert area.staged and kv_storage(area.cache).shape[0] == 40
             start = await free_blocks(p)
             held = [await p.prefill(GenerationRequest(
                 f"held{i}", long, GREEDY), reader="d0") for i in range(2)]
             assert all(h.kv is not None and len(h.kv.block_ids) == 15 for h in held)
-            assert len(llm._free_staging) == 10
+            assert area.num_free == 10
             first = await p.prefill(GenerationRequest("r0", long, GREEDY), reader="d0")
             assert first.kv is None and not first.finished and p.metrics.unstaged == 1
-            assert p.metrics.leases_granted == 2 and len(llm._free_staging) == 10
+            assert p.metrics.leases_granted == 2 and area.num_free == 10
             result = await d.generate(GenerationRequest("r0", long, GREEDY, prefill=first))
             assert result.kv_source is KVSource.RECOMPUTE
             assert result.output_token_ids == expected
             assert d.metrics.recomputes == 1
             assert held[0].kv is not None and held[1].kv is not None
             assert await p.release(held[0].kv.lease_id, "d0")
-            assert len(llm._free_staging) == 25
+            assert area.num_free == 25
             clock.advance(31.0)
             assert await p.expire_leases() == 1
-            assert all_staging_free(llm) and await free_blocks(p) == start
+            assert all_staging_free(area) and await free_blocks(p) == start
             assert await free_blocks(d) == d.engine.llm.block_manager.num_blocks
 
     asyncio.run(scenario())

@@ -9,8 +9,8 @@ import struct
 import pytest
 
 from tandem.loadtest.rpc_workers.rpc import RpcClient, RpcError, RpcServer
+from tandem.services.handoff.prefill import LeaseTable
 from tandem.services.kv_transfer.framing import FrameError, decode_header, encode_frame
-from tandem.services.prefill.leases import LeaseTable
 from tandem.services.protocol.handoff import KVHandle, PrefillResult
 from tests.disagg.cluster import FakeClock
 

@@ -21,7 +21,8 @@ from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model import Shard, split_evenly
 from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.engine.tensor_parallel import TensorParallelError, wait_all_reduce
-from tandem.services.protocol.outputs import EngineDeadError, EngineOverloadedError
+from tandem.services.handoff.staging import TransferArea
+from tandem.services.protocol.outputs import EngineDeadError
 from tandem.services.protocol.request import GenerationRequest
 from tandem.services.protocol.sampling_params import SamplingParams
 from tests.engine.helpers import chat
@@ -58,26 +59,29 @@ def test_greedy_tokens_equal_one_rank(two_ranks: LLMEngine, loaded_model: Loaded
     hits = two_ranks.stats.prefix_cache_hits
     assert two_ranks.generate([shared], GREEDY) == one_rank.generate([shared], GREEDY)
     assert two_ranks.stats.prefix_cache_hits > hits  # its prefix came from both ranks' caches
-    assert two_ranks.staging is None  # no KV transfer, no staging blocks
 
 
-def test_a_full_staging_area_refuses_an_import_like_a_full_cache(
+def test_staging_holds_imports_until_full_and_takes_every_block_back(
         two_ranks: LLMEngine, prompts: list[list[int]]) -> None:
-    """Staging: a quarter of the 160 blocks (40, more than a 512-token context); imports of
-    15 blocks each fit twice."""
+    """A two-rank engine's transfer area (services/handoff/staging.py): a quarter of the 160
+    blocks (40, more than a 512-token context); imports of 15 blocks each fit twice."""
+    area = TransferArea(two_ranks)
+    assert area.staged and area.num_staging == 40
     prompt = prompts[3][::-1]  # 227 tokens (15 blocks), none of them cached
     free = two_ranks.stats.num_free_blocks
-    slots = [two_ranks.begin_import(GenerationRequest(f"import-{i}", prompt, SamplingParams()), 1)
-             for i in range(2)]
-    assert [len(s.transfer_block_ids) for s in slots] == [15, 15]
-    assert len(two_ranks._free_staging) == 40 - 30
-    with pytest.raises(EngineOverloadedError, match="no room to stage 15 KV blocks for import "
-                                                    r"\(10 staging blocks free\)"):
-        two_ranks.begin_import(GenerationRequest("import-2", prompt, SamplingParams()), 1)
-    assert "import-2" not in two_ranks.requests  # nothing held for it
+    staged = []
+    for i in range(3):
+        slot = two_ranks.begin_import(GenerationRequest(f"import-{i}", prompt, SamplingParams()),
+                                      1)
+        staged.append(area.reserve(f"import-{i}", slot.filled_block_ids))
+    assert [None if ids is None else len(ids) for ids in staged] == [15, 15, None]
+    assert area.num_free == 40 - 30
+    area.free("import-0")
     two_ranks.recompute_import("import-0")
-    assert two_ranks.abort_request("import-0") and two_ranks.abort_request("import-1")
-    assert len(two_ranks._free_staging) == 40 and two_ranks.stats.num_free_blocks == free
+    for i in range(3):
+        assert two_ranks.abort_request(f"import-{i}")
+        area.free(f"import-{i}")
+    assert area.num_free == 40 and two_ranks.stats.num_free_blocks == free
 
 
 def test_int8_kv_greedy_tokens_equal_one_rank(loaded_model: LoadedModel,

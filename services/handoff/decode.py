@@ -16,28 +16,105 @@ import dataclasses
 import enum
 import logging
 import time
+from bisect import bisect_left
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from opentelemetry.trace import INVALID_SPAN, Span, use_span
 
 from tandem.services import tracing
-from tandem.services.decode.config import DecodeConfig
-from tandem.services.decode.errors import DecodeRejectedError, KVTransferFailedError
-from tandem.services.decode.metrics import DecodeMetrics
-from tandem.services.decode.peers import PeerLink, PrefillPeer
-from tandem.services.decode.trace import DecodeTrace
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.kv_cache import block_bytes, kv_storage
 from tandem.services.engine.llm_engine import ImportSlot, LLMEngine
+from tandem.services.handoff.pairing import PairingError, PairingInfo, check_pairing
+from tandem.services.handoff.staging import TransferArea
+from tandem.services.handoff.trace import DecodeTrace
 from tandem.services.kv_transfer.checksum import block_checksums
-from tandem.services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
 from tandem.services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
 from tandem.services.protocol.handoff import KVHandle
 from tandem.services.protocol.kv_events import KVEvent
-from tandem.services.protocol.outputs import EngineOverloadedError, RequestError, RequestOutput
+from tandem.services.protocol.outputs import (
+    DecodeRejectedError,
+    EngineOverloadedError,
+    KVTransferFailedError,
+    RequestError,
+    RequestOutput,
+)
 from tandem.services.protocol.request import GenerationRequest
+
+ON_FAILURE = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    # A failed or timed-out transfer: prefill the prompt here ("recompute") or fail the
+    # request with KVTransferFailedError ("fail").
+    on_transfer_failure: str = "recompute"
+    transfer_timeout_s: float = 10.0
+    control_timeout_s: float = 5.0  # release/reject calls to the prefill worker
+    verify_checksums: bool = False  # debug: check pulled blocks against the sender's CRC32s
+
+    def __post_init__(self) -> None:
+        if self.on_transfer_failure not in ON_FAILURE:
+            raise ValueError(f"on_transfer_failure must be one of {ON_FAILURE}, "
+                             f"got {self.on_transfer_failure!r}")
+        for name in ("transfer_timeout_s", "control_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class PrefillPeer(Protocol):
+    async def pair(self, info: PairingInfo) -> PairingInfo: ...
+
+    async def release(self, lease_id: str, reader: str) -> bool: ...
+
+    async def reject(self, lease_id: str, reason: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class PeerLink:
+    peer: PrefillPeer
+    info: PairingInfo
+
+# Upper bounds (s) of the KV transfer time histogram: shared memory on one host up to a slow
+# network between nodes.
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                            5.0, 10.0)
+
+
+@dataclass
+class DecodeMetrics:
+    """Counters for export."""
+
+    imports: int = 0  # requests that arrived with a KV handle
+    transfers: int = 0  # successful block reads
+    bytes_moved: int = 0
+    transfer_seconds: float = 0.0
+    # Transfers per TRANSFER_SECONDS_BUCKETS bucket (not cumulative); the last one is +Inf.
+    transfer_seconds_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(TRANSFER_SECONDS_BUCKETS) + 1))
+    blocks_pulled: int = 0
+    blocks_reused: int = 0  # leading blocks already in this worker's prefix cache
+    transfer_failures: int = 0  # read errors, timeouts, checksum mismatches, lost leases
+    checksum_failures: int = 0
+    recomputes: int = 0
+    queued: int = 0  # imports with no room for the KV now, queued to prefill here instead
+    rejects: Counter[str] = field(default_factory=Counter)  # by reason
+    # Refused as unauthenticated or not meant for this worker: an unsigned pairing reply, a KV
+    # handle that is unsigned or names another reader (the prompt is recomputed here).
+    refusals: int = 0
+
+    def observe_transfer(self, seconds: float) -> None:
+        self.transfer_seconds += seconds
+        self.transfer_seconds_buckets[bisect_left(TRANSFER_SECONDS_BUCKETS, seconds)] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["rejects"] = dict(self.rejects)
+        return data
+
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +180,20 @@ class DecodeWorker:
 
     def __init__(self, engine: LLMEngine, transport: KVTransport,
                  config: DecodeConfig | None = None, worker_id: str = "decode-0",
-                 on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
-        """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``)."""
+                 on_events: Callable[[list[KVEvent]], None] | None = None,
+                 area: TransferArea | None = None) -> None:
+        """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``). ``area``:
+        the blocks the transport writes (services/handoff/staging.py; the transport was made
+        for its ``cache``): by default the engine's own, or with tensor parallelism staging
+        blocks each import scatters to every rank when it commits."""
         self.worker_id = worker_id
         self.config = config or DecodeConfig()
         self.transport = transport
         self.engine = AsyncEngine(engine, on_events)
         self.metrics = DecodeMetrics()
         self.accepting = True
-        self._blocks = block_bytes(kv_storage(engine.transfer_cache))
+        self.area = area or TransferArea(engine)
+        self._blocks = block_bytes(kv_storage(self.area.cache))
         self._block_size = engine.config.block_size
         self._peers: dict[str, PeerLink] = {}
         self._phases: dict[str, str] = {}
@@ -120,7 +202,7 @@ class DecodeWorker:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.transport.start(kv_storage(self.engine.llm.transfer_cache))
+        await self.transport.start(kv_storage(self.area.cache))
         self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
                                             self.transport).signed(self.transport.key)
 
@@ -235,7 +317,7 @@ class DecodeWorker:
             with use_span(trace.transfer(), end_on_exit=True) as span:
                 slot = await self._reserve(request, prefill.first_token, link, kv)
                 failure = None if slot is None else await self._pull(request_id, link, kv,
-                                                                     slot, span)
+                                                                     *slot, span)
                 if failure is not None:
                     tracing.mark_failed(span, failure)
         except asyncio.CancelledError:
@@ -249,9 +331,9 @@ class DecodeWorker:
             self.metrics.queued += 1
             start, source = (lambda e: e.add_request(after_first)), KVSource.QUEUED
         elif failure is None:
-            start, source = (lambda e: e.commit_import(request_id)), KVSource.TRANSFER
+            start, source = self._commit(request_id), KVSource.TRANSFER
         elif self.config.on_transfer_failure == "fail":
-            await self.engine.call(lambda e: e.abort_request(request_id))
+            await self.engine.call(self._drop(request_id))
             raise KVTransferFailedError(
                 f"request {request_id!r}: the KV transfer from prefill worker {kv.worker_id!r} "
                 f"failed ({failure}) and on_transfer_failure is 'fail'") from failure
@@ -259,7 +341,7 @@ class DecodeWorker:
             log.warning("%s: request %s: recomputing the prefill after: %s", self.worker_id,
                         request_id, failure)
             self.metrics.recomputes += 1
-            start, source = (lambda e: e.recompute_import(request_id)), KVSource.RECOMPUTE
+            start, source = self._recompute(request_id), KVSource.RECOMPUTE
         return self._stream(request_id, source, start, trace)
 
     def _metrics(self) -> dict[str, Any]:
@@ -279,11 +361,23 @@ class DecodeWorker:
                             trace=trace if trace.recording else None)
 
     async def _reserve(self, request: GenerationRequest, first_token: int,
-                       link: PeerLink | None, kv: KVHandle) -> ImportSlot | None:
-        """Blocks for the import, or None (the lease rejected) when none are free now: the
-        request is then queued to prefill here, never refused after its first token."""
+                       link: PeerLink | None, kv: KVHandle
+                       ) -> tuple[ImportSlot, tuple[int, ...]] | None:
+        """Blocks for the import and the blocks the transfer writes (``TransferArea``), or
+        None (the lease rejected) when either has no room now: the request is then queued to
+        prefill here, never refused after its first token."""
+        def begin(engine: LLMEngine) -> tuple[ImportSlot, tuple[int, ...]]:
+            slot = engine.begin_import(request, first_token)
+            ids = self.area.reserve(request.request_id, slot.filled_block_ids)
+            if ids is None:
+                engine.abort_request(request.request_id)
+                raise EngineOverloadedError(
+                    f"no room to stage {len(slot.filled_block_ids)} KV blocks for import "
+                    f"({self.area.num_free} staging blocks free)")
+            return slot, ids
+
         try:
-            return await self.engine.call(lambda e: e.begin_import(request, first_token))
+            return await self.engine.call(begin)
         except EngineOverloadedError as exc:
             log.info("%s: request %s: %s; queued to prefill here", self.worker_id,
                      request.request_id, exc)
@@ -294,7 +388,8 @@ class DecodeWorker:
             raise
 
     async def _pull(self, request_id: str, link: PeerLink | None, kv: KVHandle,
-                    slot: ImportSlot, span: Span = INVALID_SPAN) -> KVTransferError | None:
+                    slot: ImportSlot, transfer_ids: tuple[int, ...], span: Span = INVALID_SPAN
+                    ) -> KVTransferError | None:
         """Fill the import's blocks and confirm the lease; the failure, if any."""
         skip = slot.num_cached_blocks
         self.metrics.blocks_reused += skip
@@ -313,7 +408,7 @@ class DecodeWorker:
             if skip < len(kv.block_ids):
                 start = time.perf_counter()
                 nbytes = await self.transport.read_blocks(
-                    kv.worker_id, kv.block_ids[skip:], slot.transfer_block_ids,
+                    kv.worker_id, kv.block_ids[skip:], transfer_ids,
                     self.config.transfer_timeout_s, kv.lease_id)
                 self.metrics.observe_transfer(time.perf_counter() - start)
                 self.metrics.bytes_moved += nbytes
@@ -324,7 +419,7 @@ class DecodeWorker:
                     span.set_attributes({"tandem.kv.blocks_pulled": len(kv.block_ids) - skip,
                                          "tandem.kv.bytes": nbytes})
                 if self.config.verify_checksums and kv.checksums is not None:
-                    self._verify(kv, slot, skip)
+                    self._verify(kv, transfer_ids, skip)
         except KVTransferError as exc:
             self.metrics.transfer_failures += 1
             self.metrics.checksum_failures += isinstance(exc, KVChecksumError)
@@ -363,9 +458,9 @@ class DecodeWorker:
         raise KVTransferError(f"the KV handle for lease {kv.lease_id} of {kv.worker_id!r} "
                               f"{problem}")
 
-    def _verify(self, kv: KVHandle, slot: ImportSlot, skip: int) -> None:
+    def _verify(self, kv: KVHandle, transfer_ids: tuple[int, ...], skip: int) -> None:
         assert kv.checksums is not None
-        got = block_checksums(self._blocks, slot.transfer_block_ids)
+        got = block_checksums(self._blocks, transfer_ids)
         for i, (want, have) in enumerate(zip(kv.checksums[skip:], got, strict=True), skip):
             if want != have:
                 raise KVChecksumError(f"block {i} of lease {kv.lease_id}: CRC32 {have:#010x}, "
@@ -385,5 +480,25 @@ class DecodeWorker:
 
     async def _abandon(self, request_id: str, link: PeerLink | None, kv: KVHandle) -> None:
         with contextlib.suppress(Exception):
-            await self.engine.call(lambda e: e.abort_request(request_id))
+            await self.engine.call(self._drop(request_id))
         await self._reject(link, kv, "aborted")
+
+    # The import's ends, on the engine thread: its blocks (and staging blocks) in every case.
+
+    def _commit(self, request_id: str) -> Callable[[LLMEngine], None]:
+        def commit(engine: LLMEngine) -> None:
+            engine.commit_import(request_id)  # first: it checks the import is still there
+            self.area.commit(request_id)  # before the next step reads the blocks
+        return commit
+
+    def _recompute(self, request_id: str) -> Callable[[LLMEngine], None]:
+        def recompute(engine: LLMEngine) -> None:
+            self.area.free(request_id)
+            engine.recompute_import(request_id)
+        return recompute
+
+    def _drop(self, request_id: str) -> Callable[[LLMEngine], None]:
+        def drop(engine: LLMEngine) -> None:
+            self.area.free(request_id)
+            engine.abort_request(request_id)
+        return drop

@@ -10,24 +10,120 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.kv_cache import block_bytes, kv_storage
 from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.handoff.pairing import PairingError, PairingInfo, check_pairing
+from tandem.services.handoff.staging import TransferArea
+from tandem.services.handoff.trace import PrefillTrace
 from tandem.services.kv_transfer.checksum import block_checksums
-from tandem.services.kv_transfer.pairing import PairingError, PairingInfo, check_pairing
 from tandem.services.kv_transfer.transport import KVTransport
-from tandem.services.prefill.config import PrefillConfig
-from tandem.services.prefill.leases import Clock, Lease, LeaseTable
-from tandem.services.prefill.metrics import PrefillMetrics
-from tandem.services.prefill.trace import PrefillTrace
 from tandem.services.protocol.handoff import KVHandle, PrefillResult
 from tandem.services.protocol.kv_events import KVEvent
-from tandem.services.protocol.outputs import RequestOutput
+from tandem.services.protocol.outputs import PinnedKV, RequestOutput
 from tandem.services.protocol.request import GenerationRequest
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    lease_ttl_s: float = 30.0  # pinned blocks are freed this long after the first token
+    reap_interval_s: float | None = None  # how often expiry is checked; None: ttl/4, <= 1 s
+    checksums: bool = False  # debug: send a CRC32 per block for the decode worker to verify
+
+    def __post_init__(self) -> None:
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.reap_interval_s is not None and self.reap_interval_s <= 0:
+            raise ValueError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
+
+    @property
+    def reap_every_s(self) -> float:
+        return self.reap_interval_s or min(1.0, self.lease_ttl_s / 4)
+
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Lease:
+    lease_id: str  # 128 random bits: the reader holding it may read block_ids (no more)
+    request_id: str
+    expires_at: float  # on the table's clock
+    block_ids: frozenset[int] = frozenset()
+    reader: str | None = None  # the decode worker it was offered to; None: any
+
+    def for_reader(self, reader: str | None) -> bool:
+        return self.reader is None or self.reader == reader
+
+
+class LeaseTable:
+    def __init__(self, ttl_s: float, clock: Clock = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._leases: dict[str, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def grant(self, request_id: str, block_ids: Iterable[int] = (),
+              reader: str | None = None) -> Lease:
+        lease = Lease(secrets.token_hex(16), request_id, self.clock() + self.ttl_s,
+                      frozenset(block_ids), reader)
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def covers(self, lease_id: str, block_ids: Sequence[int], reader: str) -> bool:
+        """Whether a live lease ``lease_id`` offered to ``reader`` holds every one of
+        ``block_ids`` (the KV transport's ``reads_allowed``: one dict lookup)."""
+        lease = self._leases.get(lease_id)
+        return (lease is not None and lease.expires_at > self.clock()
+                and lease.for_reader(reader) and lease.block_ids.issuperset(block_ids))
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def take(self, lease_id: str) -> Lease | None:
+        """End a lease (release or reject); None if it already ended or never existed."""
+        return self._leases.pop(lease_id, None)
+
+    def take_expired(self) -> list[Lease]:
+        now = self.clock()
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self._leases[lease.lease_id]
+        return expired
+
+
+@dataclass
+class PrefillMetrics:
+    """Counters for export; every lease ends released, rejected or expired."""
+
+    prefills: int = 0
+    leases_granted: int = 0
+    leases_released: int = 0
+    leases_rejected: int = 0
+    leases_expired: int = 0
+    # Prefills that ended without a lease: tensor parallelism, every staging block held
+    # (the decode worker recomputes the prompt)
+    unstaged: int = 0
+    late_messages: int = 0  # release/reject for a lease that had already ended
+    # Refused as unauthenticated or not meant for the sender: an unsigned pairing, a release by
+    # a worker the lease was not offered to (the KV transport counts its own refusals).
+    refusals: int = 0
+    reject_reasons: Counter[str] = field(default_factory=Counter)
+
+    def snapshot(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["reject_reasons"] = dict(self.reject_reasons)
+        return data
+
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +134,12 @@ class PrefillWorker:
     def __init__(self, engine: LLMEngine, transport: KVTransport,
                  config: PrefillConfig | None = None, worker_id: str = "prefill-0",
                  clock: Clock = time.monotonic,
-                 on_events: Callable[[list[KVEvent]], None] | None = None) -> None:
-        """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``). With
-        tensor parallelism the transport serves the engine's staging blocks (``transfer_cache``),
-        into which each pinned prompt's blocks are gathered from every rank."""
+                 on_events: Callable[[list[KVEvent]], None] | None = None,
+                 area: TransferArea | None = None) -> None:
+        """``on_events``: the sink of the engine's KV events (see ``AsyncEngine``). ``area``:
+        the blocks the transport serves (services/handoff/staging.py; the transport was made
+        for its ``cache``); by default the engine's own, or with tensor parallelism staging
+        blocks into which each pinned prompt's blocks are gathered from every rank."""
         self.worker_id = worker_id
         self.config = config or PrefillConfig()
         self.transport = transport
@@ -50,14 +148,15 @@ class PrefillWorker:
         self.transport.reads_allowed = self.leases.covers  # a read needs a live lease
         self.metrics = PrefillMetrics()
         self.peers: dict[str, PairingInfo] = {}  # decode workers met so far
-        self._blocks = block_bytes(kv_storage(engine.transfer_cache))
+        self.area = area or TransferArea(engine)
+        self._blocks = block_bytes(kv_storage(self.area.cache))
         self._info: PairingInfo | None = None
         self._reaper: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.transport.start(kv_storage(self.engine.llm.transfer_cache))
+        await self.transport.start(kv_storage(self.area.cache))
         self._info = PairingInfo.for_engine(self.engine.llm, self.worker_id, self.role,
                                             self.transport).signed(self.transport.key)
         self._reaper = asyncio.create_task(self._reap(), name=f"{self.worker_id}-leases")
@@ -132,21 +231,21 @@ class PrefillWorker:
         trace.first_token(last, self.engine.llm.config.max_num_batched_tokens)
         self.metrics.prefills += 1
         handle = None
-        if last.kv is None and last.finish_reason is None:
+        transfer_ids = None if last.kv is None else await self._export(request_id, last.kv)
+        if last.kv is not None and transfer_ids is None:
             # Tensor parallelism with every staging block held by other leases: no KV to
             # offer; the decode worker prefills the prompt itself.
             self.metrics.unstaged += 1
             log.warning("%s: request %s: no free staging blocks for its %d prompt blocks; "
                         "the decode worker will recompute its prefill", self.worker_id,
-                        request_id,
-                        -(-request.num_prompt_tokens // self.engine.llm.config.block_size))
-        if last.kv is not None:
-            lease = self.leases.grant(request_id, last.kv.block_ids, reader)
+                        request_id, len(last.kv.block_ids))
+        if last.kv is not None and transfer_ids is not None:
+            lease = self.leases.grant(request_id, transfer_ids, reader)
             self.metrics.leases_granted += 1
             self.transport.expect_reads(self.config.lease_ttl_s)  # until the lease expires
-            checksums = (tuple(block_checksums(self._blocks, last.kv.block_ids))
+            checksums = (tuple(block_checksums(self._blocks, transfer_ids))
                          if self.config.checksums else None)
-            handle = KVHandle(self.worker_id, lease.lease_id, last.kv.block_ids,
+            handle = KVHandle(self.worker_id, lease.lease_id, transfer_ids,
                               last.kv.num_tokens, checksums, reader
                               ).signed(self.transport.key)
         return PrefillResult(
@@ -212,9 +311,31 @@ class PrefillWorker:
 
     # -- internals ------------------------------------------------------------------------
 
+    async def _export(self, request_id: str, pinned: PinnedKV) -> tuple[int, ...] | None:
+        """The blocks the lease offers for a pinned prompt (``TransferArea.export``); None
+        (its blocks freed) when there is no room to stage them."""
+        if not self.area.staged:
+            return self.area.export(request_id, pinned.block_ids)
+        try:
+            ids = await self.engine.call(lambda _: self.area.export(request_id,
+                                                                     pinned.block_ids))
+        except BaseException:  # cancelled while gathering: nobody will lease the blocks
+            await asyncio.shield(self._unpin([request_id]))
+            raise
+        if ids is None:
+            await self._unpin([request_id])
+        return ids
+
     async def _free(self, leases: list[Lease]) -> None:
-        ids = [lease.request_id for lease in leases]
-        await self.engine.call(lambda engine: [engine.release_kv(i) for i in ids])
+        await self._unpin([lease.request_id for lease in leases])
+
+    async def _unpin(self, ids: list[str]) -> None:
+        def unpin(engine: LLMEngine) -> None:
+            for request_id in ids:
+                self.area.free(request_id)
+                engine.release_kv(request_id)
+
+        await self.engine.call(unpin)
 
     async def _reap(self) -> None:
         while True:
