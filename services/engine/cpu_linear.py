@@ -33,9 +33,13 @@ PACK_BATCH_HINT = 32
 
 
 def packing_available(device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack and run bfloat16 weights here (its bfloat16 path needs
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU runs ``F.linear``)."""
+    mkldnn = torch.ops.mkldnn
     return (torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype == torch.bfloat16
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and dtype == torch.bfloat16 and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported")
+            and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
 @dataclass(frozen=True)
