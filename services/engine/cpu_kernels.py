@@ -1,5 +1,6 @@
-"""Our C kernels for bfloat16 on a CPU (``csrc/``): built with the machine's C compiler the
-first time a process needs them, cached, loaded with ctypes. Their ABI is ``csrc/tandem.h``,
+"""Our C kernels for bfloat16 on a CPU (``csrc/``): built at install into the package
+(kernel_build.py, run by setup.py), else with the machine's C compiler the first time a process
+needs them and cached; loaded with ctypes. Their ABI is ``csrc/tandem.h``,
 declared once: ``SIGNATURES`` and the ctypes structs here are checked against it (the structs'
 sizes and offsets when the library loads; the argument lists by tests/engine/test_cpu_abi.py).
 
@@ -16,10 +17,10 @@ They run on x86 CPUs with AVX-512 BF16 (Intel Cooper Lake and Sapphire Rapids on
 the projections and prefill attention also need AMX (Sapphire Rapids on: ``Kernels.amx``), and a
 compiler with AMX intrinsics (GCC 11, Clang 12 on; with an older one the rest is built without
 them).
-``unavailable_reason()`` says why they cannot run here (None: they can); the library is built
-once per source and compiler flags into ``$XDG_CACHE_HOME/tandem/kernels`` (``~/.cache``; the
-temp directory when that is not writable), written to a temporary file renamed into place, so
-processes building at once do not clash. The compiler is ``$CC``, else ``cc``. The calls release
+``unavailable_reason()`` says why they cannot run here (None: they can). Without a library built
+at install for these sources, one is built once per source, compiler and flags into
+``$XDG_CACHE_HOME/tandem/kernels`` (``~/.cache``; the temp directory when that is not
+writable), a warning saying so. The compiler is ``$CC``, else ``cc``. The calls release
 the GIL (ctypes) and run on the calling thread; with ``threads`` 2 (decode and prefill attention,
 the projections, RMSNorm and the rotary embedding) the helper thread of ``pool.c`` takes part of
 each call too.
@@ -29,34 +30,28 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tandem.services.engine.kernel_build import (
+    BUILDS,
+    PREBUILT,
+    build,
+    compiler,
+    library_name,
+)
+
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention.c", CSRC / "fused_ops.c", CSRC / "pool.c", CSRC / "abi.c")
-AMX_SOURCES = (CSRC / "linear.c", CSRC / "prefill_attention.c", CSRC / "layers.c")
-HEADERS = (CSRC / "tandem.h", CSRC / "simd.h", CSRC / "pool.h", CSRC / "amx.h")
 AMX_FUNCTIONS = ("linear_bf16", "prefill_attention_bf16", "amx_enable", "layers_bf16")
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
-          "-shared")
-AMX_CFLAGS = ("-mamx-tile", "-mamx-bf16")
-# What is built, the first that builds: everything, then (a compiler without AMX intrinsics:
-# GCC < 11, Clang < 12) everything but the AMX projections.
-BUILDS = ((SOURCES + AMX_SOURCES, CFLAGS + AMX_CFLAGS), (SOURCES, CFLAGS))
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
-BUILD_TIMEOUT_S = 120.0
 # The decode kernel's limits (csrc/decode_attention.c): head_dim a multiple of 32 up to 256, at most
 # 64 query rows per KV head (group size x query rows per sequence), 1,024 over the KV heads.
 MAX_HEAD_DIM = 256
@@ -356,19 +351,26 @@ def _load() -> Kernels | str:
     missing = _missing_cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return "no C compiler (cc, or $CC) to build it"
+    for sources, flags in BUILDS:  # built at install: no compiler needed
+        prebuilt = PREBUILT / library_name(sources, flags)
+        if prebuilt.exists():
+            try:
+                return Kernels(prebuilt)
+            except OSError as e:
+                log.warning("the CPU kernels built at install do not load (%s); building them", e)
+    cc = compiler()
+    if cc is None:
+        return "it was not built at install and there is no C compiler (cc, or $CC) to build it"
     errors = []
     for sources, flags in BUILDS:
-        digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*sources, *HEADERS))
-                                + " ".join((compiler, *flags)).encode())
-        name = f"tandem-cpu-{digest.hexdigest()[:16]}.so"
+        name = library_name(sources, flags, cc)
         for directory in _cache_dirs():
             path = directory / name
             try:
                 if not path.exists():
-                    _build(compiler, sources, flags, directory, path)
+                    log.info("the CPU kernels were not built at install (pip install builds "
+                             "them); building them now into %s", directory)
+                    build(cc, sources, flags, path)
                 return Kernels(path)
             except (OSError, subprocess.SubprocessError) as e:
                 errors.append(f"{directory}: {e}")
@@ -416,22 +418,3 @@ def _cache_dirs() -> list[Path]:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return [Path(base) / "tandem" / "kernels",
             Path(tempfile.gettempdir()) / f"tandem-kernels-{os.getuid()}"]
-
-
-def _build(compiler: str, sources: tuple[Path, ...], flags: tuple[str, ...], directory: Path,
-           path: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
-                              check=False)
-        if done.returncode != 0:
-            raise OSError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built the CPU kernels in %.1f s: %s", time.monotonic() - started, path)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tandem.services.engine import cpu_kernels
+from tandem.services.engine import cpu_kernels, kernel_build
 
-HEADER = cpu_kernels.CSRC / "tandem.h"
+HEADER = kernel_build.CSRC / "tandem.h"
 C_TYPES = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int}
 
 
@@ -40,7 +40,7 @@ def test_signatures_match_the_header() -> None:
 
 
 def test_every_source_includes_the_header() -> None:
-    sources = [*cpu_kernels.SOURCES, *cpu_kernels.AMX_SOURCES]
+    sources = [*kernel_build.SOURCES, *kernel_build.AMX_SOURCES]
     lacking = [s.name for s in sources if s.name != "pool.c"
                and '#include "tandem.h"' not in s.read_text()]
     assert lacking == []
@@ -51,7 +51,7 @@ def test_a_library_with_another_struct_layout_is_refused(tmp_path: Path) -> None
     if compiler is None:
         pytest.skip("no C compiler here to build the library with")
     src = tmp_path / "csrc"
-    shutil.copytree(cpu_kernels.CSRC, src)
+    shutil.copytree(kernel_build.CSRC, src)
     header = src / "tandem.h"
     text = header.read_text()
     moved = text.replace("    float eps, scale;\n", "    double eps, scale;\n")  # wider fields
@@ -72,8 +72,9 @@ def test_a_library_with_another_struct_layout_is_refused(tmp_path: Path) -> None
 
 def test_a_failed_build_is_one_warning_and_the_engine_names_its_backend(tmp_path: Path
                                                                        ) -> None:
-    """A compiler that fails (a real process exiting 1): the engine serves bfloat16 on torch,
-    says so in one warning line naming why, and reports the backend it runs."""
+    """No library built at install (an empty TANDEM_KERNELS_DIR) and a compiler that fails (a
+    real process exiting 1): the engine serves bfloat16 on torch, says so in one warning line
+    naming why, and reports the backend it runs."""
     import os
     import sys
 
@@ -82,12 +83,18 @@ def test_a_failed_build_is_one_warning_and_the_engine_names_its_backend(tmp_path
             "from tandem.services.engine.config import EngineConfig; "
             "e = LLMEngine(EngineConfig(dtype='bfloat16', num_kv_blocks=16)); "
             "print('BACKEND', e.attention_backend)")
+    (tmp_path / "none").mkdir()
     env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path),
+           "TANDEM_KERNELS_DIR": str(tmp_path / "none"),
            "TMPDIR": str(tmp_path), "TQDM_DISABLE": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300, check=True)
     assert done.stdout.splitlines()[-1] == "BACKEND torch"
     warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1, done.stderr
-    assert "attention backend torch, not our CPU kernels: could not build it" in warnings[0]
-    assert "/bin/false exited 1" in warnings[0]
+    # The reason: the failed build, or on a CPU without AVX-512 BF16 (checked first) that.
+    missing = cpu_kernels._missing_cpu_flags()
+    reason = (f"this CPU lacks {', '.join(missing)}" if missing
+              else "could not build it")
+    assert f"attention backend torch, not our CPU kernels: {reason}" in warnings[0]
+    assert missing or "/bin/false exited 1" in warnings[0]

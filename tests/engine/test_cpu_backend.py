@@ -175,6 +175,7 @@ def test_auto_chooses_cpu_for_a_bfloat16_cache_only() -> None:
 
 
 def test_without_a_compiler_auto_falls_back_and_cpu_says_why(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(cpu_kernels, "PREBUILT", tmp_path / "none")  # not built at install
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_kernels.tempfile, "tempdir", str(tmp_path / "tmp"))
