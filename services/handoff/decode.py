@@ -35,6 +35,7 @@ from tandem.services.kv_transfer.checksum import block_checksums
 from tandem.services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
 from tandem.services.protocol.handoff import KVHandle
 from tandem.services.protocol.kv_events import KVEvent
+from tandem.services.protocol.messages import TRANSFER_SECONDS_BUCKETS
 from tandem.services.protocol.outputs import (
     DecodeRejectedError,
     EngineOverloadedError,
@@ -78,10 +79,6 @@ class PeerLink:
     peer: PrefillPeer
     info: PairingInfo
 
-# Upper bounds (s) of the KV transfer time histogram: shared memory on one host up to a slow
-# network between nodes.
-TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                            5.0, 10.0)
 
 
 @dataclass

@@ -50,6 +50,13 @@ class WorkerLoad:
     running_sequences: int = 0
 
 
+# Upper bounds (s) of the KV transfer time histogram: shared memory on one host up to a slow
+# network between nodes. A decode worker counts its pulls in these buckets; the gateway exports
+# them as a histogram.
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                            5.0, 10.0)
+
+
 class ReplicaGoneError(UnavailableError):
     """The replica the router named is not the one the call reached (it is gone or being
     replaced). The caller fails over explicitly; see services/serving/request_router.py.

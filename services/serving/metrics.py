@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from tandem.router import Router
-from tandem.services.handoff.decode import TRANSFER_SECONDS_BUCKETS
+from tandem.services.protocol.messages import TRANSFER_SECONDS_BUCKETS
 from tandem.services.serving.backend import RESUME_SECONDS_BUCKETS, MigrationStats
 from tandem.services.serving.cluster_view import WorkerSnapshot
 from tandem.services.serving.config import AppConfig
