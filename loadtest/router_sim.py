@@ -43,7 +43,7 @@ from tandem.router import (
     attach_worker,
 )
 from tandem.router.hashing import PromptHasher
-from tandem.router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
+from tandem.router.scoring import rendezvous_choose, rendezvous_key, rendezvous_weight
 from tandem.services.protocol.block_hash import BlockHash, HashSettings
 from tandem.services.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
 

@@ -70,7 +70,7 @@ def build(ticks: int, tick_s: float):  # type: ignore[no-untyped-def]
 
     from tandem.router import WorkerLoad
     from tandem.services.protocol.messages import WorkerReport
-    from tandem.services.serving.channel_outbox import ChannelOutbox
+    from tandem.services.serving.decode_channel import ChannelOutbox
 
     @serve.deployment
     class Producer:

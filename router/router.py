@@ -35,9 +35,16 @@ from tandem.router.hashing import PromptHasher
 from tandem.router.index import EventOrder, PrefixIndex
 from tandem.router.inflight import InFlight
 from tandem.router.registry import Clock, WorkerRecord, WorkerRegistry, settings_mismatch
-from tandem.router.rendezvous import rendezvous_choose, rendezvous_key, rendezvous_weight
 from tandem.router.round_robin import RoundRobin
-from tandem.router.scoring import decode_score, lowest, power_of_two, prefill_cost
+from tandem.router.scoring import (
+    decode_score,
+    lowest,
+    power_of_two,
+    prefill_cost,
+    rendezvous_choose,
+    rendezvous_key,
+    rendezvous_weight,
+)
 from tandem.services.protocol.block_hash import BlockHash
 
 log = logging.getLogger(__name__)

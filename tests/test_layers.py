@@ -96,7 +96,7 @@ def _cycles() -> list[list[str]]:
 
 
 def test_the_reader_sees_the_tree() -> None:
-    assert len(MODULES) > 200
+    assert len(MODULES) > 150
     assert "tandem.services.engine.model" in EDGES["tandem.services.engine.llm_engine"]
 
 

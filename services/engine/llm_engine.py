@@ -537,8 +537,8 @@ class LLMEngine:
     def _forget(self, seq: Sequence) -> None:
         """Drop per-request state kept outside the sequence (speculation)."""
         seq.spec_token_ids = []
-        self.spec_policy.forget(seq.request_id)
         if self.proposer is not None:
+            self.spec_policy.forget(seq.request_id)
             self.proposer.forget(seq.request_id)
 
     def _pin(self, seq: Sequence) -> PinnedKV:

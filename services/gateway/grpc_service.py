@@ -110,7 +110,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """Writes each delta as it comes; a write waits while the call's HTTP/2 window and write
     buffer are full, so a client that stops reading stops the stream. One that has read
     nothing for ``client_read_timeout_s`` is cut (request aborted and counted, the call ended
-    with CANCELLED), as over HTTP (event_stream.py)."""
+    with CANCELLED), as over HTTP (http_io.py)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway

@@ -17,11 +17,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.services.gateway.body_limit import BodyLimitMiddleware, Scope
 from tandem.services.gateway.choices import Choices, cumulative_logprob, start_choices, total_usage
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.errors import GatewayError, bad_request
-from tandem.services.gateway.event_stream import AbortConnection, EventStream
+from tandem.services.gateway.http_io import AbortConnection, BodyLimitMiddleware, EventStream, Scope
 from tandem.services.gateway.inputs import (
     check_token_ids,
     new_request_id,
@@ -64,7 +63,7 @@ class ClientDisconnected(Exception):
 
 def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None = None) -> FastAPI:
     """Build the ASGI app around a gateway (served by ``FrontEnds``, runner.py).
-    ``abort_connection`` drops a slow client's connection (event_stream.py)."""
+    ``abort_connection`` drops a slow client's connection (http_io.py)."""
     # FastAPI's own request spans stay off: the gateway.request span (request_trace.py) is the
     # HTTP and gRPC server span alike, and probes of /health and /metrics are not traced.
     app = FastAPI(title="Tandem", version=version(), docs_url="/docs", redoc_url=None,
@@ -181,8 +180,10 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 with trace.phase("gateway.tokenize") as span:
                     functions = body.functions()
                     own = gateway.tokenizer.template_renders_tools
+                    messages = body.chat_messages()
                     prompt = tokenize_chat(gateway.tokenizer,
-                                           with_tools(body.chat_messages(), functions, own),
+                                           with_tools(messages, functions, own) if functions
+                                           else messages,
                                            [f.spec() for f in functions] if own else None,
                                            body.chat_template_kwargs)
                     span.set_attribute("tandem.prompt_tokens", len(prompt))

@@ -393,7 +393,7 @@ class ChatCompletionRequest(_CommonRequest):
 
     def structured_output_field(self) -> tuple[str, StructuredOutput] | None:
         stated = super().structured_output_field()
-        forced = tool_constraint(self.functions(), self.tool_mode())
+        forced = tool_constraint(self.functions(), self.tool_mode()) if self.tools else None
         if forced is None:
             return stated
         if stated is not None:

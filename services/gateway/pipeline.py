@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from tandem.services.engine.tokenizer import Tokenizer
 from tandem.services.gateway.backend import GenerationBackend
-from tandem.services.gateway.detokenizer import IncrementalDetokenizer
 from tandem.services.gateway.errors import GatewayError, from_backend
 from tandem.services.gateway.metrics import ERROR, RequestTimer, failure_reason
-from tandem.services.gateway.stop_strings import StopStringMatcher
 from tandem.services.protocol.outputs import DeadlineExceededError, RequestOutput, TokenLogprobs
 from tandem.services.protocol.request import GenerationRequest
 
@@ -152,3 +150,92 @@ def _apply_output(out: RequestOutput, delta: Delta, detok: IncrementalDetokenize
     result = stops.feed(detok.flush())
     delta.text += result.text + stops.flush()
     return "stop" if result.stopped else str(out.finish_reason or "stop")
+
+
+# -- Incremental detokenization ----------------------------------------------------------------
+# Incremental detokenization that never emits part of a UTF-8 character. Byte-level BPE tokens
+# can end in the middle of a multi-byte character; decoding such a prefix gives U+FFFD. The text
+# after a window of recent tokens is held back until a later token completes the character.
+# Decoding a few tokens of context before the new ones also keeps tokenizers that drop a leading
+# space on the first decoded token (SentencePiece) right.
+
+
+_REPLACEMENT = "\ufffd"
+_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # start of the decode window
+        self._read_offset = len(self._ids)  # tokens before this are emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the text it completes (may be empty)."""
+        self._ids.append(token_id)
+        prefix_text, full_text = self._window_texts()
+        if len(full_text) > len(prefix_text) and not full_text.endswith(_REPLACEMENT):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return full_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """The text still held back (a dangling partial character decodes as U+FFFD)."""
+        prefix_text, full_text = self._window_texts()
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full_text[len(prefix_text):]
+
+    def _window_texts(self) -> tuple[str, str]:
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special)
+        full = decode(self._ids[self._prefix_offset:], self._skip_special)
+        return prefix, full
+
+
+# -- Stop strings ------------------------------------------------------------------------------
+# Stop strings over streamed text: emit what cannot be the start of a stop, hold the rest.
+
+
+@dataclass
+class StopResult:
+    text: str  # safe to emit now
+    stopped: bool  # a stop string was found; ``text`` ends right before it
+
+
+class StopStringMatcher:
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._pending = ""  # text not emitted yet: a possible start of a stop string
+        self.stopped = False
+
+    def feed(self, text: str) -> StopResult:
+        if self.stopped:
+            return StopResult("", True)
+        if not self._stops:
+            return StopResult(text, False)
+        pending = self._pending + text
+        # Anything emitted earlier could not start a match, so every match lies in ``pending``.
+        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._pending = ""
+            return StopResult(pending[:min(hits)], True)
+        hold = max(self._partial_match(pending, s) for s in self._stops)
+        self._pending = pending[len(pending) - hold:] if hold else ""
+        return StopResult(pending[:len(pending) - hold], False)
+
+    def flush(self) -> str:
+        """The held-back text, once generation ended without a stop string."""
+        text, self._pending = ("" if self.stopped else self._pending), ""
+        return text
+
+    @staticmethod
+    def _partial_match(text: str, stop: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+        for k in range(min(len(text), len(stop) - 1), 0, -1):
+            if text.endswith(stop[:k]):
+                return k
+        return 0

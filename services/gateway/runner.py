@@ -41,7 +41,7 @@ class FrontEnds:
 
     ``start()`` returns once both accept connections; port 0 picks a free port. The gateway's
     Serve replica runs these itself (Serve's HTTP proxy is off): uvicorn's flow control then
-    reaches the gateway, which cuts clients that stop reading (event_stream.py). With ``tls``
+    reaches the gateway, which cuts clients that stop reading (http_io.py). With ``tls``
     both serve TLS only (HTTPS; gRPC over TLS).
     """
 

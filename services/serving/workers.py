@@ -3,10 +3,11 @@
 A replica's worker id is its Serve replica id, so the router's choice names a replica. Every
 call between processes goes through Serve handles (one control plane, docs/architecture.md):
 the gateway's ``prefill`` / ``reject`` / ``status``, its decode ``channel`` (one stream per
-gateway and decode replica, services/serving/channel_outbox.py) / ``submit`` / ``abort``, and
-the decode replica's ``pair`` / ``release`` / ``reject`` on the prefill replica. Each call names
-its replica with ``route_to``; a replica that is not the one named raises ``ReplicaGoneError``
-(see request_router.py). KV blocks move over the configured transport (NIXL or TCP).
+gateway and decode replica: services/serving/decode_channel.py, ``ChannelOutbox``) /
+``submit`` / ``abort``, and the decode replica's ``pair`` / ``release`` / ``reject`` on the
+prefill replica. Each call names its replica with ``route_to``; a replica that is not the one
+named raises ``ReplicaGoneError`` (see request_router.py). KV blocks move over the configured
+transport (NIXL or TCP).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from tandem.services.protocol.auth import ClusterKey
 from tandem.services.protocol.handoff import PrefillResult
 from tandem.services.protocol.messages import ChannelClosedError, ReplicaGoneError, WorkerReport
 from tandem.services.protocol.request import GenerationRequest
-from tandem.services.serving.channel_outbox import ChannelItem, ChannelOutbox
 from tandem.services.serving.config import AppConfig
+from tandem.services.serving.decode_channel import ChannelItem, ChannelOutbox
 from tandem.services.serving.worker_events import WorkerEvents
 
 Worker = PrefillWorker | DecodeWorker
@@ -240,9 +241,9 @@ class DecodeReplica(_Replica):
 
     async def channel(self, channel_id: str, route_to: str | None = None
                       ) -> AsyncIterator[list[ChannelItem]]:
-        """A gateway's decode channel (services/serving/channel_outbox.py): a hello, then one
-        list whenever any of its requests produced output. Ends only when the gateway cancels
-        it (or goes away); then every request still on it is aborted."""
+        """A gateway's decode channel (services/serving/decode_channel.py, ``ChannelOutbox``): a
+        hello, then one list whenever any of its requests produced output. Ends only when the
+        gateway cancels it (or goes away); then every request still on it is aborted."""
         self._check_route(route_to)
         outbox = self._channels[channel_id] = ChannelOutbox(channel_id, self.report)
         try:

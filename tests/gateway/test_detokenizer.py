@@ -4,7 +4,7 @@ import pytest
 
 from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.engine.tokenizer import Tokenizer
-from tandem.services.gateway.detokenizer import IncrementalDetokenizer
+from tandem.services.gateway.pipeline import IncrementalDetokenizer
 
 # CJK and emoji: byte-level BPE splits these characters across tokens.
 TEXT = "Tandem says héllo 日本語 and 🤖🚀 — naïve café, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 done."

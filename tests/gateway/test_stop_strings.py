@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from tandem.services.gateway.stop_strings import StopStringMatcher
+from tandem.services.gateway.pipeline import StopStringMatcher
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:
