@@ -84,6 +84,16 @@ def default_shape(settings: dict[str, Any], cpus: int | None = None,
         f"to split anyway)")
 
 
+def _kernels_run(config: AppConfig, dtype: str) -> bool:
+    """Whether the engines run our CPU kernels (bfloat16 on a CPU that can), whose helper
+    thread ``kernel_threads`` adds."""
+    if dtype != "bfloat16" or config.engine_device() != "cpu":
+        return False
+    from tandem.services.engine import cpu_kernels
+
+    return cpu_kernels.unavailable_reason() is None
+
+
 def ready_line(config: AppConfig) -> str:
     shape = ("colocated" if config.colocated
              else f"{config.prefill_replicas} prefill, {config.decode_replicas} decode")
@@ -91,13 +101,13 @@ def ready_line(config: AppConfig) -> str:
     if tp > 1:
         shape += f" ({tp} ranks{'' if config.colocated else ' each'})"
     threads = config.engine_threads()
+    dtype, why = config.engine_dtype()
     shape += (f"; {threads} torch thread{'s' if threads > 1 else ''} per engine"
               f"{' rank' if tp > 1 else ''}")
-    if config.engine_kernel_threads() > 1:
+    if config.engine_kernel_threads() > 1 and _kernels_run(config, dtype):
         shape += " (+1 for our CPU kernels)"
     if config.threads_per_worker is None:
         shape += f", from {len(os.sched_getaffinity(0))} CPUs"
-    dtype, why = config.engine_dtype()
     shape += f"; dtype {dtype}" + (f" ({why})" if why else "")
     keys = "API keys on" if config.api_keys_file else "no API keys"
     tls = "" if config.tls_cert_file is None else " (TLS)"
