@@ -20,7 +20,8 @@ from tandem.services.engine.config import (
     WEIGHT_FORMATS,
 )
 from tandem.services.extras import MissingExtra, require
-from tandem.services.protocol.request import GenerationRequest
+from tandem.services.kv_transfer.factory import TRANSPORTS
+from tandem.services.serving.config import DEVICES, DTYPES
 from tandem.services.version import version
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -57,6 +58,7 @@ def _add_spec_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from tandem.services.engine.config import EngineConfig, SpeculativeConfig
     from tandem.services.engine.llm_engine import LLMEngine
+    from tandem.services.protocol.request import GenerationRequest
     from tandem.services.protocol.sampling_params import SamplingParams
 
     spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
@@ -139,10 +141,10 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--max-model-len", type=int, metavar="N",
                     help="the longest prompt + output, in tokens (default: the model's, "
                          "capped by what the KV cache holds)")
-    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+    up.add_argument("--dtype", choices=list(DTYPES),
                     help="auto (default): bfloat16 on a GPU and on a CPU where our kernels run "
                          "(AVX-512 BF16), else float32; the ready line says which and why")
-    up.add_argument("--device", choices=["auto", "cpu", "cuda"],
+    up.add_argument("--device", choices=list(DEVICES),
                     help="where engines run (auto: cuda when a worker sees a GPU)")
     up.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS),
                     help="paged attention: triton kernels (CUDA), torch SDPA, cpu (our C "
@@ -162,7 +164,8 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--port", type=int, help="HTTP port (8000)")
     up.add_argument("--grpc-port", type=int, help="gRPC port (50051)")
     up.add_argument("--redis-url", help="prefix index over Redis Streams (default: in-process)")
-    up.add_argument("--kv-transport", choices=["nixl", "tcp", "auto"])
+    up.add_argument("--kv-transport", choices=list(TRANSPORTS),
+                    help="how KV blocks move between workers (auto: NIXL when it loads)")
     up.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
                     help="KV cache: auto (the model's dtype) or int8 (a scale per token and KV "
                          "head; ~1.9x the blocks of bfloat16; not with flash_attn)")
@@ -259,6 +262,32 @@ def _up(args: argparse.Namespace) -> int:
             return 1
 
 
+def settings_reference() -> str:
+    """Every AppConfig setting as a Markdown table: its YAML key (and Helm ``app.`` key), its
+    default, its ``tandem up`` flag and its comment in services/serving/config.py, the one place
+    each is declared. docs/settings.md is this output (tests/serving/test_settings.py)."""
+    import dataclasses
+
+    from tandem.services.serving.config import AppConfig, setting_comments
+
+    flags = {field: "--" + flag.replace("_", "-") for flag, field in _UP_FLAGS.items()}
+    comments = setting_comments()
+    rows = ["| setting | default | `tandem up` flag | meaning |", "|---|---|---|---|"]
+    for field in dataclasses.fields(AppConfig):
+        default = field.default
+        shown = "none" if default is None else str(default).lower() if isinstance(
+            default, bool) else str(default)
+        flag = f"`{flags[field.name]}`" if field.name in flags else ""
+        meaning = comments.get(field.name, "").replace("|", "\\|")
+        rows.append(f"| `{field.name}` | `{shown}` | {flag} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def _settings(args: argparse.Namespace) -> int:
+    print(settings_reference(), end="")
+    return 0
+
+
 def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     chat = sub.add_parser("chat", help="chat with a running server, streaming replies")
     chat.add_argument("prompt", nargs="?", help="ask once and exit (default: interactive)")
@@ -350,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)
     _add_up_parser(sub)
+    settings = sub.add_parser("settings", help="every setting of `tandem up` and its YAML file: "
+                              "default, flag, meaning (a Markdown table)")
+    settings.set_defaults(func=_settings)
     _add_chat_parser(sub)
     _add_status_parser(sub)
     try:

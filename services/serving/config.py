@@ -40,20 +40,21 @@ class AppConfig:
     # path), else float32; float32 when asked (exact against transformers' float32)
     dtype: str = "auto"
     device: str = "auto"  # where engines run: auto (cuda when the worker sees a GPU) | cpu | cuda
-    # auto (triton on CUDA, torch on CPU) | torch | triton | flash_attn (the flash-attn package;
-    # blocks of a multiple of 256 tokens: block_size defaults to 256 with it)
+    # auto (triton on CUDA; cpu, our C kernels, for bfloat16 on a CPU that runs them; else
+    # torch) | torch | cpu | triton | flash_attn (the flash-attn package; blocks of a multiple of
+    # 256 tokens: block_size defaults to 256 with it)
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # decode steps replayed as CUDA graphs (CUDA + triton attention)
-    block_size: int = 16
-    prefill_replicas: int = 1
-    decode_replicas: int = 1
+    block_size: int = 16  # tokens per KV block (the prefix cache's and KV transfers' unit)
+    prefill_replicas: int = 1  # prefill workers (one engine each)
+    decode_replicas: int = 1  # decode workers (one engine each)
     colocated: bool = False  # one engine in the gateway does both phases
     kv_transport: str = "auto"  # nixl | tcp | auto (NIXL when it loads)
     max_num_batched_tokens: int = 512  # per-step token budget (the prefill chunk size)
-    max_num_seqs: int = 32
+    max_num_seqs: int = 32  # sequences an engine steps at once, at most
     max_waiting: int = 1024  # queue limit per engine; beyond it requests get 429
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 0.25
+    kv_cache_memory_gb: float = 0.25  # KV cache per engine when num_kv_blocks is None
     # auto: the KV cache holds `dtype`; int8: int8 values with a float32 scale per token and
     # KV head (about 1.9x the blocks of bfloat16 in the same memory; not with flash_attn)
     kv_cache_dtype: str = "auto"
@@ -64,6 +65,7 @@ class AppConfig:
     # int4 kernel for decode steps of a few tokens (CPU, dtype bfloat16, tensor_parallel_size
     # 1; the scales rounded to bfloat16; docs/architecture.md "Linear layers")
     weight_format: str = "dense"
+    # The longest prompt + output in tokens; None: the model's, capped by what the cache holds
     max_model_len: int | None = None
     # torch intra-op threads per engine rank; None: from the CPUs of the machine the engine
     # runs on, (cpus - 1) // ranks on it, at least 1 (``engine_threads``)
@@ -79,14 +81,14 @@ class AppConfig:
     # and a decode engine need not agree on it.
     tensor_parallel_size: int = 1
     host: str = "127.0.0.1"  # HTTP and gRPC listen address
-    port: int = 8000
-    grpc_port: int = 50051
+    port: int = 8000  # HTTP (OpenAI API, /health, /metrics)
+    grpc_port: int = 50051  # gRPC streaming API
     worker_host: str = "127.0.0.1"  # where workers' control and KV ports listen
     redis_url: str | None = None  # None: in-process prefix index fed by the gateway
     routing_policy: str = "prefix"  # prefix (cache affinity + load) | round_robin (baseline)
-    served_model_name: str | None = None
-    max_body_bytes: int = 1 << 20
-    lease_ttl_s: float = 30.0
+    served_model_name: str | None = None  # the model's name in the API; None: its own id
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before parsing
+    lease_ttl_s: float = 30.0  # a prefill's pinned KV is freed this long after its first token
     poll_interval_s: float = 0.5  # gateway polls workers' load, stats (and events) this often
     # ... and this often once no request has been in flight for a while (an idle cluster)
     idle_poll_interval_s: float = 5.0
@@ -341,6 +343,38 @@ class AppConfig:
     def from_yaml(cls, path: str | Path, **overrides: Any) -> AppConfig:
         """Settings from the file, then ``overrides`` (CLI flags that were given) on top."""
         return cls.from_dict({**read_yaml_settings(path), **overrides}, str(path))
+
+
+def setting_comments() -> dict[str, str]:
+    """Each AppConfig field's comment in this file (the lines above it and the one after it),
+    the one description of each setting: the settings reference (``tandem settings``,
+    docs/settings.md) prints them."""
+    import ast
+    import io
+    import tokenize
+
+    source = Path(__file__).read_text()
+    lines = source.splitlines()
+    comments, whole_line = {}, set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+            if not lines[tok.start[0] - 1][:tok.start[1]].strip():
+                whole_line.add(tok.start[0])
+    cls = next(node for node in ast.parse(source).body
+               if isinstance(node, ast.ClassDef) and node.name == "AppConfig")
+    found = {}
+    for node in cls.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above = []
+        line = node.lineno - 1
+        while line in whole_line:
+            above.insert(0, comments[line])
+            line -= 1
+        after = comments.get(node.lineno)
+        found[node.target.id] = " ".join([*above, *([after] if after else [])])
+    return found
 
 
 def read_yaml_settings(path: str | Path) -> dict[str, Any]:
