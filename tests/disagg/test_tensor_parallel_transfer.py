@@ -124,3 +124,32 @@ def test_full_staging_means_no_lease_and_decode_recomputes(loaded_model, prompts
             assert await free_blocks(d) == d.engine.llm.block_manager.num_blocks
 
     asyncio.run(scenario())
+
+
+def test_full_decode_staging_queues_the_import_and_stays_exact(loaded_model, prompts):
+    """D's staging (two ranks: a quarter of 160 blocks, 40) mostly held by other imports: a
+    request's 15 blocks find no room, so its lease is rejected (P frees the blocks at once) and
+    D prefills the prompt itself after its first token, exactly; every staging block comes
+    back."""
+    colocated = local_engine(loaded_model)
+    long = prompts[3]  # 227 tokens: 15 blocks
+    expected = colocated.generate([long], GREEDY)[0]
+
+    async def scenario() -> None:
+        async with local_pair(loaded_model, "tcp", decode_engine=TWO_RANKS) as (p, d):
+            area = d.area
+            assert area.staged and area.num_staging == 40
+            held = await d.engine.call(lambda _: area.reserve("other", list(range(30))))
+            assert held is not None and area.num_free == 10
+            start = await free_blocks(p)
+            result = await run_request(p, d, "r0", long, GREEDY)
+            assert result.kv_source is KVSource.QUEUED
+            assert result.output_token_ids == expected
+            assert d.metrics.queued == 1 and d.metrics.rejects["no_capacity"] == 1
+            assert p.metrics.leases_rejected == 1 and len(p.leases) == 0
+            assert await free_blocks(p) == start
+            assert area.num_free == 10  # the refused import took none
+            await d.engine.call(lambda _: area.free("other"))
+            assert all_staging_free(area)
+
+    asyncio.run(scenario())
