@@ -4,7 +4,10 @@ sensibly."""
 
 from __future__ import annotations
 
+import torch
+
 from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.cpu_linear import packing_available
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
 from tandem.services.protocol.sampling_params import SamplingParams
@@ -16,8 +19,11 @@ def test_bfloat16_engine_agrees_with_float32_at_the_start(prompts, references):
                                     max_num_batched_tokens=128, attention_backend="torch"),
                        load_model(dtype="bfloat16", progress=False))
     assert engine.kv_cache.dtype.is_floating_point and engine.kv_cache.element_size() == 2
-    # On a CPU its linears run on oneDNN-prepacked weights (engine/cpu_linear.py).
-    assert engine.runner.model.head.packed and engine.runner.model.layers[0].qkv.packed
+    # On a CPU whose oneDNN runs bfloat16 its linears run on prepacked weights, elsewhere (an
+    # AVX2-only CPU) on F.linear (engine/cpu_linear.py).
+    packs = packing_available("cpu", torch.bfloat16)
+    assert engine.runner.model.head.packed is packs
+    assert engine.runner.model.layers[0].qkv.packed is packs
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(prompts, greedy)
     same_first = sum(out[0] == ref.tokens[0] for out, ref in zip(outputs, references,

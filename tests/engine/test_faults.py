@@ -32,7 +32,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int],
                    params: SamplingParams = GREEDY) -> list[int]:
     tokens: list[int] = []
-    async for out in engine.generate(request_id, prompt, params):
+    async for out in engine.generate(GenerationRequest(request_id, prompt, params)):
         assert isinstance(out, RequestOutput)
         tokens.extend(out.new_token_ids)
     return tokens
