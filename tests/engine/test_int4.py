@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.cpu_linear import packing_available
 from tandem.services.engine.int4_linear import GROUP, Int4Linear, Q4Weight, int4_available
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import (
@@ -101,7 +102,9 @@ def test_int4_linear_equals_the_dense_matmul_of_its_weights(tokens: int, with_bi
                       (torch.rand(out, inp // GROUP, generator=gen) / 16).bfloat16(),
                       (torch.randn(out, inp // GROUP, generator=gen) / 8).bfloat16())
     bias = torch.randn(out, generator=gen).bfloat16() if with_bias else None
-    linear = Int4Linear.of(weight, bias, pack=True, max_tokens=4)
+    # The dense copy prepacked for oneDNN where it runs bfloat16 (not on an AVX2-only CPU).
+    linear = Int4Linear.of(weight, bias, pack=packing_available("cpu", torch.bfloat16),
+                           max_tokens=4)
     x = torch.randn(tokens, 2 * inp, generator=gen).bfloat16()[:, :inp]  # strided, as in the model
     got = linear(x)
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, out)
