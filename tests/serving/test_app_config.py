@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.services.engine import cpu_kernels
 from tandem.services.engine.config import EngineConfig
 from tandem.services.serving.config import AppConfig, ConfigError
 from tandem.services.serving.up import ready_line
@@ -82,9 +83,12 @@ def test_kernel_threads_take_a_cpu_an_engine_of_one_thread_leaves(monkeypatch) -
     # prefill and a decode engine already have a CPU each.
     assert on(2, colocated=True).engine_kernel_threads() == 2
     assert on(2, colocated=True).engine_config().kernel_threads == 2
+    # The helper is named where the engines run our kernels (bfloat16 on a CPU that can).
+    helper = " (+1 for our CPU kernels)" if cpu_kernels.unavailable_reason() is None else ""
     assert ready_line(on(2, colocated=True, dtype="bfloat16")).endswith(
-        "(colocated; 1 torch thread per engine (+1 for our CPU kernels), from 2 CPUs; "
-        "dtype bfloat16; no API keys)")
+        f"(colocated; 1 torch thread per engine{helper}, from 2 CPUs; dtype bfloat16; no API "
+        "keys)")
+    assert "CPU kernels" not in ready_line(on(2, colocated=True, dtype="float32"))
     assert on(2).engine_kernel_threads() == 1
     assert on(4).engine_kernel_threads() == 2  # 1 torch thread each, 2 CPUs each
     assert on(8).engine_kernel_threads() == 1  # 3 torch threads each: oneDNN's projections
@@ -259,9 +263,7 @@ def test_a_vllm_flag_tandem_lacks_is_refused_naming_it(capsys) -> None:  # type:
 
 
 def test_dtype_auto_is_the_fast_path_where_it_runs_and_says_why() -> None:
-    from tandem.services.engine import cpu_kernels
-
-    # The default: bfloat16 where our CPU kernels run (this machine's AVX-512 BF16), else
+    # The default: bfloat16 where our CPU kernels run (a CPU with AVX-512 BF16), else
     # float32; an explicit dtype is taken as it is, float32 (exact against transformers) too.
     reason = cpu_kernels.unavailable_reason()
     default = AppConfig()
