@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from tandem.loadtest.ports import free_port
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
@@ -114,12 +114,6 @@ def idle_rss_by_role(tree: list[psutil.Process]) -> dict[str, float]:
         role = match.group(1) if match else ("tandem up" if proc is tree[0] else "ray")
         totals[role] = totals.get(role, 0.0) + rss
     return totals
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main() -> int:

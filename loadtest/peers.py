@@ -23,7 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from tandem.loadtest.tandem_up import LaunchError, free_port, stop_group
+from tandem.loadtest.ports import free_port
+from tandem.loadtest.tandem_up import LaunchError, stop_group
 
 
 @dataclass

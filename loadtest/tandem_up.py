@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,18 +19,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.loadtest.ports import free_port
+
 READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1\s+gRPC (\S+)")
 TANDEM_UP = (sys.executable, "-m", "tandem.services.cli", "up")
 
 
 class LaunchError(RuntimeError):
     """`tandem up` exited or stayed silent instead of printing its ready line."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def parse_cpus(text: str) -> str:

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from tandem.loadtest.bench import cli
+from tandem.loadtest.ports import free_port
 from tandem.services.engine.tokenizer import Tokenizer
 from tests.loadtest.peer import PeerBehaviour, serve_peer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

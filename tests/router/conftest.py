@@ -7,10 +7,8 @@
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -19,36 +17,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from tandem.loadtest.ports import free_port
 from tandem.router import connect
 
 STARTUP_DEADLINE_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def lasting_free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, for a server started long
-    after its port is chosen: no bind to port 0 and no outgoing connection is given it in the
-    meantime (a port from ``free_port`` was, once, to a process of a cluster the test started
-    before its Redis)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    pool = range(20000, max(low, 20001))
-    candidates = random.Random().sample(pool, min(64, len(pool)))
-    for port in candidates:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0,
@@ -70,7 +42,7 @@ class RedisServer:
             pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
         self.binary = binary
         self.workdir = workdir
-        self.port = lasting_free_port()  # it may start (and restart) much later
+        self.port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
         self._paused = False
 

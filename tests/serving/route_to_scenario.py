@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 from typing import Any
 
+from tandem.loadtest.ports import free_port
 from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig, WorkerInfo
 from tandem.router.wire import WorkerEvent
 from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks
@@ -27,12 +27,6 @@ APP = "route-to-test"
 PROMPT = [1000 + i for i in range(40)]
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 GONE = "gone-prefill-replica"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _request(request_id: str) -> GenerationRequest:
@@ -148,10 +142,10 @@ def main() -> None:
              log_to_driver=False, logging_level="WARNING",
              object_store_memory=128 * 1024 * 1024)
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         config = AppConfig(kv_transport="tcp", num_kv_blocks=256, port=port,
-                           grpc_port=_free_port())
+                           grpc_port=free_port())
         serve.run(build_app(config), name=APP, route_prefix=None, blocking=False)
         handles = {role: serve.get_deployment_handle(role, APP) for role in ("prefill", "decode")}
         result = {"named": asyncio.run(named_calls(handles)),
