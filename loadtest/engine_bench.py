@@ -27,8 +27,7 @@ import torch
 from tandem.services.engine.config import ATTENTION_BACKENDS, WEIGHT_FORMATS, EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 
 @dataclass

@@ -30,8 +30,7 @@ from tandem.loadtest.ports import free_port
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 READY = re.compile(r"^Tandem ready: HTTP (http://\S+)/v1")
 

@@ -69,7 +69,7 @@ from tandem.services.engine.cuda_graphs import DecodeGraphs, cuda_graph_capture,
 from tandem.services.engine.kv_cache import KVCache, QuantizedKV, quantize_int8
 from tandem.services.engine.model import LlamaModel
 from tandem.services.engine.sampler import exponential_noise, sample
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 
 PROG = "python3 -m tandem.loadtest.gpu_check"
 LLAMA3_8B = ModelConfig("llama-3-8b-shaped", vocab_size=128256, hidden_size=4096,

@@ -31,8 +31,7 @@ from tandem.loadtest.rpc_workers.decode import RemoteDecode
 from tandem.loadtest.rpc_workers.prefill import RemotePrefill
 from tandem.loadtest.rpc_workers.process import WorkerSpec, spawn_workers
 from tandem.services.protocol.auth import ClusterKey
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 GIB = 2**30

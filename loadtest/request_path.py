@@ -11,6 +11,7 @@ also ran in the idle window (the engine loop, status polls, the stats line) are 
 
     python -m tandem.loadtest.request_path                # colocated and disaggregated
     python -m tandem.loadtest.request_path --shape disagg --json out.json
+    python -m tandem.loadtest.request_path --functions    # and which functions of each ran
 
 The profiler slows everything a few times; the figures are module counts, not timings.
 """
@@ -53,14 +54,17 @@ def _profile(frame, event, arg):
     if path == 0:
         path = _codes[code] = code.co_filename if code.co_filename.startswith(_roots) else None
     if path is not None:
-        slots = _seen.get(path)
+        key = (path, code.co_name)
+        slots = _seen.get(key)
         if slots is None:
-            slots = _seen[path] = set()
+            slots = _seen[key] = set()
         slots.add(int(time.monotonic() / _slot))
 
 def _dump():
     with _lock:
-        data = {path: sorted(slots) for path, slots in list(_seen.items())}
+        data = {}
+        for (path, name), slots in list(_seen.items()):
+            data.setdefault(path, {})[name] = sorted(slots)
         tmp = _out + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"argv": sys.argv, "seen": data}, f)
@@ -86,10 +90,11 @@ class PathReport:
     modules: list[str]  # every module that ran in the request window
     idle: list[str]  # those of them that ran in the idle window too
     processes: int  # processes of ours that ran code in the request window
+    functions: dict[str, list[str]]  # module -> its functions that ran in the request window
 
     def to_json(self) -> dict[str, object]:
         return {"shape": self.shape, "count": len(self.modules), "modules": self.modules,
-                "idle": self.idle, "processes": self.processes}
+                "idle": self.idle, "processes": self.processes, "functions": self.functions}
 
 
 def package_roots() -> dict[str, str]:
@@ -164,17 +169,23 @@ def measure(shape: str, work: Path, max_tokens: int) -> PathReport:
         time.sleep(1.5)  # the profilers' last writes
     finally:
         up.stop()
-    request: set[str] = set()
+    functions: dict[str, set[str]] = {}
     idle: set[str] = set()
     processes = 0
     for path in trace_dir.glob("*.json"):
-        seen = json.loads(path.read_text())["seen"]
-        ran = {module_name(p, roots) for p, slots in seen.items() if ran_in(slots, start, end)}
-        processes += bool(ran)
-        request |= ran
-        idle |= {module_name(p, roots) for p, slots in seen.items()
-                 if ran_in(slots, idle_start, idle_end)}
-    return PathReport(shape, sorted(request), sorted(request & idle), processes)
+        seen: dict[str, dict[str, list[int]]] = json.loads(path.read_text())["seen"]
+        ran = False
+        for file, names in seen.items():
+            module = module_name(file, roots)
+            for name, slots in names.items():
+                if ran_in(slots, start, end):
+                    functions.setdefault(module, set()).add(name)
+                    ran = True
+                if ran_in(slots, idle_start, idle_end):
+                    idle.add(module)
+        processes += ran
+    return PathReport(shape, sorted(functions), sorted(idle & functions.keys()), processes,
+                      {module: sorted(names) for module, names in sorted(functions.items())})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=("colocated", "disagg", "both"), default="both")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the reports here")
+    parser.add_argument("--functions", action="store_true",
+                        help="also list each module's functions that ran")
     args = parser.parse_args(argv)
     shapes = ("colocated", "disagg") if args.shape == "both" else (args.shape,)
     reports = []
@@ -193,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(* ran idle too)")
             for name in report.modules:
                 print(f"  {name}{' *' if name in report.idle else ''}")
+                if args.functions:
+                    print(f"      {', '.join(report.functions[name])}")
     if args.json is not None:
         args.json.write_text(json.dumps([r.to_json() for r in reports], indent=1))
     return 0

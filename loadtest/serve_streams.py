@@ -133,8 +133,7 @@ def build(ticks: int, tick_s: float):  # type: ignore[no-untyped-def]
             return outputs, items
 
         async def channel(self, streams: int) -> tuple[int, int]:
-            from tandem.services.protocol.request import GenerationRequest
-            from tandem.services.protocol.sampling_params import SamplingParams
+            from tandem.services.protocol.request import GenerationRequest, SamplingParams
             from tandem.services.serving.decode_channel import DecodeChannel
 
             reports: list[object] = []  # the channel's lists: the hello, then one a tick

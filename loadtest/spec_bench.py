@@ -32,8 +32,7 @@ from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
 from tandem.services.engine.tokenizer import Tokenizer
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 _SOURCE_MODULES = ["argparse", "csv", "json", "shlex", "string", "textwrap"]
 

@@ -20,7 +20,7 @@ import torch
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
-from tandem.services.protocol.sampling_params import SamplingParams, StructuredOutput
+from tandem.services.protocol.request import SamplingParams, StructuredOutput
 
 LONG_TEXT = {"type": "object", "additionalProperties": False, "required": ["text"],
              "properties": {"text": {"type": "string", "minLength": 4000}}}

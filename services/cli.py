@@ -58,8 +58,7 @@ def _add_spec_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from tandem.services.engine.config import EngineConfig, SpeculativeConfig
     from tandem.services.engine.llm_engine import LLMEngine
-    from tandem.services.protocol.request import GenerationRequest
-    from tandem.services.protocol.sampling_params import SamplingParams
+    from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
     spec = SpeculativeConfig(method=args.spec, k=args.spec_k, draft_model=args.draft_model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,

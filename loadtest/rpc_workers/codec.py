@@ -7,8 +7,7 @@ import dataclasses
 from typing import Any
 
 from tandem.services.protocol.handoff import PrefillResult
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from tandem.services.engine.tokenizer import Tokenizer
-from tandem.services.protocol.sampling_params import StructuredOutput
+from tandem.services.protocol.request import StructuredOutput
 
 # Compact JSON (no free whitespace): a small model given free whitespace can emit it forever.
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}

@@ -43,8 +43,7 @@ from tandem.services.protocol.outputs import (
     RequestError,
     RequestOutput,
 )
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 from tandem.services.engine import cpu_kernels
 from tandem.services.engine.device import to_device
 from tandem.services.protocol.outputs import TokenLogprobs
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = 0xFFFFFFFF

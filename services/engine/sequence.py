@@ -10,7 +10,7 @@ from typing import Any
 
 from tandem.services.protocol.block_hash import BlockHash
 from tandem.services.protocol.outputs import FinishReason, TokenLogprobs
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -35,8 +35,12 @@ from tandem.services.gateway.pipeline import Delta, generate_deltas
 from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.tenants import Tenants
 from tandem.services.protocol.outputs import EngineStats
-from tandem.services.protocol.request import DEFAULT_TENANT, UNKNOWN_TENANT, GenerationRequest
-from tandem.services.protocol.sampling_params import StructuredOutput
+from tandem.services.protocol.request import (
+    DEFAULT_TENANT,
+    UNKNOWN_TENANT,
+    GenerationRequest,
+    StructuredOutput,
+)
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.pipeline import Delta
 from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.tls import ServerTLS
-from tandem.services.protocol.sampling_params import StructuredOutput
+from tandem.services.protocol.request import StructuredOutput
 from tandem.services.version import version
 
 MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request_id, echoed back

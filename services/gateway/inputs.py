@@ -17,8 +17,12 @@ from jinja2 import TemplateError
 
 from tandem.services.engine.tokenizer import TEMPLATE_VARIABLES, Tokenizer
 from tandem.services.gateway.errors import bad_request
-from tandem.services.protocol.request import DEFAULT_TENANT, GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams, StructuredOutput
+from tandem.services.protocol.request import (
+    DEFAULT_TENANT,
+    GenerationRequest,
+    SamplingParams,
+    StructuredOutput,
+)
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024

@@ -17,7 +17,7 @@ from tandem.services.gateway.errors import GatewayError, bad_request, unsupporte
 from tandem.services.gateway.inputs import MAX_CHOICES, SamplingOptions, template_message
 from tandem.services.gateway.tools import Function, assistant_calls_text
 from tandem.services.gateway.tools import constraint as tool_constraint
-from tandem.services.protocol.sampling_params import StructuredOutput
+from tandem.services.protocol.request import StructuredOutput
 
 
 def _integral(value: object) -> object:

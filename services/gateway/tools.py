@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.services.protocol.sampling_params import StructuredOutput
+from tandem.services.protocol.request import StructuredOutput
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 # The start of a reply held to {"name": ..., "arguments": ...} (tool_choice required).

@@ -2,8 +2,8 @@
 importing nothing of ours (no torch, no Ray):
 
 - ``request``: ``GenerationRequest``, the request as every layer after parsing sees it, from
-  the gateway through the prefill worker to the engine of the decode worker.
-- ``sampling_params``: ``SamplingParams``, how to pick tokens, checked where it is built.
+  the gateway through the prefill worker to the engine of the decode worker, and its
+  ``SamplingParams`` (how to pick tokens, checked where they are built).
 - ``outputs``: ``RequestOutput`` (a request's new tokens, logprobs, finish reason), the
   engine's stats and the errors every layer raises and maps to a client status.
 - ``handoff``: the prefill-to-decode hand-off: ``KVHandle`` (the lease on a prompt's pinned

@@ -43,9 +43,8 @@ from tandem.services.protocol.outputs import (
     UnavailableError,
 )
 from tandem.services.protocol.request import GenerationRequest
-from tandem.services.serving.cluster_view import ClusterView, WorkerSnapshot
+from tandem.services.serving.cluster_view import ClusterView, WorkerSnapshot, known_replicas
 from tandem.services.serving.decode_channel import DecodeChannel, StreamStalledError
-from tandem.services.serving.replica_ids import known_replicas
 from tandem.services.serving.serve_calls import call
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,9 +26,24 @@ from tandem.router import InProcessEventBus, InProcessRegistry, Router, WorkerIn
 from tandem.router.wire import decode_event
 from tandem.services.protocol.messages import WorkerReport
 from tandem.services.protocol.outputs import EngineStats
-from tandem.services.serving.replica_ids import known_replicas
 
 log = logging.getLogger(__name__)
+
+# Which replica ids each deployment has, as this process's Serve handles last heard
+# (request_router.py records them; a module-level lock, as Serve pickles the request router
+# class by value).
+_replicas_lock = threading.Lock()
+_replicas: dict[str, frozenset[str]] = {}  # deployment name -> replica ids
+
+
+def record_replicas(deployment: str, replica_ids: frozenset[str]) -> None:
+    with _replicas_lock:
+        _replicas[deployment] = replica_ids
+
+
+def known_replicas(deployment: str) -> frozenset[str]:
+    with _replicas_lock:
+        return _replicas.get(deployment, frozenset())
 
 
 @dataclass

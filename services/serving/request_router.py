@@ -11,15 +11,15 @@ gateway then fails over explicitly: ``Router.mark_down`` (logged, counted in
 ``tandem_router_failovers_total``) and a new decision. Calls without ``route_to`` go to Serve's
 default choice.
 
-It also records the replica ids each deployment currently has, which the gateway uses to
-discover workers without a registry service (in-process mode).
+It also records the replica ids each deployment currently has (``cluster_view.known_replicas``),
+which the gateway uses to discover workers without a registry service (in-process mode).
 """
 
 from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from tandem.services.serving import replica_ids
+from tandem.services.serving.cluster_view import record_replicas
 
 ROUTE_TO = "route_to"
 
@@ -37,5 +37,5 @@ class TandemRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        replica_ids.record(self._deployment_id.name,
-                           frozenset(r.replica_id.unique_id for r in replicas))
+        record_replicas(self._deployment_id.name,
+                        frozenset(r.replica_id.unique_id for r in replicas))

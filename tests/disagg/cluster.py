@@ -19,8 +19,7 @@ from tandem.services.handoff.prefill import Clock, PrefillConfig, PrefillWorker
 from tandem.services.kv_transfer.factory import make_transport
 from tandem.services.protocol.auth import ClusterKey
 from tandem.services.protocol.handoff import PrefillResult
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Comparison, Reference, compare
 

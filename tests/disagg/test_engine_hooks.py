@@ -6,8 +6,7 @@ import pytest
 
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.protocol.outputs import EngineOverloadedError, PinnedKV, RequestError
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.disagg.cluster import local_engine
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ import pytest
 from tandem.services.engine.kv_cache import QuantizedKV, kv_storage
 from tandem.services.handoff.decode import KVSource
 from tandem.services.handoff.pairing import PairingError
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tests.disagg.cluster import TRANSPORTS, local_pair, run_request
 
 INT8 = {"kv_cache_dtype": "int8"}

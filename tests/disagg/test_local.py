@@ -10,8 +10,7 @@ import pytest
 from tandem.services.handoff.decode import DecodeConfig, DecodeWorker, KVSource
 from tandem.services.handoff.prefill import PrefillConfig, PrefillWorker
 from tandem.services.protocol.outputs import DecodeRejectedError, KVTransferFailedError
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.disagg.cluster import (
     TRANSPORTS,
     FakeClock,

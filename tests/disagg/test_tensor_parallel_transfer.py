@@ -16,8 +16,7 @@ from tandem.services.engine.kv_cache import kv_storage
 from tandem.services.handoff.decode import KVSource
 from tandem.services.handoff.prefill import PrefillConfig
 from tandem.services.handoff.staging import TransferArea
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.disagg.cluster import FakeClock, free_blocks, local_engine, local_pair, run_request
 from tests.engine.helpers import chat
 

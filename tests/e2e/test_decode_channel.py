@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tests.e2e.cluster import UpProcess, all_blocks_free, wait_for
 
 STREAMS = 32

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tests.e2e.cluster import (
     UpProcess,
     all_blocks_free,

@@ -28,7 +28,7 @@ import httpx
 import psutil
 import pytest
 
-from tandem.services.protocol.sampling_params import SamplingParams, StructuredOutput
+from tandem.services.protocol.request import SamplingParams, StructuredOutput
 from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, per_worker, wait_for
 
 # A decode stream silent for 8 s is a hung worker (Serve's health check kills one after ~10 s).

@@ -27,7 +27,7 @@ import redis
 from openai import OpenAI
 
 from tandem.router import RedisRegistry
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
 from tests.router.conftest import RedisServer, free_port
 

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tests.e2e.cluster import (
     TANDEM,
     UpProcess,
@@ -214,7 +214,7 @@ def test_structured_output_through_prefill_and_a_speculating_decode_worker(
     """A JSON schema on 20 requests (half greedy, half sampled), a regex and a choice: the
     prefill worker masks the first token, the decode worker (which speculates: drafts are
     checked against the grammar) the rest; every output holds and equals the engine's own."""
-    from tandem.services.protocol.sampling_params import StructuredOutput
+    from tandem.services.protocol.request import StructuredOutput
 
     schema = StructuredOutput("json", json.dumps(PERSON))
     cases = [(prompts[i % len(prompts)], {"structured_outputs": {"json": PERSON}},

@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.protocol.outputs import RequestOutput
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 
 def chat(engine: LLMEngine, text: str) -> list[int]:

@@ -10,7 +10,7 @@ from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.cpu_linear import packing_available
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 
 
 def test_bfloat16_engine_agrees_with_float32_at_the_start(prompts, references):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tandem.services.engine.block_manager import BlockManager
 from tandem.services.engine.sequence import Sequence
 from tandem.services.protocol.kv_events import BlockRemoved, BlockStored
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 
 BS = 4
 

@@ -20,7 +20,7 @@ from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.cpu_linear import AmxLinear
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tests.engine.paged_layouts import (
     BUILTIN,
     LAYER,

@@ -20,8 +20,7 @@ from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.cpu_layers import CpuLayers
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 REASON = cpu_kernels.unavailable_reason()
 AMX = REASON is None and cpu_kernels.load().amx

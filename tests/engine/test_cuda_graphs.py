@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # before the kernels' module is imported
 from tandem.services.engine.config import EngineConfig  # noqa: E402
 from tandem.services.engine.cuda_graphs import DecodeGraphs, batch_ladder, eager_capture  # noqa: E402
 from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
-from tandem.services.protocol.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.protocol.request import SamplingParams  # noqa: E402
 
 GRAPH_CONTEXT = 256  # the graphs' longest context (keeps the split count at 1 here)
 

@@ -8,8 +8,7 @@ import pytest
 
 from tandem.services.engine.attention.decode_rows import DecodeRows
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 # Prompts of different lengths and outputs of different lengths: sequences start and finish
 # decoding at different steps, so rows are filled, moved down and given up as they go.

@@ -10,8 +10,7 @@ from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import ModelLoadError, builtin_model_path, load_model
 from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.services.engine.llm_engine import LLMEngine
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Comparison, Reference, compare
 

@@ -22,8 +22,7 @@ from tandem.services.engine.faults import (
     release_hung_steps,
 )
 from tandem.services.protocol.outputs import EngineDeadError, EngineError, RequestOutput
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 STEP_SEED, FATAL_SEED, HANG_SEED = 666, 667, 668
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

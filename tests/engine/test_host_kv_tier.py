@@ -13,8 +13,7 @@ from tandem.services.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.protocol.block_hash import BlockHash
 from tandem.services.protocol.kv_events import HOST, BlockRemoved, BlockStored, KVEvent
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tandem.services.serving.config import AppConfig, ConfigError
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

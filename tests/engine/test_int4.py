@@ -28,7 +28,7 @@ from tandem.services.engine.model_loader import (
     builtin_model_path,
     load_model,
 )
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tandem.services.serving.config import AppConfig, ConfigError
 from tests.prompts import prompt_set
 

@@ -34,8 +34,10 @@ from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
 from tandem.services.engine.model import LlamaModel  # noqa: E402
 from tandem.services.engine.model_loader import LoadedModel  # noqa: E402
 from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks  # noqa: E402
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.protocol.request import (
+    GenerationRequest,
+    SamplingParams,  # noqa: E402
+)
 from tandem.services.serving.config import AppConfig, ConfigError  # noqa: E402
 from tests.engine.helpers import run  # noqa: E402
 from tests.engine.paged_layouts import (  # noqa: E402

@@ -8,8 +8,7 @@ import pytest
 
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.protocol.outputs import FinishReason, RequestError
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 

@@ -8,7 +8,7 @@ import torch
 
 from tandem.services.engine.logits_controls import Draw, controlled
 from tandem.services.engine.sampler import probabilities
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 from tests.engine.helpers import chat, run
 
 EOS = 5

@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import math
 
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 
 def chat(engine, text):  # type: ignore[no-untyped-def]

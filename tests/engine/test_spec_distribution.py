@@ -22,7 +22,7 @@ from tandem.services.engine.config import EngineConfig, ModelConfig, Speculative
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.engine.sampler import exponential_noise, probabilities, sample
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 
 VOCAB = 10
 SAMPLES = 3000

@@ -10,7 +10,7 @@ from tandem.services.engine.sampler import accept_matching
 from tandem.services.engine.sequence import Sequence
 from tandem.services.engine.speculative.ngram import lookup
 from tandem.services.engine.speculative.policy import SpecPolicy
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import SamplingParams
 
 
 def seq(request_id: str, params: SamplingParams | None = None) -> Sequence:

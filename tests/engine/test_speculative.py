@@ -15,8 +15,7 @@ import torch
 from tandem.services.engine.config import EngineConfig, SpeculativeConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.engine.test_exactness import GREEDY, check_all
 
 PROPOSERS = ["ngram", "draft", "self"]

@@ -9,8 +9,7 @@ from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.sequence import SequenceStatus
 from tandem.services.protocol.block_hash import BlockHash
 from tandem.services.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

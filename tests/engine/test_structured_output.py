@@ -11,7 +11,7 @@ import pytest
 
 from tandem.services.engine.config import SpeculativeConfig
 from tandem.services.engine.grammar import Grammars
-from tandem.services.protocol.sampling_params import SamplingParams, StructuredOutput
+from tandem.services.protocol.request import SamplingParams, StructuredOutput
 from tests.engine.helpers import chat, run
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],

@@ -23,8 +23,7 @@ from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.engine.tensor_parallel import TensorParallelError, wait_all_reduce
 from tandem.services.handoff.staging import TransferArea
 from tandem.services.protocol.outputs import EngineDeadError
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.engine.helpers import chat
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

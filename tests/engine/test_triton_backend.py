@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # before the kernels' module is imported (see
 from tandem.services.engine.attention import get_attention_backend, resolve_backend  # noqa: E402
 from tandem.services.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
-from tandem.services.protocol.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.protocol.request import SamplingParams  # noqa: E402
 from tests.hf_reference import Reference, compare  # noqa: E402
 
 NEW_TOKENS = 6

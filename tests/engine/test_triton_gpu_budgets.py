@@ -20,8 +20,10 @@ from tandem.services.engine.attention import triton_kernels, triton_ops  # noqa:
 from tandem.services.engine.attention.triton_kernels import paged_attention, store_kv  # noqa: E402
 from tandem.services.engine.config import EngineConfig  # noqa: E402
 from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams  # noqa: E402
+from tandem.services.protocol.request import (
+    GenerationRequest,
+    SamplingParams,  # noqa: E402
+)
 from tests.engine.sm90 import H100_SHARED_BYTES, SpecializationRecorder, compile_launches  # noqa: E402
 
 

@@ -13,8 +13,7 @@ import openai
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.runner import GatewayServer, ServeAddresses
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 FUZZ_MAX_TOKENS = 4  # no fuzzed call runs longer than this many tokens (conftest's fuzz_server)
 

@@ -22,8 +22,7 @@ from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import ServeAddresses
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.gateway.helpers import serving, wait_engine_idle, wait_until
 
 BLOCK_SIZE = 16  # the engine's (EngineConfig.block_size)

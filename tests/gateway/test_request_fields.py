@@ -24,8 +24,7 @@ from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import ServeAddresses
 from tandem.services.gateway.token_text import TokenText
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.gateway.helpers import engine_tokens
 
 

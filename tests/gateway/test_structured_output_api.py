@@ -19,7 +19,7 @@ from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import ServeAddresses
-from tandem.services.protocol.sampling_params import StructuredOutput
+from tandem.services.protocol.request import StructuredOutput
 from tests.gateway.helpers import engine_tokens
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],

@@ -16,8 +16,7 @@ from tandem.services.protocol.block_hash import HashSettings, hash_token_blocks
 from tandem.services.protocol.kv_events import AllBlocksCleared, BlockStored
 from tandem.services.protocol.messages import ReplicaGoneError
 from tandem.services.protocol.outputs import RequestOutput
-from tandem.services.protocol.request import GenerationRequest
-from tandem.services.protocol.sampling_params import SamplingParams
+from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tandem.services.serving.backend import DisaggBackend
 from tandem.services.serving.cluster_view import ClusterView
 from tandem.services.serving.config import AppConfig
