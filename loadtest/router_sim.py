@@ -42,9 +42,8 @@ from tandem.router import (
     WorkerLoad,
     attach_worker,
 )
-from tandem.router.hashing import PromptHasher
 from tandem.router.scoring import rendezvous_choose, rendezvous_key, rendezvous_weight
-from tandem.services.protocol.block_hash import BlockHash, HashSettings
+from tandem.services.protocol.block_hash import BlockHash, HashSettings, PromptHasher
 from tandem.services.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
 
 SETTINGS = HashSettings(block_size=16, model_id="sim-model")

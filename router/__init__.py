@@ -17,7 +17,6 @@ from tandem.router.errors import (
 )
 from tandem.router.fallback_registry import FallbackRegistry
 from tandem.router.forwarder import WorkerEventForwarder, attach_worker
-from tandem.router.hashing import PromptHasher
 from tandem.router.index import PrefixIndex
 from tandem.router.inprocess_bus import InProcessEventBus
 from tandem.router.redis_bus import RedisStreamEventBus
@@ -32,6 +31,7 @@ from tandem.router.registry import (
     WorkerRegistry,
 )
 from tandem.router.router import Router, RouterStatus
+from tandem.services.protocol.block_hash import PromptHasher
 
 __all__ = [
     "BusReset",

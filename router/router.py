@@ -31,7 +31,6 @@ from tandem.router.errors import (
     RegistryUnavailable,
     SettingsMismatch,
 )
-from tandem.router.hashing import PromptHasher
 from tandem.router.index import EventOrder, PrefixIndex
 from tandem.router.inflight import InFlight
 from tandem.router.registry import Clock, WorkerRecord, WorkerRegistry, settings_mismatch
@@ -45,7 +44,7 @@ from tandem.router.scoring import (
     rendezvous_key,
     rendezvous_weight,
 )
-from tandem.services.protocol.block_hash import BlockHash
+from tandem.services.protocol.block_hash import BlockHash, PromptHasher
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from dataclasses import fields
 from prometheus_client.exposition import generate_latest
 
 from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig
-from tandem.router.hashing import HashSettings
 from tandem.services.doctor.evidence import EMPTY, Evidence, Scrape
 from tandem.services.gateway.metrics import GatewayMetrics
 from tandem.services.handoff.decode import DecodeMetrics
 from tandem.services.handoff.prefill import PrefillMetrics
+from tandem.services.protocol.block_hash import HashSettings
 from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving import metrics as serving_metrics
 from tandem.services.serving.cluster_view import WorkerSnapshot

@@ -182,7 +182,7 @@ def test_prefix_hashes_differ_by_kv_dtype(make_engine) -> None:  # type: ignore[
         int8_hashes = hash_token_blocks(tokens, 16, int8.extra_keys(salt))
         assert not set(auto_hashes) & set(int8_hashes)
     assert auto.extra_keys("s") == ("m", "s")  # auto's hashes are what they were
-    # An engine hashes as the router does with its settings (router/hashing.py).
+    # An engine hashes as the router does with its settings (protocol/block_hash.py: PromptHasher).
     engine: LLMEngine = make_engine(kv_cache_dtype="int8", num_kv_blocks=64)
     engine.add_request(GenerationRequest("r", tokens, SamplingParams(max_tokens=1)))
     seq = engine.scheduler.requests["r"]
