@@ -16,8 +16,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.services.gateway.choices import Choices, start_choices
-from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.core import Choices, Gateway, start_choices
 from tandem.services.gateway.errors import GatewayError, bad_request
 from tandem.services.gateway.inputs import (
     CHAT_ROLES,

@@ -17,8 +17,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.services.gateway.choices import Choices, cumulative_logprob, start_choices, total_usage
-from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.core import (
+    Choices,
+    Gateway,
+    cumulative_logprob,
+    start_choices,
+    total_usage,
+)
 from tandem.services.gateway.errors import GatewayError, bad_request
 from tandem.services.gateway.http_io import AbortConnection, BodyLimitMiddleware, EventStream, Scope
 from tandem.services.gateway.inputs import (

@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tandem.services.gateway.choices import Choices
+from tandem.services.gateway.core import Choices
 from tandem.services.gateway.errors import GatewayError, bad_request, body_too_large
 from tandem.services.gateway.openai_format import SSE_DONE, sse
 

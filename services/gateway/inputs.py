@@ -28,7 +28,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_TOKENS = 1024
-MAX_CHOICES = 16  # n and best_of: each choice is a request of its own (gateway/choices.py)
+MAX_CHOICES = 16  # n and best_of: each choice is a request of its own (core.start_choices)
 _INT64 = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 

@@ -16,9 +16,8 @@ import pytest
 from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.gateway.backend import EngineBackend
-from tandem.services.gateway.choices import choice_request
 from tandem.services.gateway.config import GatewayConfig
-from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.core import Gateway, choice_request
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import ServeAddresses
