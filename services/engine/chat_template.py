@@ -103,6 +103,9 @@ class ChatTemplates:
         env = _environment()
         self.sources = dict(sources)
         self._compiled = {name: env.from_string(text) for name, text in sources.items()}
+        self.renders_tools = any("tools" in text for text in self.sources.values())
+        # The template for a request without tools and with (or why there is none), chosen once.
+        self.picked = {has_tools: self._pick(has_tools) for has_tools in (False, True)}
 
     @classmethod
     def of(cls, value: Any) -> ChatTemplates | None:
@@ -120,7 +123,7 @@ class ChatTemplates:
         raise ValueError(f"chat_template must be a string or a list of name/template pairs, "
                          f"not {type(value).__name__}")
 
-    def pick(self, has_tools: bool) -> jinja2.Template:
+    def _pick(self, has_tools: bool) -> jinja2.Template | str:
         """transformers' choice: ``tool_use`` for a request with tools when there is one, then
         ``default``; a single template whatever its name."""
         if has_tools and "tool_use" in self._compiled:
@@ -129,9 +132,5 @@ class ChatTemplates:
             return self._compiled["default"]
         if len(self._compiled) == 1:
             return next(iter(self._compiled.values()))
-        raise ValueError(f"the model has chat templates {sorted(self._compiled)} and none is "
-                         f"named 'default'")
-
-    @property
-    def renders_tools(self) -> bool:
-        return any("tools" in text for text in self.sources.values())
+        return (f"the model has chat templates {sorted(self._compiled)} and none is named "
+                "'default'")

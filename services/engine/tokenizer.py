@@ -76,6 +76,8 @@ class Tokenizer:
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
         self._templates = ChatTemplates.of(chat_template or None)
+        # Whether the chat template shows a ``tools`` list itself.
+        self.template_renders_tools = self._templates is not None and self._templates.renders_tools
 
     @property
     def vocab_size(self) -> int:
@@ -96,11 +98,6 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    @property
-    def template_renders_tools(self) -> bool:
-        """Whether the chat template shows a ``tools`` list itself."""
-        return self._templates is not None and self._templates.renders_tools
-
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
@@ -115,7 +112,10 @@ class Tokenizer:
         clash = sorted(set(extra or ()) & set(TEMPLATE_VARIABLES))
         if clash:
             raise ValueError(f"chat template variable {clash[0]!r} is set by the server")
-        return self._templates.pick(bool(tools)).render(
+        template = self._templates.picked[bool(tools)]
+        if isinstance(template, str):
+            raise ValueError(template)
+        return template.render(
             **(extra or {}),
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,

@@ -77,6 +77,7 @@ class Gateway:
         self.grammars = Grammars(tokenizer)  # checks structured-output constraints
         self.config = config or GatewayConfig()
         self.tenants = tenants or Tenants()
+        self._tenants = self.tenants if self.tenants.in_use else None  # None: nothing to do
         self.model_name = self.config.served_model_name or backend.model_id
         self.created = int(time.time())
         self.metrics = GatewayMetrics(self.model_name, self._worker_stats,
@@ -106,7 +107,9 @@ class Gateway:
     def authenticate(self, authorization: str | None) -> str:
         """The caller's tenant; 401 unless ``authorization`` (the header's value, ``Bearer
         <key>``) holds a known key (without keys configured: the default tenant)."""
-        return self.tenants.authenticate(authorization)
+        if self._tenants is None:
+            return DEFAULT_TENANT
+        return self._tenants.authenticate(authorization)
 
     @contextlib.contextmanager
     def refusals(self, operation: str, authorization: str | None,
@@ -163,7 +166,8 @@ class Gateway:
         if unset:  # the model's own defaults (generation_config.json)
             options = dataclasses.replace(options, **unset)
         return build_request(request_id, prompt_token_ids, options, self.max_model_len,
-                             self.tenants.cache_salt(tenant, cache_salt),
+                             (cache_salt or None) if self._tenants is None
+                             else self._tenants.cache_salt(tenant, cache_salt),
                              self.config.default_max_tokens, arrival_time, prompt_param,
                              self.config.request_timeout_s, self.tokenizer.vocab_size, tenant)
 
@@ -177,9 +181,10 @@ class Gateway:
             timer.fail(REJECTED)
             raise overloaded(f"{self.in_flight} requests are in flight, the limit is {limit}",
                              self.config.retry_after_s)
+        tenants = self._tenants
         try:  # the tenant's rate limits: at most its prompt and max_tokens
-            charged = self.tenants.admit(request.tenant,
-                                         request.num_prompt_tokens + request.params.max_tokens)
+            charged = 0 if tenants is None else tenants.admit(
+                request.tenant, request.num_prompt_tokens + request.params.max_tokens)
         except GatewayError:
             timer.fail(REJECTED)
             raise
@@ -197,15 +202,17 @@ class Gateway:
                 await deltas.aclose()
             finally:
                 self._admitted(-1)
-                self.tenants.settle(request.tenant, charged, 0)  # refused: it cost nothing
+                if charged:
+                    self.tenants.settle(request.tenant, charged, 0)  # refused: it cost nothing
             raise
         if trace is not None:
             trace.first_token()
 
         def ended() -> None:
             self._admitted(-1)
-            self.tenants.settle(request.tenant, charged,
-                                request.num_prompt_tokens + generation.generated)
+            if charged:
+                self.tenants.settle(request.tenant, charged,
+                                    request.num_prompt_tokens + generation.generated)
 
         generation = Generation(request, first, deltas, trace, ended, timer)
         return generation

@@ -112,6 +112,13 @@ class Tenants:
                                     "cache salts)")
 
     @property
+    def in_use(self) -> bool:
+        """Whether any key, secret or limit is set (otherwise every request is the default
+        tenant's, with its client's salt, unlimited: the gateway skips this class)."""
+        return bool(self.keys or self.secret or self.requests_per_minute is not None
+                    or self.tokens_per_minute is not None)
+
+    @property
     def tenant_names(self) -> list[str]:
         return sorted(set(self.keys.values())) or [DEFAULT_TENANT]
 
