@@ -29,8 +29,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="a .gguf file or a Hugging Face directory (default: built-in "
-                             "SmolLM2-135M-Instruct)")
+                        help="a .gguf file, a Hugging Face directory or a hub id "
+                             "org/name[@revision] (default: built-in SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--weight-format", default="dense", choices=list(WEIGHT_FORMATS),
                         help="int4: a GGUF's Q4_1 weights kept 4-bit (CPU, --dtype bfloat16)")
@@ -119,7 +119,8 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     up = sub.add_parser("up", help="start a local Ray Serve cluster and serve the model",
                         argument_default=argparse.SUPPRESS)
-    up.add_argument("--model", help="a .gguf file or a Hugging Face directory (default: "
+    up.add_argument("--model", help="a .gguf file, a Hugging Face directory or a hub id "
+                                    "org/name[@revision] (default: "
                                     "built-in SmolLM2-135M-Instruct)")
     _add_up_arguments(up)
     # `vllm serve MODEL [flags]`'s shape: the model first, then the same flags as `up`.
@@ -127,7 +128,8 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
                                          "MODEL` takes it (vLLM's flag names where Tandem has "
                                          "the setting; any other flag is refused)",
                            argument_default=argparse.SUPPRESS)
-    serve.add_argument("model", help="a .gguf file or a Hugging Face directory")
+    serve.add_argument("model", help="a .gguf file, a Hugging Face directory or a hub id "
+                                     "org/name[@revision]")
     _add_up_arguments(serve)
 
 

@@ -86,7 +86,7 @@ class SpeculativeConfig:
 class EngineConfig:
     """How an engine runs a model. Defaults suit the built-in model on a small CPU."""
 
-    model: str | None = None  # path to a .gguf file or a HF directory; None = built-in model
+    model: str | None = None  # .gguf file, HF directory or hub id; None = built-in model
     dtype: str = "float32"  # float32 | bfloat16
     device: str = "cpu"
     block_size: int = 16

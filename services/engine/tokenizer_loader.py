@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import mmap
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,12 +58,53 @@ def builtin_model_path() -> Path:
     return path
 
 
+# A Hugging Face model id, as `vllm serve` takes it: org/name, optionally @revision (a branch,
+# tag or commit).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?")
+# What a served model needs from its repository (no other weight formats, no docs or images).
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model"]
+
+
 def model_source(path: str | Path | None) -> Path:
-    """The existing model path; None: the built-in model."""
-    source = builtin_model_path() if path is None else Path(path)
-    if not source.exists():
-        raise ModelLoadError(f"model path does not exist: {source}")
-    return source
+    """The model's local path: a .gguf file or a Hugging Face directory, or a hub id
+    (``org/name[@revision]``) resolved through huggingface_hub's cache, downloaded unless
+    ``HF_HUB_OFFLINE`` is set; None: the built-in model."""
+    if path is None:
+        return builtin_model_path()
+    source = Path(path)
+    if source.exists():
+        return source
+    if isinstance(path, str) and _HUB_ID.fullmatch(path):
+        return hub_snapshot(path)
+    raise ModelLoadError(f"model path does not exist: {source}")
+
+
+def hub_snapshot(model_id: str) -> Path:
+    """The local snapshot of a hub model ``org/name[@revision]`` (HF_HOME / HF_HUB_CACHE
+    decide where; offline mode reads only the cache)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo_id, _, revision = model_id.partition("@")
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None,
+                                      allow_patterns=_HUB_FILES, local_files_only=offline))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        where = (f"not in the Hugging Face cache {constants.HF_HUB_CACHE} (offline: "
+                 f"HF_HUB_OFFLINE is set)" if offline else
+                 f"neither in the Hugging Face cache {constants.HF_HUB_CACHE} nor "
+                 f"downloadable ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+        raise ModelLoadError(f"model {model_id!r} is not a local path, and {where}") from exc
+
+
+def _hf_dir_model_id(path: Path) -> str:
+    """A Hugging Face directory's model id: ``org/name`` for a snapshot in the hub's cache
+    (``models--org--name/snapshots/<commit>``), else the directory's name."""
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return path.name
 
 
 def load_model_metadata(path: str | Path | None = None) -> ModelMetadata:
@@ -214,7 +256,7 @@ def metadata_from_hf_dir(path: Path, hf: dict[str, Any]) -> ModelMetadata:
         raise ModelLoadError(str(exc)) from exc
     return ModelMetadata(
         tokenizer=tokenizer,
-        model_id=path.name,
+        model_id=_hf_dir_model_id(path),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         source=path,
         sampling_defaults={k: generation[k] for k in SAMPLING_DEFAULT_KEYS

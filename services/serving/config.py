@@ -35,7 +35,9 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class AppConfig:
-    model: str | None = None  # .gguf file or HF directory; None: the built-in model
+    # .gguf file, HF directory or hub id org/name[@revision] (huggingface_hub's cache; HF_HOME,
+    # HF_HUB_OFFLINE); None: the built-in model
+    model: str | None = None
     # auto: bfloat16 on a GPU, and on a CPU where our kernels run (AVX-512 BF16: the fast
     # path), else float32; float32 when asked (exact against transformers' float32)
     dtype: str = "auto"
