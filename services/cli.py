@@ -113,7 +113,9 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "tenant_tokens_per_minute": "tenant_tokens_per_minute",
              "tls_cert_file": "tls_cert_file", "tls_key_file": "tls_key_file",
              "served_model_name": "served_model_name", "max_num_seqs": "max_num_seqs",
-             "max_model_len": "max_model_len"}
+             "max_model_len": "max_model_len", "enable_prefix_caching": "enable_prefix_caching",
+             "seed": "seed", "chat_template": "chat_template",
+             "generation_config": "generation_config"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -135,8 +137,21 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--config", help="YAML file of AppConfig settings (flags override it)")
-    up.add_argument("--served-model-name", metavar="NAME",
-                    help="the model's name in the API (default: the model's own id)")
+    up.add_argument("--served-model-name", metavar="NAME", nargs="+",
+                    help="the model's name in the API, or several: a request may name any, "
+                         "responses carry the first (default: the model's own id)")
+    up.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    help="reuse the KV of prompt prefixes computed before (default on)")
+    up.add_argument("--seed", type=int,
+                    help="sampled requests without a seed get seeds drawn from this one: a "
+                         "fresh server gives the same requests the same outputs (default: "
+                         "random seeds)")
+    up.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                    help="the chat template, a file or the Jinja text itself (default: the "
+                         "model's)")
+    up.add_argument("--generation-config", metavar="auto|vllm|FOLDER",
+                    help="request defaults (temperature, top_p, ...): auto, the model's "
+                         "generation_config.json (default); vllm, none; or a folder's")
     up.add_argument("--max-num-seqs", type=int, metavar="N",
                     help="sequences an engine runs at once (32)")
     up.add_argument("--max-model-len", type=int, metavar="N",

@@ -79,6 +79,11 @@ class Tokenizer:
         # Whether the chat template shows a ``tools`` list itself.
         self.template_renders_tools = self._templates is not None and self._templates.renders_tools
 
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with another chat template (``--chat-template``)."""
+        return Tokenizer(self.backend, self.eos_token_ids, self.bos_token_id, self.add_bos,
+                         chat_template)
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

@@ -74,9 +74,14 @@ def model_source(path: str | Path | None) -> Path:
     source = Path(path)
     if source.exists():
         return source
-    if isinstance(path, str) and _HUB_ID.fullmatch(path):
+    if isinstance(path, str) and is_hub_id(path):
         return hub_snapshot(path)
     raise ModelLoadError(f"model path does not exist: {source}")
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` has the shape of a hub model id, org/name[@revision]."""
+    return _HUB_ID.fullmatch(spec) is not None
 
 
 def hub_snapshot(model_id: str) -> Path:
@@ -259,7 +264,23 @@ def metadata_from_hf_dir(path: Path, hf: dict[str, Any]) -> ModelMetadata:
         model_id=_hf_dir_model_id(path),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         source=path,
-        sampling_defaults={k: generation[k] for k in SAMPLING_DEFAULT_KEYS
-                           if isinstance(generation.get(k), int | float)
-                           and not isinstance(generation.get(k), bool)},
+        sampling_defaults=sampling_defaults(generation),
     )
+
+
+def sampling_defaults(generation: Mapping[str, Any]) -> dict[str, float | int]:
+    """The request defaults a generation_config.json sets (``SAMPLING_DEFAULT_KEYS``)."""
+    return {k: generation[k] for k in SAMPLING_DEFAULT_KEYS
+            if isinstance(generation.get(k), int | float)
+            and not isinstance(generation.get(k), bool)}
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file or as the template itself (as vLLM's
+    --chat-template); ValueError when it is neither."""
+    path = Path(value)
+    if "{" not in value and len(value) < 4096 and path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value[:200]!r} is neither a file nor a Jinja template")

@@ -10,7 +10,10 @@ MIB = 1024 * 1024
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    served_model_name: str | None = None  # None: the backend's model id
+    # The model's names in the API (a request may name any; responses carry the first);
+    # empty: the backend's model id
+    served_model_names: tuple[str, ...] = ()
+    seed: int | None = None  # sampled requests without a seed get one drawn from this; None: random
     metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
     max_body_bytes: int = MIB  # larger request bodies get 413 (gRPC: RESOURCE_EXHAUSTED)
     default_max_tokens: int | None = None  # cap when a request sets none; None: context length

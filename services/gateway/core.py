@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import (
     AsyncGenerator,
@@ -78,7 +79,11 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.tenants = tenants or Tenants()
         self._tenants = self.tenants if self.tenants.in_use else None  # None: nothing to do
-        self.model_name = self.config.served_model_name or backend.model_id
+        self.model_names = self.config.served_model_names or (backend.model_id,)
+        self.model_name = self.model_names[0]
+        # Seeds for sampled requests that bring none: drawn from the server's seed (the same
+        # requests in the same order get the same ones), else random (inputs.build_request).
+        self._seeds = None if self.config.seed is None else random.Random(self.config.seed)
         self.created = int(time.time())
         self.metrics = GatewayMetrics(self.model_name, self._worker_stats,
                                       tenants=self.tenants.tenant_names,
@@ -101,7 +106,7 @@ class Gateway:
 
     def check_model(self, model: str | None) -> None:
         """An empty or missing model name means the served one."""
-        if model and model != self.model_name:
+        if model and model not in self.model_names:
             raise model_not_found(model)
 
     def authenticate(self, authorization: str | None) -> str:
@@ -165,6 +170,8 @@ class Gateway:
                  if getattr(options, k) is None}
         if unset:  # the model's own defaults (generation_config.json)
             options = dataclasses.replace(options, **unset)
+        if self._seeds is not None and options.seed is None and options.temperature != 0:
+            options = dataclasses.replace(options, seed=self._seeds.getrandbits(63))
         return build_request(request_id, prompt_token_ids, options, self.max_model_len,
                              (cache_salt or None) if self._tenants is None
                              else self._tenants.cache_salt(tenant, cache_salt),

@@ -140,13 +140,14 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     @app.get("/v1/models", responses=_error_responses(401))
     async def list_models(request: Request) -> dict[str, object]:
         gateway.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": [_model_card(gateway)]}
+        return {"object": "list", "data": [_model_card(gateway, name)
+                                           for name in gateway.model_names]}
 
     @app.get("/v1/models/{model:path}", responses=_error_responses(401, 404))
     async def get_model(model: str, request: Request) -> dict[str, object]:
         gateway.authenticate(request.headers.get("authorization"))
         gateway.check_model(model)
-        return _model_card(gateway)
+        return _model_card(gateway, model)
 
     @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest),
               responses=_error_responses(400, 401, 404))
@@ -322,8 +323,8 @@ def _add_schemas(app: FastAPI, *models: type[BaseModel]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _model_card(gateway: Gateway) -> dict[str, object]:
-    return {"id": gateway.model_name, "object": "model", "created": gateway.created,
+def _model_card(gateway: Gateway, name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": gateway.created,
             "owned_by": "tandem", "max_model_len": gateway.max_model_len}
 
 

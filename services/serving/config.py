@@ -20,6 +20,7 @@ from tandem.services.engine.config import (
     EngineConfig,
     SpeculativeConfig,
 )
+from tandem.services.engine.tokenizer_loader import is_hub_id, read_chat_template
 from tandem.services.kv_transfer.factory import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -88,7 +89,19 @@ class AppConfig:
     worker_host: str = "127.0.0.1"  # where workers' control and KV ports listen
     redis_url: str | None = None  # None: in-process prefix index fed by the gateway
     routing_policy: str = "prefix"  # prefix (cache affinity + load) | round_robin (baseline)
-    served_model_name: str | None = None  # the model's name in the API; None: its own id
+    # The model's name in the API, or several (a request may name any; responses and
+    # /v1/models' first card carry the first); None: its own id
+    served_model_name: str | list[str] | None = None
+    # Reuse the KV of prompt prefixes computed before (off: every prompt computed whole)
+    enable_prefix_caching: bool = True
+    # Seeds for sampled requests that bring none are drawn from this: a fresh server gives the
+    # same outputs to the same requests sent in the same order. None: random seeds
+    seed: int | None = None
+    # The chat template: a file, or the template itself; None: the model's own
+    chat_template: str | None = None
+    # Request defaults (temperature, top_p, ...): auto (the model's generation_config.json),
+    # vllm (none: the API's defaults) or a folder holding a generation_config.json
+    generation_config: str = "auto"
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 before parsing
     lease_ttl_s: float = 30.0  # a prefill's pinned KV is freed this long after its first token
     poll_interval_s: float = 0.5  # gateway polls workers' load, stats (and events) this often
@@ -207,8 +220,20 @@ class AppConfig:
                               "directory sharing the model's tokenizer)")
         if self.draft_model is not None and not Path(self.draft_model).exists():
             raise ConfigError(f"draft_model: {self.draft_model} does not exist")
-        if self.model is not None and not Path(self.model).exists():
-            raise ConfigError(f"model: {self.model} does not exist")
+        if (self.model is not None and not Path(self.model).exists()
+                and not is_hub_id(self.model)):
+            raise ConfigError(f"model: {self.model} does not exist (nor is it a Hugging Face "
+                              f"id, org/name[@revision])")
+        if isinstance(self.served_model_name, list) and not all(
+                isinstance(n, str) and n for n in self.served_model_name or [""]):
+            raise ConfigError(f"served_model_name must be a name or a list of names, got "
+                              f"{self.served_model_name!r}")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # neither a file nor a template: refused
+        if self.generation_config not in ("auto", "vllm") and not (
+                Path(self.generation_config) / "generation_config.json").is_file():
+            raise ConfigError(f"generation_config must be auto, vllm or a folder holding a "
+                              f"generation_config.json, got {self.generation_config!r}")
         if self.tensor_parallel_size > 1:
             refused = [(self.host_kv_cache_gb > 0, "host_kv_cache_gb (the host KV tier)"),
                        (self.spec in ("draft", "self"), f"spec {self.spec!r} (ngram works)")]
@@ -247,8 +272,14 @@ class AppConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.engine_threads(), kernel_threads=self.engine_kernel_threads(),
             attention_backend=self.attention_backend,
+            enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=self.cuda_graphs, weight_format=self.weight_format,
             tensor_parallel_size=self.tensor_parallel_size, step_timeout_s=self.step_timeout_s)
+
+    def served_model_names(self) -> tuple[str, ...]:
+        """The model's names in the API (empty: its own id)."""
+        names = self.served_model_name
+        return (names,) if isinstance(names, str) else tuple(names or ())
 
     def http_url(self) -> str:
         """Where the gateway's HTTP front end answers (https with TLS)."""
@@ -407,6 +438,8 @@ def _check_type(name: str, value: object, annotation: str, source: str) -> None:
         expected = (int, float)
     elif annotation.startswith("bool"):
         expected = (bool,)
+    elif annotation.startswith("str | list[str]"):
+        expected = (str, list)
     elif annotation.startswith("str"):
         expected = (str,)
     if expected and (not isinstance(value, expected)

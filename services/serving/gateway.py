@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 
 from ray.serve.handle import DeploymentHandle
 
@@ -26,7 +28,12 @@ from tandem.router import (
     connect,
 )
 from tandem.services import tracing
-from tandem.services.engine.tokenizer_loader import load_model_metadata
+from tandem.services.engine.tokenizer_loader import (
+    load_model_metadata,
+    read_chat_template,
+    read_generation_config,
+    sampling_defaults,
+)
 from tandem.services.gateway import (
     EngineBackend,
     Gateway,
@@ -66,6 +73,17 @@ def tenants_of(config: AppConfig) -> Tenants:
     return tenants
 
 
+def request_defaults(config: AppConfig, model_defaults: Mapping[str, float | int]
+                     ) -> Mapping[str, float | int]:
+    """The sampling defaults of requests that leave them unset, as ``generation_config``
+    says: the model's (auto), none (vllm) or a folder's generation_config.json."""
+    if config.generation_config == "auto":
+        return model_defaults
+    if config.generation_config == "vllm":
+        return {}
+    return sampling_defaults(read_generation_config(Path(config.generation_config)))
+
+
 class GatewayIngress:
     async def __init__(self, config: AppConfig, prefill: DeploymentHandle | None = None,
                    decode: DeploymentHandle | None = None) -> None:
@@ -74,31 +92,41 @@ class GatewayIngress:
         self.view: ClusterView | None = None
         self.router: Router | None = None
         meta = await asyncio.to_thread(load_model_metadata, config.model)
-        gateway_config = GatewayConfig(served_model_name=config.served_model_name,
+        defaults = request_defaults(config, meta.sampling_defaults)
+        gateway_config = GatewayConfig(served_model_names=config.served_model_names(),
+                                       seed=config.seed,
                                        max_body_bytes=config.max_body_bytes,
                                        request_timeout_s=config.request_timeout_s,
                                        max_in_flight=config.in_flight_limit(),
                                        client_read_timeout_s=config.client_read_timeout_s,
-                                       sampling_defaults=meta.sampling_defaults,
+                                       sampling_defaults=defaults,
                                        metrics_require_key=config.metrics_require_key)
         tenants = tenants_of(config)
         tls = config.server_tls()
-        if meta.sampling_defaults:
-            log.info("request defaults from the model's generation_config.json: %s",
-                     meta.sampling_defaults)
+        if defaults:
+            log.info("request defaults from %s: %s", "the model's generation_config.json"
+                     if config.generation_config == "auto" else config.generation_config,
+                     defaults)
+        # The chat template the gateway renders: --chat-template's, else the model's.
+        template = None if config.chat_template is None else read_chat_template(
+            config.chat_template)
         if config.colocated:
             from tandem.services.engine.async_engine import AsyncEngine
             from tandem.services.engine.llm_engine import LLMEngine
 
             engine = await asyncio.to_thread(LLMEngine, config.engine_config())
-            self.gateway = Gateway(EngineBackend(AsyncEngine(engine)), engine.tokenizer,
+            tokenizer = engine.tokenizer if template is None else (
+                engine.tokenizer.with_chat_template(template))
+            self.gateway = Gateway(EngineBackend(AsyncEngine(engine)), tokenizer,
                                    gateway_config, tenants)
             source = self._colocated_snapshot
             migrations = None
         else:
             assert prefill is not None and decode is not None
             backend = await self._disaggregated(config, meta.model_id, prefill, decode)
-            self.gateway = Gateway(backend, meta.tokenizer, gateway_config, tenants)
+            tokenizer = meta.tokenizer if template is None else (
+                meta.tokenizer.with_chat_template(template))
+            self.gateway = Gateway(backend, tokenizer, gateway_config, tenants)
             view = self.view
             assert view is not None
             self.gateway.refresh_stats = lambda: view.refresh(config.poll_interval_s)

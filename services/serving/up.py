@@ -152,6 +152,14 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
     configure_logging(log_level)
     if shape_reason is not None:
         log.info("%s", shape_reason)
+    if config.model is not None and not Path(config.model).exists():
+        # A hub id: fetched (or found in the cache) once, here, before any replica looks; a
+        # missing model fails now, naming where it was looked for.
+        from tandem.services.engine.tokenizer_loader import hub_snapshot
+
+        began = time.monotonic()
+        log.info("model %s: %s (%.1f s)", config.model, hub_snapshot(config.model),
+                 time.monotonic() - began)
     os.environ["TANDEM_LOG_LEVEL"] = log_level  # the replicas inherit it
     ray_level = "DEBUG" if log_level == "debug" else "WARNING"
     if log_level != "debug":

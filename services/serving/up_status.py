@@ -24,7 +24,8 @@ def model_name(config: AppConfig) -> str:
         from tandem.services.engine.tokenizer_loader import BUILTIN_MODEL_ID
 
         return f"{BUILTIN_MODEL_ID} (built-in)"
-    return Path(config.model).name
+    path = Path(config.model)
+    return path.name if path.exists() else config.model  # a hub id: as given
 
 
 def failure_line(message: str) -> str:

@@ -239,27 +239,61 @@ def test_serve_takes_a_vllm_serve_command_line(tmp_path) -> None:  # type: ignor
     _add_up_parser(parser.add_subparsers())
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
-    flags = ["--served-model-name", "smol", "--max-num-seqs", "8", "--max-model-len", "2048",
-             "-tp", "1", "--max-num-batched-tokens", "256", "--kv-cache-dtype", "int8",
-             "--dtype", "bfloat16", "--port", "8100"]
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    flags = ["--served-model-name", "smol", "smol-latest", "--max-num-seqs", "8",
+             "--max-model-len", "2048", "-tp", "1", "--max-num-batched-tokens", "256",
+             "--kv-cache-dtype", "int8", "--dtype", "bfloat16", "--port", "8100",
+             "--no-enable-prefix-caching", "--seed", "7", "--chat-template", str(template),
+             "--generation-config", "vllm"]
     served = up_settings(parser.parse_args(["serve", str(model), *flags]))
     assert served == up_settings(parser.parse_args(["up", "--model", str(model), *flags]))
-    assert served == {"model": str(model), "served_model_name": "smol", "max_num_seqs": 8,
-                      "max_model_len": 2048, "tensor_parallel_size": 1,
+    assert served == {"model": str(model), "served_model_name": ["smol", "smol-latest"],
+                      "max_num_seqs": 8, "max_model_len": 2048, "tensor_parallel_size": 1,
                       "max_num_batched_tokens": 256, "kv_cache_dtype": "int8",
-                      "dtype": "bfloat16", "port": 8100}
+                      "dtype": "bfloat16", "port": 8100, "enable_prefix_caching": False,
+                      "seed": 7, "chat_template": str(template), "generation_config": "vllm"}
     config = AppConfig.from_dict(served, "command line")
-    assert (config.served_model_name, config.max_num_seqs, config.max_model_len) == (
-        "smol", 8, 2048)
+    assert (config.served_model_names(), config.max_num_seqs, config.max_model_len) == (
+        ("smol", "smol-latest"), 8, 2048)
+    assert config.engine_config().enable_prefix_caching is False
+
+
+def test_served_model_name_one_or_several() -> None:
+    assert AppConfig(served_model_name="a").served_model_names() == ("a",)
+    assert AppConfig(served_model_name=["a", "b"]).served_model_names() == ("a", "b")
+    assert AppConfig().served_model_names() == ()
+    with pytest.raises(ConfigError, match="served_model_name"):
+        AppConfig.from_dict({"served_model_name": 3})
+    with pytest.raises(ConfigError, match="served_model_name"):
+        AppConfig(served_model_name=["a", ""])
+
+
+def test_chat_template_and_generation_config_are_checked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert AppConfig(chat_template="{{ messages[0]['content'] }}").chat_template
+    with pytest.raises(ValueError, match="chat_template: .* neither a file nor a Jinja template"):
+        AppConfig(chat_template=str(tmp_path / "missing.jinja"))
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="generation_config must be auto, vllm or a folder"):
+        AppConfig(generation_config=str(folder))
+    (folder / "generation_config.json").write_text('{"temperature": 0.3}')
+    assert AppConfig(generation_config=str(folder)).generation_config == str(folder)
+
+
+def test_a_hub_id_is_a_model_and_a_missing_path_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert AppConfig(model="Qwen/Qwen3-0.6B@main").model == "Qwen/Qwen3-0.6B@main"
+    with pytest.raises(ConfigError, match="does not exist"):
+        AppConfig(model=str(tmp_path / "missing.gguf"))
 
 
 def test_a_vllm_flag_tandem_lacks_is_refused_naming_it(capsys) -> None:  # type: ignore[no-untyped-def]
     from tandem.services.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "/some/model", "--gpu-memory-utilization", "0.9"])
+        main(["serve", "/some/model", "--swap-space", "4"])
     assert exit_info.value.code == 2
-    assert "unrecognized arguments: --gpu-memory-utilization 0.9" in capsys.readouterr().err
+    assert "unrecognized arguments: --swap-space 4" in capsys.readouterr().err
 
 
 def test_dtype_auto_is_the_fast_path_where_it_runs_and_says_why() -> None:
