@@ -115,6 +115,8 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "served_model_name": "served_model_name", "max_num_seqs": "max_num_seqs",
              "max_model_len": "max_model_len", "enable_prefix_caching": "enable_prefix_caching",
              "seed": "seed", "chat_template": "chat_template",
+             "gpu_memory_utilization": "gpu_memory_utilization",
+             "kv_cache_memory_gb": "kv_cache_memory_gb",
              "generation_config": "generation_config"}
 
 
@@ -155,8 +157,15 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--max-num-seqs", type=int, metavar="N",
                     help="sequences an engine runs at once (32)")
     up.add_argument("--max-model-len", type=int, metavar="N",
-                    help="the longest prompt + output, in tokens (default: the model's, "
-                         "capped by what the KV cache holds)")
+                    help="the longest prompt + output, in tokens (default: the model's; an "
+                         "engine whose KV cache cannot hold one such sequence refuses to "
+                         "start, saying what it holds)")
+    up.add_argument("--gpu-memory-utilization", type=float, metavar="F",
+                    help="the share of a GPU's memory an engine takes: weights, its largest "
+                         "step, then KV blocks for the rest (0.9)")
+    up.add_argument("--kv-cache-memory-gb", type=float, metavar="GB",
+                    help="KV cache per engine rank (default: 1 on a CPU; on a GPU, what "
+                         "--gpu-memory-utilization leaves)")
     up.add_argument("--dtype", choices=list(DTYPES),
                     help="auto (default): bfloat16 on a GPU and on a CPU where our kernels run "
                          "(AVX-512 BF16), else float32; the ready line says which and why")

@@ -85,8 +85,8 @@ def kv_memory(d: Diagnosis) -> Lever | None:
     saving = recompute + waited
     blocks = d.config.get("num_kv_blocks")
     change = (f"num_kv_blocks: {2 * int(blocks)} (config)" if blocks else
-              f"kv_cache_memory_gb: {2 * float(d.config.get('kv_cache_memory_gb') or 0.25):g} "
-              f"(config)")
+              f"kv_cache_memory_gb: {2 * float(d.config.get('kv_cache_memory_gb') or 1.0):g} "
+              f"(config)")  # unset: 1 GiB, the CPU default (engine/kv_sizing.py)
     return Lever("kv_memory", "more KV cache per decoding engine", change, d.share(saving),
                  f"KV usage peak {_pct(d.kv_usage.peak)}, {d.preemptions:.0f} preemptions "
                  f"({d.preemptions_per_request:.2f}/request) x {context:.0f} tokens x "

@@ -90,8 +90,12 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16
     device: str = "cpu"
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
+    # The KV cache (engine/kv_sizing.py): num_kv_blocks blocks, or kv_cache_memory_gb GiB of
+    # them; neither: 1 GiB on a CPU, on a GPU gpu_memory_utilization of the device less what a
+    # profiling step at the largest batch leaves in use
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
     # auto: the cache holds `dtype`; int8: int8 values with a float32 scale per (slot, KV head)
     kv_cache_dtype: str = "auto"
     # The host-memory KV tier (host_kv_pool.py): evicted prefix-cache blocks kept in this much
@@ -164,6 +168,11 @@ class EngineConfig:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")

@@ -22,6 +22,16 @@ from tandem.services.engine.faults import fault_hook_from_env
 from tandem.services.engine.grammar import Grammars
 from tandem.services.engine.host_kv_pool import HostKVPool, host_pool_blocks
 from tandem.services.engine.kv_cache import KVCache, KVCacheSpec, allocate_kv_cache
+from tandem.services.engine.kv_sizing import (
+    CPU_KV_CACHE_GB,
+    GIB,
+    DeviceMemory,
+    KVCacheTooSmall,
+    blocks_in,
+    context_length,
+    gpu_kv_bytes,
+    profile_forward,
+)
 from tandem.services.engine.logits_controls import Draw, controlled
 from tandem.services.engine.model import LlamaModel, Shard
 from tandem.services.engine.model_loader import LoadedModel, load_model
@@ -94,18 +104,51 @@ class LLMEngine:
         shards = [Shard.of(loaded.config, rank, tp) for rank in range(tp)]
         local = shards[0].local_config(loaded.config)  # rank 0 has the most KV heads
         # This rank's cache (its KV heads), and the canonical layout (every KV head: what a
-        # KV transfer moves and pairing describes); the same with one rank.
-        self.local_kv_spec = KVCacheSpec.for_model(local, config.block_size, config.dtype,
-                                                   config.num_kv_blocks,
-                                                   config.kv_cache_memory_gb,
-                                                   config.kv_cache_dtype)
-        self.kv_spec = dataclasses.replace(self.local_kv_spec,
-                                           num_kv_heads=loaded.config.num_kv_heads)
+        # KV transfer moves and pairing describes); the same with one rank. Its block count
+        # and the context it must hold: kv_sizing.py.
+        shape = KVCacheSpec.for_model(local, config.block_size, config.dtype, 1, 0.0,
+                                      config.kv_cache_dtype)
+        hand_sized = config.num_kv_blocks is not None or config.kv_cache_memory_gb is not None
+        profiled = torch.device(config.device).type == "cuda" and not hand_sized
+        if profiled and tp > 1:
+            raise ValueError(f"gpu_memory_utilization sizes the KV cache of one-rank engines; "
+                             f"with tensor_parallel_size {tp} set kv_cache_memory_gb")
+        num_blocks, sizing = (0, "") if profiled else _hand_sized_blocks(shape, config)
+        model_len = loaded.config.max_position_embeddings
+        positions = min(config.max_model_len or model_len, model_len)
         self.hash_settings = HashSettings(config.block_size, loaded.config.model_id,
                                           kv_cache_dtype=config.kv_cache_dtype)
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings,
-                                 self.kv_spec.num_blocks * config.block_size)
+        self.tp = None if tp == 1 else TensorParallelGroup(FollowerSettings(
+            model=config.model, model_id=loaded.config.model_id, dtype=config.dtype,
+            device=config.device,
+            block_size=config.block_size, num_blocks=num_blocks,
+            kv_cache_dtype=config.kv_cache_dtype, attention_backend=config.attention_backend,
+            num_threads=config.num_threads, max_positions=positions, world_size=tp,
+            store_port=0, timeout_s=config.tensor_parallel_timeout_s), shards)
+        model = LlamaModel(loaded.config, loaded.weights,
+                           get_attention_backend(config.attention_backend, config.device,
+                                                 local.num_heads, local.num_kv_heads,
+                                                 local.head_dim, shape.torch_dtype,
+                                                 config.kernel_threads),
+                           max_positions=positions, device=config.device,
+                           shard=shards[0], all_reduce=self.tp and self.tp.all_reduce,
+                           quantized=loaded.quantized if config.weight_format == "int4"
+                           else None,
+                           quantized_head=loaded.quantized_head
+                           if config.weight_format == "int4" else (),
+                           kernel_threads=config.kernel_threads)
+        if profiled:
+            num_blocks, sizing = _profiled_blocks(model, shape, config)
+        self.local_kv_spec = dataclasses.replace(shape, num_blocks=num_blocks)
+        self.kv_spec = dataclasses.replace(self.local_kv_spec,
+                                           num_kv_heads=loaded.config.num_kv_heads)
+        capacity = num_blocks * config.block_size
+        self.max_model_len = context_length(config.max_model_len, model_len, capacity,
+                                            hand_sized, sizing)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB): %d sequence(s) "
+                 "of max_model_len %d", num_blocks, config.block_size, capacity, sizing,
+                 num_blocks * self.local_kv_spec.bytes_per_block / GIB,
+                 capacity // self.max_model_len, self.max_model_len)
         self.kv_cache: KVCache = allocate_kv_cache(self.local_kv_spec, config.device)
         self.host_pool = (
             HostKVPool(self.kv_cache, host_pool_blocks(config.host_kv_cache_gb,
@@ -116,25 +159,6 @@ class LLMEngine:
                                           config.enable_prefix_caching, self.host_pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.tp = None if tp == 1 else TensorParallelGroup(FollowerSettings(
-            model=config.model, model_id=loaded.config.model_id, dtype=config.dtype,
-            device=config.device,
-            block_size=config.block_size, num_blocks=self.kv_spec.num_blocks,
-            kv_cache_dtype=config.kv_cache_dtype, attention_backend=config.attention_backend,
-            num_threads=config.num_threads, max_positions=self.max_model_len, world_size=tp,
-            store_port=0, timeout_s=config.tensor_parallel_timeout_s), shards)
-        model = LlamaModel(loaded.config, loaded.weights,
-                           get_attention_backend(config.attention_backend, config.device,
-                                                 local.num_heads, local.num_kv_heads,
-                                                 local.head_dim, self.local_kv_spec.torch_dtype,
-                                                 config.kernel_threads),
-                           max_positions=self.max_model_len, device=config.device,
-                           shard=shards[0], all_reduce=self.tp and self.tp.all_reduce,
-                           quantized=loaded.quantized if config.weight_format == "int4"
-                           else None,
-                           quantized_head=loaded.quantized_head
-                           if config.weight_format == "int4" else (),
-                           kernel_threads=config.kernel_threads)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device,
                                   self.tp)
         why_not = (cpu_kernels.unavailable_reason()
@@ -499,6 +523,7 @@ class LLMEngine:
             spec_accepted_tokens=self.spec_stats.accepted_tokens,
             spec_steps=self.spec_stats.steps,
             pending_prefill_blocks=self._pending_prefill_blocks(),
+            block_size=self.config.block_size,
             **self._host_kv_stats(),
         )
 
@@ -546,3 +571,39 @@ class LLMEngine:
         self.scheduler.pin(seq)
         wait_for_writes(self.config.device)  # its blocks are read from outside our stream
         return PinnedKV(seq.request_id, tuple(seq.block_ids), seq.num_computed_tokens)
+
+
+def _hand_sized_blocks(shape: KVCacheSpec, config: EngineConfig) -> tuple[int, str]:
+    """The cache's blocks when no profiling decides them, and how they were chosen."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, "num_kv_blocks"
+    if config.kv_cache_memory_gb is not None:
+        return (blocks_in(config.kv_cache_memory_gb, shape.bytes_per_block),
+                f"kv_cache_memory_gb {config.kv_cache_memory_gb:g}")
+    return (blocks_in(CPU_KV_CACHE_GB, shape.bytes_per_block),
+            f"{CPU_KV_CACHE_GB:g} GiB, the CPU default")
+
+
+def _profiled_blocks(model: LlamaModel, shape: KVCacheSpec, config: EngineConfig
+                     ) -> tuple[int, str]:
+    """vLLM's sizing on a GPU: a profiling forward at the largest step, then
+    ``gpu_memory_utilization`` of the device less what that left in use."""
+    block_size = config.block_size
+    tokens = config.max_num_batched_tokens
+    spec = dataclasses.replace(shape, num_blocks=-(-tokens // block_size))
+    cache = allocate_kv_cache(spec, config.device)
+    rows = config.max_num_seqs * (1 + (config.speculative.k if config.speculative.enabled
+                                       else 0))
+    profile_forward(model, cache, block_size, tokens, rows, config.device)
+    memory = DeviceMemory.measure(config.device, spec.num_blocks * spec.bytes_per_block)
+    del cache
+    torch.cuda.empty_cache()
+    budget = gpu_kv_bytes(memory, config.gpu_memory_utilization)
+    sizing = (f"gpu_memory_utilization {config.gpu_memory_utilization:g} of "
+              f"{memory.total / GIB:.1f} GiB, after a {tokens}-token profiling step peaking at "
+              f"{memory.torch_peak / GIB:.2f} GiB")
+    if budget < shape.bytes_per_block:
+        raise KVCacheTooSmall(f"no room for a KV cache: {sizing} leaves "
+                              f"{budget / GIB:.2f} GiB; raise gpu_memory_utilization or "
+                              f"lower max_num_batched_tokens")
+    return budget // shape.bytes_per_block, sizing

@@ -107,6 +107,7 @@ class EngineStats:
     host_kv_offloaded_blocks: int = 0  # evicted cached blocks copied to host memory
     host_kv_blocks: int = 0  # blocks the pool holds now
     host_kv_capacity_blocks: int = 0
+    block_size: int = 0  # tokens per KV block: the cache holds num_blocks x block_size tokens
 
 
 class DecodeRejectedError(RuntimeError):

@@ -56,8 +56,13 @@ class AppConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (the prefill chunk size)
     max_num_seqs: int = 32  # sequences an engine steps at once, at most
     max_waiting: int = 1024  # queue limit per engine; beyond it requests get 429
-    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 0.25  # KV cache per engine when num_kv_blocks is None
+    num_kv_blocks: int | None = None  # KV blocks per engine rank; None: sized as below
+    # KV cache per engine rank in GiB; None: 1 on a CPU, on a GPU what gpu_memory_utilization
+    # leaves after a profiling step (engine/kv_sizing.py)
+    kv_cache_memory_gb: float | None = None
+    # The share of a GPU's memory an engine takes: its weights, its largest step's activations,
+    # then KV blocks for the rest (vLLM's --gpu-memory-utilization)
+    gpu_memory_utilization: float = 0.9
     # auto: the KV cache holds `dtype`; int8: int8 values with a float32 scale per token and
     # KV head (about 1.9x the blocks of bfloat16 in the same memory; not with flash_attn)
     kv_cache_dtype: str = "auto"
@@ -205,7 +210,12 @@ class AppConfig:
                               else ("tls_key_file", "tls_cert_file"))
             raise ConfigError(f"{given} needs {missing} (TLS takes both or neither)")
         _at_least("max_migrations", self.max_migrations, 0)
-        for name in ("kv_cache_memory_gb", "lease_ttl_s", "poll_interval_s",
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
+        for name in ("lease_ttl_s", "poll_interval_s",
                      "idle_poll_interval_s", "request_timeout_s", "prefill_timeout_s",
                      "control_timeout_s", "kv_transfer_timeout_s", "stream_idle_timeout_s",
                      "step_timeout_s", "client_read_timeout_s", "drain_timeout_s"):
@@ -267,6 +277,7 @@ class AppConfig:
         return EngineConfig(speculative=speculative, device=self.engine_device(),
             model=self.model, dtype=self.engine_dtype()[0], block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory_gb=self.kv_cache_memory_gb,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_dtype=self.kv_cache_dtype, host_kv_cache_gb=self.host_kv_cache_gb,
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,

@@ -183,7 +183,8 @@ class GatewayIngress:
         backend = self.gateway.backend
         return [WorkerSnapshot("colocated", "colocated", backend.stats,
                                healthy=self.gateway.health_problem() is None,
-                               attention_backend=getattr(backend, "attention_backend", ""))]
+                               attention_backend=getattr(backend, "attention_backend", ""),
+                               max_model_len=backend.max_model_len)]
 
     def check_health(self) -> None:
         """Ray Serve's health check: a colocated engine that stopped fails it (its workers'

@@ -46,6 +46,12 @@ class WorkerCollector(Collector):
                                  labels=labels)
         total = GaugeMetricFamily("tandem_kv_cache_blocks", "KV blocks in the cache.",
                                   labels=labels)
+        capacity = GaugeMetricFamily("tandem_kv_cache_capacity_tokens",
+                                     "Tokens the KV cache holds (blocks x block size).",
+                                     labels=labels)
+        full = GaugeMetricFamily("tandem_kv_cache_max_len_sequences",
+                                 "Sequences of max_model_len tokens the KV cache holds at once.",
+                                 labels=labels)
         leases = GaugeMetricFamily("tandem_prefill_leases",
                                    "Prompt KV held by a prefill worker for a transfer.",
                                    labels=labels)
@@ -101,6 +107,10 @@ class WorkerCollector(Collector):
             healthy.add_metric(key, 1.0 if w.healthy else 0.0)
             free.add_metric(key, w.stats.num_free_blocks)
             total.add_metric(key, w.stats.num_blocks)
+            tokens = w.stats.num_blocks * w.stats.block_size
+            capacity.add_metric(key, tokens)
+            if w.max_model_len:
+                full.add_metric(key, tokens // w.max_model_len)
             m = w.metrics
             refusals.add_metric(key, _number(m, "refusals"))
             if w.role == "prefill":
@@ -121,9 +131,9 @@ class WorkerCollector(Collector):
                 queued.add_metric(key, _number(m, "queued"))
                 for reason, count in sorted(m.get("rejects", {}).items()):
                     rejects.add_metric([*key, reason], float(count))
-        yield from (info, backend, free, total, leases, prefills, granted, ended, moved, seconds,
-                    transfers, failures, checksums, imports, recomputes, queued, rejects, healthy,
-                    fallback, refusals)
+        yield from (info, backend, free, total, capacity, full, leases, prefills, granted, ended,
+                    moved, seconds, transfers, failures, checksums, imports, recomputes, queued,
+                    rejects, healthy, fallback, refusals)
 
 
 class RouterCollector(Collector):

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from tandem.services.gateway.tenants import parse_api_keys
 from tandem.services.serving.config import AppConfig, ConfigError
-from tandem.services.serving.up_stats import StatsReporter, client_context
+from tandem.services.serving.up_stats import StatsReporter, client_context, kv_capacity
 from tandem.services.serving.up_status import APP_NAME, StartupError, StatusMonitor, model_name
 
 READY_TIMEOUT_S = 600.0
@@ -94,7 +94,9 @@ def _kernels_run(config: AppConfig, dtype: str) -> bool:
     return cpu_kernels.unavailable_reason() is None
 
 
-def ready_line(config: AppConfig) -> str:
+def ready_line(config: AppConfig, capacity: tuple[int, int] | None = None) -> str:
+    """``capacity``: the served context and the fewest tokens an engine's KV cache holds
+    (``up_stats.kv_capacity``)."""
     shape = ("colocated" if config.colocated
              else f"{config.prefill_replicas} prefill, {config.decode_replicas} decode")
     tp = config.tensor_parallel_size
@@ -109,6 +111,10 @@ def ready_line(config: AppConfig) -> str:
     if config.threads_per_worker is None:
         shape += f", from {len(os.sched_getaffinity(0))} CPUs"
     shape += f"; dtype {dtype}" + (f" ({why})" if why else "")
+    if capacity is not None:
+        context, tokens = capacity
+        shape += (f"; KV cache {tokens} tokens per engine: {tokens // context} sequence(s) of "
+                  f"max_model_len {context}")
     keys = "API keys on" if config.api_keys_file else "no API keys"
     tls = "" if config.tls_cert_file is None else " (TLS)"
     return (f"Tandem ready: HTTP {config.http_url()}/v1  "
@@ -204,7 +210,7 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
                        wait_for_applications_running=False)
         _wait_healthy(config, stop, monitor)
         if not stop.is_set():
-            print(ready_line(config), file=out, flush=True)
+            print(ready_line(config, kv_capacity(config)), file=out, flush=True)
         _serve(config, stop, monitor, stats_interval_s)
     except StartupError:
         ray.shutdown()  # nothing to drain: stop every process now

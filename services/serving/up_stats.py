@@ -103,6 +103,27 @@ def stats_line(now: StatsSample, before: StatsSample, elapsed_s: float) -> str:
             f"{now.generation_tokens} generated tokens")
 
 
+def kv_capacity(config: AppConfig, timeout_s: float = 5.0) -> tuple[int, int] | None:
+    """The served context (max_model_len) and the fewest tokens any engine's KV cache holds,
+    from the gateway's /v1/models and /metrics; None when they cannot be read."""
+    import json
+
+    key = next(iter(read_api_keys(config.api_keys_file)), None) if config.api_keys_file else None
+    context = client_context(config)
+    try:
+        models = json.loads(read_text(f"{config.http_url()}/v1/models", bearer(key), context,
+                                      timeout_s))
+        metrics = read_text(f"{config.http_url()}/metrics", bearer(key), context, timeout_s)
+    except (OSError, ValueError) as exc:
+        log.debug("KV capacity: %s", exc)
+        return None
+    tokens = [int(s.value) for s in metric_samples(metrics)
+              if s.name == "tandem_kv_cache_capacity_tokens" and s.value > 0]
+    if not tokens or not models.get("data"):
+        return None
+    return int(models["data"][0]["max_model_len"]), min(tokens)
+
+
 class StatsReporter:
     """Reads the gateway's /metrics (with the first API key when metrics need one); a line
     when anything changed since the previous read, none while idle."""

@@ -33,6 +33,7 @@ class UpProcess:
     http_url: str = ""
     grpc_target: str = ""
     ready_s: float = 0.0
+    ready_line: str = ""
     process: subprocess.Popen[str] | None = None
     _descendants: list[psutil.Process] = field(default_factory=list)
 
@@ -63,6 +64,7 @@ class UpProcess:
             raise AssertionError(f"no ready line from tandem up (got {line!r}); log:\n"
                                  + self.log_path.read_text()[-4000:])
         self.ready_s = time.monotonic() - started
+        self.ready_line = line or ""
         self.http_url, self.grpc_target = match.group(1), match.group(2)
         return self
 

@@ -74,5 +74,5 @@ def test_every_setting_has_a_comment_and_the_doc_is_current() -> None:
     assert bare == [], "AppConfig fields without a comment in services/serving/config.py"
     table = cli.settings_reference()
     assert table in DOC.read_text(), "docs/settings.md is stale: paste `tandem settings` into it"
-    assert "| `kv_cache_memory_gb` | `0.25` |" in table  # the field's default, as declared
+    assert "| `gpu_memory_utilization` | `0.9` |" in table  # the field's default, as declared
     assert table.count("\n") == len(dataclasses.fields(AppConfig)) + 2
