@@ -1,12 +1,7 @@
 """Loading from Hugging Face directories: Llama-3 RoPE scaling, Qwen2 biases, Qwen3 q/k norms,
-Gemma 2 and Gemma 3, and the built-in model re-saved as safetensors. Each is checked against
-transformers.
-
-The tiny Gemmas exercise what they add: a sliding window (32) shorter than the prompt (150
-tokens, prefilled in chunks of 48) on a mix of sliding and full layers, logit soft-capping
-small enough to change the scores, a query scale other than head_dim's, RMSNorm weights that
-are not zero (their ``1 + weight``), and Gemma 3's own RoPE base for its sliding layers beside
-linearly scaled global ones."""
+Gemma 2 and Gemma 3 (tiny random checkpoints: ``tiny_models.py``), and the built-in model
+re-saved as safetensors. Each is checked against transformers. The Gemma prompts (150 tokens)
+outrun the sliding window and are prefilled in chunks of 48."""
 
 from __future__ import annotations
 
@@ -20,51 +15,12 @@ from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
 from tandem.services.protocol.request import GenerationRequest, SamplingParams
-
-
-def tiny_model(family: str):  # type: ignore[no-untyped-def]
-    import transformers as tf
-
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
-                  initializer_range=0.2)
-    gemma = dict(common, tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=24,
-                 sliding_window=32, final_logit_softcapping=3.0)
-    if family == "llama3":
-        config = tf.LlamaConfig(**common, rope_scaling={
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-        cls = tf.LlamaForCausalLM
-    elif family == "qwen2":
-        config, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
-    elif family == "qwen3":
-        config, cls = tf.Qwen3Config(**common, head_dim=16), tf.Qwen3ForCausalLM
-    elif family == "gemma2":  # layers: sliding, full
-        config = tf.Gemma2Config(**gemma, attn_logit_softcapping=4.0)
-        cls = tf.Gemma2ForCausalLM
-    else:
-        config = tf.Gemma3TextConfig(**dict(gemma, num_hidden_layers=3), layer_types=[
-            "sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
-        cls = tf.Gemma3ForCausalLM
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    if family.startswith("gemma"):  # transformers starts Gemma's norm weights at 0
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.normal_(0.0, 0.3)
-    return model
-
-
-def save_tiny(family: str, path, loaded_model):  # type: ignore[no-untyped-def]
-    """The tiny ``family`` model, saved in ``path`` with the built-in model's tokenizer."""
-    hf = tiny_model(family)
-    hf.save_pretrained(path)
-    loaded_model.tokenizer.backend.save(str(path / "tokenizer.json"))
-    return hf
+from tests.engine.tiny_models import (
+    GREEDY_LOGPROBS,
+    assert_matches_transformers,
+    random_prompt,
+    save_tiny,
+)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3"])
@@ -119,14 +75,6 @@ def test_gemma_refuses_backends_without_its_attention(backend, tmp_path, loaded_
                                block_size=blocks), loaded)
 
 
-GREEDY_LOGPROBS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    return [int(t) for t in torch.randint(3, 49152, (length,),
-                                          generator=torch.Generator().manual_seed(seed))]
-
-
 def assert_greedy_matches_transformers(hf, loaded, prompt_len: int, max_tokens: int,  # type: ignore[no-untyped-def]
                                        seed: int) -> None:
     """Our engine's greedy tokens and logprobs on ``loaded`` against a teacher-forced
@@ -141,19 +89,6 @@ def assert_greedy_matches_transformers(hf, loaded, prompt_len: int, max_tokens: 
             tokens += out.new_token_ids
             logprobs += [lp.logprob for lp in out.new_logprobs]
     assert_matches_transformers(hf, prompt, tokens, logprobs)
-
-
-def assert_matches_transformers(hf, prompt: list[int], tokens: list[int],  # type: ignore[no-untyped-def]
-                                logprobs: list[float]) -> None:
-    """Greedy ``tokens`` after ``prompt`` and their ``logprobs`` against a teacher-forced
-    transformers pass of ``hf``."""
-    with torch.inference_mode():
-        ids = torch.tensor([prompt + tokens[:-1]])
-        ref = hf(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)
-    ref_lp = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
-    torch.testing.assert_close(torch.tensor(logprobs), ref_lp, atol=1e-4, rtol=0)
-    # Each greedy token is transformers' argmax up to a genuine near-tie.
-    assert bool((ref.max(-1).values - ref_lp < 1e-3).all())
 
 
 def test_builtin_model_resaved_as_hf_directory(tmp_path, hf_model, loaded_model, prompts,
