@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tandem.services.engine.attention import resolve_backend
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
@@ -73,6 +74,31 @@ def test_gemma_refuses_backends_without_its_attention(backend, tmp_path, loaded_
                                          f".*attention logit soft-capping.*sliding-window"):
         LLMEngine(EngineConfig(num_kv_blocks=64, attention_backend=backend, dtype=dtype,
                                block_size=blocks), loaded)
+    # auto picks torch wherever it would pick another backend for a Llama.
+    features = loaded.config.attention_features
+    assert resolve_backend("auto", "cuda", torch.bfloat16, features) == "torch"
+    assert resolve_backend("auto", "cpu", torch.bfloat16, features) == "torch"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_older_config_json_layout(family, tmp_path, loaded_model):
+    """A config.json without layer_types and, for Gemma 3, with RoPE as rope_theta,
+    rope_scaling and rope_local_base_freq (Hub files before transformers 5) reads as the
+    current layout does."""
+    save_tiny(family, tmp_path, loaded_model)
+    current = load_model(tmp_path, progress=False).config
+    path = tmp_path / "config.json"
+    hf = json.loads(path.read_text())
+    del hf["layer_types"], hf["rope_parameters"]
+    if family == "gemma2":  # transformers' default: sliding and full layers alternate
+        hf["rope_theta"] = 10000.0
+    else:
+        hf.update(rope_theta=50000.0, rope_local_base_freq=1000.0, sliding_window_pattern=2,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+    path.write_text(json.dumps(hf))
+    older = load_model(tmp_path, progress=False).config
+    assert older == current
+    assert older.layer_types[:2] == ("sliding_attention", "full_attention")
 
 
 def assert_greedy_matches_transformers(hf, loaded, prompt_len: int, max_tokens: int,  # type: ignore[no-untyped-def]
