@@ -26,9 +26,10 @@ PROG = "python -m tandem.loadtest.export_hf"
 
 def hf_config(model: LoadedModel, dtype: str) -> dict[str, Any]:
     c = model.config
-    if c.qk_norm or c.attention_bias:
+    if c.qk_norm or c.attention_bias or c.gemma:
+        has = "Gemma layers" if c.gemma else "q/k norms" if c.qk_norm else "q/k/v biases"
         raise ValueError(f"{c.model_id}: only Llama-architecture models are exported "
-                         f"(this one has {'q/k norms' if c.qk_norm else 'q/k/v biases'})")
+                         f"(this one has {has})")
     eos = list(c.eos_token_ids)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",

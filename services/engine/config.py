@@ -5,10 +5,48 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+SLIDING_ATTENTION, FULL_ATTENTION = "sliding_attention", "full_attention"  # HF's layer_types
+
+# What a layer's attention may ask of a backend beyond causal softmax(q k^T / sqrt(d)) v; only
+# the torch backend implements them (attention/__init__.py: resolve_backend).
+SLIDING_WINDOW = "sliding-window attention"
+SOFTCAP = "attention logit soft-capping"
+QUERY_SCALE = "a query scale other than head_dim ** -0.5 (query_pre_attn_scalar)"
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes: softmax over the causal keys of
+    ``softcap * tanh(q k^T * scale / softcap)``, the keys cut to the last ``sliding_window``
+    positions (the query's own included). The defaults are Llama's plain attention."""
+
+    scale: float | None = None  # None: head_dim ** -0.5
+    sliding_window: int | None = None  # None: every earlier key
+    softcap: float | None = None  # None: no capping
+
+    @property
+    def features(self) -> frozenset[str]:
+        """What this asks of a backend beyond plain attention."""
+        asked = [(self.sliding_window is not None, SLIDING_WINDOW),
+                 (self.softcap is not None, SOFTCAP), (self.scale is not None, QUERY_SCALE)]
+        return frozenset(name for needed, name in asked if needed)
+
+
+PLAIN_ATTENTION = LayerAttention()
+
+
+def check_plain(backend: str, attn: LayerAttention) -> None:
+    """Refuse a layer's attention that asks more than ``backend``, which computes plain
+    attention only, implements."""
+    if attn.features:
+        raise ValueError(f"attention_backend {backend} does not implement "
+                         f"{', '.join(sorted(attn.features))}")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder, read from a GGUF file or a Hugging Face config.json."""
+    """Shape of a Llama-family decoder (Gemma 2/3 included), read from a GGUF file or a Hugging
+    Face config.json."""
 
     model_id: str
     vocab_size: int
@@ -26,7 +64,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False  # Qwen2 has q/k/v biases
-    qk_norm: bool = False  # Qwen3 normalises q and k per head
+    qk_norm: bool = False  # Qwen3 (and Gemma 3) normalise q and k per head
+    # Gemma 2/3: RMSNorm as x * (1 + weight) in float32, norms on the attention's and the MLP's
+    # outputs too (four a layer), embeddings times sqrt(hidden_size)
+    gemma: bool = False
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh (Gemma)
+    query_pre_attn_scalar: float | None = None  # attention scale its ** -0.5 (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # Gemma 2
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # the window of the layers layer_types marks sliding
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; (): full
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -34,6 +82,34 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act must be silu or gelu_pytorch_tanh, got "
+                             f"{self.hidden_act!r}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        unknown = set(self.layer_types) - {SLIDING_ATTENTION, FULL_ATTENTION}
+        if unknown:
+            raise ValueError(f"unknown layer_types {sorted(unknown)}")
+        if SLIDING_ATTENTION in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError(f"sliding layers need a sliding_window > 0, got "
+                             f"{self.sliding_window}")
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING_ATTENTION
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """What layer ``layer``'s attention computes (``PLAIN_ATTENTION`` for Llama's)."""
+        scale = (None if self.query_pre_attn_scalar is None
+                 else self.query_pre_attn_scalar ** -0.5)
+        window = self.sliding_window if self.is_sliding(layer) else None
+        return LayerAttention(scale, window, self.attn_logit_softcapping)
+
+    @property
+    def attention_features(self) -> frozenset[str]:
+        """What the model's layers ask of an attention backend beyond plain attention."""
+        return frozenset().union(*(self.layer_attention(i).features
+                                   for i in range(self.num_layers)))
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "self")

@@ -129,7 +129,8 @@ class LLMEngine:
                            get_attention_backend(config.attention_backend, config.device,
                                                  local.num_heads, local.num_kv_heads,
                                                  local.head_dim, shape.torch_dtype,
-                                                 config.kernel_threads),
+                                                 config.kernel_threads,
+                                                 loaded.config.attention_features),
                            max_positions=positions, device=config.device,
                            shard=shards[0], all_reduce=self.tp and self.tp.all_reduce,
                            quantized=loaded.quantized if config.weight_format == "int4"
@@ -161,17 +162,20 @@ class LLMEngine:
                                    config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device,
                                   self.tp)
+        features = loaded.config.attention_features
         why_not = (cpu_kernels.unavailable_reason()
                    if config.attention_backend == "auto" and model.attention.name == "torch"
-                   and self.local_kv_spec.torch_dtype == torch.bfloat16
+                   and self.local_kv_spec.torch_dtype == torch.bfloat16 and not features
                    else None)
         self.attention_backend = model.attention.name  # what runs (tandem_attention_backend)
         if why_not:  # bfloat16 on a CPU whose kernels did not build or load: the slow path
             log.warning("attention backend torch, not our CPU kernels: %s (bfloat16 runs "
                         "several times slower this way)", why_not)
         else:
-            log.info("attention backend %s (asked: %s)", model.attention.name,
-                     config.attention_backend)
+            log.info("attention backend %s (asked: %s%s)", model.attention.name,
+                     config.attention_backend,
+                     f"; the model's layers use {', '.join(sorted(features))}"
+                     if features else "")
         if (config.cuda_graphs and torch.device(config.device).type == "cuda"
                 and model.attention.name == "triton" and self.tp is None):
             began = time.monotonic()

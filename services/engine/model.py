@@ -1,10 +1,19 @@
 """Llama-family decoder in plain PyTorch over a paged KV cache.
 
-Covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
-(q/k norm). Numerics follow Hugging Face's implementation (RMSNorm in float32, rotate-half RoPE)
-so greedy output matches transformers on the same weights. With the triton attention backend a
-layer's small ops (norms, residual adds, rotary embedding with the K/V store, SiLU's product)
-run as fused Triton kernels rounding where torch rounds (``attention/triton_ops.py``).
+Covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3
+(q/k norm), Gemma 2 and Gemma 3 (text). Numerics follow Hugging Face's implementation (RMSNorm
+in float32, rotate-half RoPE) so greedy output matches transformers on the same weights. With
+the triton attention backend a layer's small ops (norms, residual adds, rotary embedding with
+the K/V store, SiLU's product) run as fused Triton kernels rounding where torch rounds
+(``attention/triton_ops.py``).
+
+Gemma (``_gemma_layer``, torch ops only): embeddings times sqrt(hidden_size) in the model
+dtype, RMSNorm as ``x * (1 + weight)`` rounded after the product, four norms a layer (input,
+the attention's output, before the MLP, the MLP's output), GELU (tanh) MLP, final logits
+soft-capped. Each layer tells the attention backend its query scale (``query_pre_attn_scalar``),
+sliding window and logit soft-capping (Gemma 2) as a ``LayerAttention``; only the torch backend
+computes those, so a Gemma model runs on it. Gemma 3 normalises q and k per head and its
+sliding layers take their own RoPE tables (``rope_local_theta``, unscaled).
 
 Tensor parallelism (``Shard``): a rank keeps a contiguous run of KV heads with their query
 heads (q/k/v rows and the o columns of those heads, biases with their rows) and a contiguous
@@ -29,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.services.engine import cpu_kernels
-from tandem.services.engine.attention import AttentionBackend
+from tandem.services.engine.attention import AttentionBackend, check_features
 from tandem.services.engine.config import ModelConfig
 from tandem.services.engine.cpu_layers import CpuLayers
 from tandem.services.engine.cpu_linear import AmxLinear, Linear, packing_available
@@ -46,6 +55,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: ``scale`` (1 + weight, float32) multiplies before the rounding."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+
+def norm_scale(config: ModelConfig, weight: torch.Tensor) -> torch.Tensor:
+    """What a norm's weight multiplies the normalised activations by: Gemma's 1 + weight in
+    float32, else the weight."""
+    return 1.0 + weight.float() if config.gemma else weight
+
+
+def rope_tables(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype, device: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_positions, head_dim] of the rotary embedding."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -74,6 +103,13 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, object]) -> torch.T
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+# The MLP's gate activations by Hugging Face name (ModelConfig.hidden_act).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +197,7 @@ class LlamaModel(nn.Module):
         ``quantized_head``: the output projection's int4 terms (a Q8_0 head), if any.
         ``kernel_threads``: the threads our AMX projections split over (1 or 2)."""
         super().__init__()
+        check_features(attention.name, config.attention_features)
         self.config = config
         self.shard = shard or Shard.whole(config)
         if self.shard.world_size > 1 and all_reduce is None:
@@ -180,7 +217,10 @@ class LlamaModel(nn.Module):
         w = {name: t.to(device)
              for name, t in _shard_weights(weights, config, self.shard).items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.norm = w["model.norm.weight"]
+        self.norm = norm_scale(config, w["model.norm.weight"])
+        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model dtype.
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5).to(self.embed.dtype)
+                            if config.gemma else None)
         self.lm_head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
         pack = packing_available(device, self.embed.dtype)  # oneDNN-ordered weights on a CPU
         quantized = quantized or {}
@@ -210,29 +250,46 @@ class LlamaModel(nn.Module):
             return dense(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]],
                          bias, swiglu)
 
+        def norm(name: str) -> torch.Tensor | None:
+            weight = w.get(name + ".weight")
+            return None if weight is None else norm_scale(config, weight)
+
+        gemma = config.gemma
         self.layers: list[Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             attn_bias = None
             if config.attention_bias:
                 attn_bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            input_norm = norm(p + "input_layernorm")
+            # The norm before the MLP; Gemma's post_attention_layernorm is the attention's
+            # output norm.
+            mlp_norm = norm(p + ("pre_feedforward_layernorm" if gemma
+                                 else "post_attention_layernorm"))
+            assert input_norm is not None and mlp_norm is not None  # _check_weights
             self.layers.append(Layer(
-                input_norm=w[p + "input_layernorm.weight"],
-                post_norm=w[p + "post_attention_layernorm.weight"],
+                input_norm=input_norm,
+                post_norm=mlp_norm,
                 qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], attn_bias),
                 o=linear([p + "self_attn.o_proj.weight"]),
-                q_norm=w.get(p + "self_attn.q_norm.weight"),
-                k_norm=w.get(p + "self_attn.k_norm.weight"),
+                q_norm=norm(p + "self_attn.q_norm"),
+                k_norm=norm(p + "self_attn.k_norm"),
                 gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                               swiglu=True),
+                               swiglu=config.hidden_act == "silu"),
                 down=linear([p + "mlp.down_proj.weight"]),
+                attn_out_norm=norm(p + "post_attention_layernorm") if gemma else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm") if gemma else None,
+                attention=config.layer_attention(i),
+                local_rope=config.rope_local_theta is not None and config.is_sliding(i),
             ))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                            rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.embed.dtype
-        self.cos = emb.cos().to(dtype).to(device)
-        self.sin = emb.sin().to(dtype).to(device)
+        self.cos, self.sin = rope_tables(rope_inv_freq(config), max_positions, dtype, device)
+        self.local_cos, self.local_sin = self.cos, self.sin
+        if config.rope_local_theta is not None:  # Gemma 3's sliding layers: unscaled
+            local = dataclasses.replace(config, rope_theta=config.rope_local_theta,
+                                        rope_scaling=None)
+            self.local_cos, self.local_sin = rope_tables(rope_inv_freq(local), max_positions,
+                                                         dtype, device)
         # With the cpu backend, a step's layers in one C call where they fit it (cpu_layers.py).
         self.cpu_layers = CpuLayers.of(
             self.kernels, self.layers, attention, self.num_heads, self.num_kv_heads,
@@ -245,6 +302,7 @@ class LlamaModel(nn.Module):
         layers were built for."""
         if "cpu" in (attention.name, self.attention.name):
             raise ValueError("the cpu backend's layers are built for it: load the model again")
+        check_features(attention.name, self.config.attention_features)
         other = copy.copy(self)
         other.attention = attention
         other.triton_ops = _triton_ops() if attention.name == "triton" else None
@@ -254,7 +312,8 @@ class LlamaModel(nn.Module):
         """A model of this one's first ``num_layers`` layers plus its final norm and head,
         sharing every weight (the self-draft for speculative decoding)."""
         draft = copy.copy(self)
-        draft.config = dataclasses.replace(self.config, num_layers=num_layers)
+        draft.config = dataclasses.replace(self.config, num_layers=num_layers,
+                                           layer_types=self.config.layer_types[:num_layers])
         draft.layers = self.layers[:num_layers]
         return draft
 
@@ -264,13 +323,19 @@ class LlamaModel(nn.Module):
         """Run the step's flat token batch; return float32 logits for ``logits_indices`` rows.
         ``plan``: the attention backend's ``prepare`` of the step's metadata."""
         x = self.hidden(input_ids, positions, kv_cache, plan)
-        return self.head(self._norm(x[logits_indices], self.norm)).float()
+        logits = self.head(self._norm(x[logits_indices], self.norm))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # in the model dtype, as transformers caps them
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                plan: Any) -> torch.Tensor:
         """Every layer over the step's tokens (storing their K/V): the last hidden states.
         A tensor-parallel follower runs only this."""
+        if self.config.gemma:
+            return self._gemma_layers(input_ids, positions, kv_cache, plan)
         if self.triton_ops is not None:
             return self._fused_layers(F.embedding(input_ids, self.embed), positions, kv_cache,
                                       plan)
@@ -317,6 +382,44 @@ class LlamaModel(nn.Module):
             x = self._add(x, layer.down, act)
         return x
 
+    def _gemma_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_cache: KVCache, plan: Any) -> torch.Tensor:
+        """``hidden`` for Gemma 2/3."""
+        assert self.embed_scale is not None
+        x = F.embedding(input_ids, self.embed) * self.embed_scale
+        rope = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        local_rope = rope
+        if self.local_cos is not self.cos:
+            local_rope = (self.local_cos[positions].unsqueeze(1),
+                          self.local_sin[positions].unsqueeze(1))
+        for index, layer in enumerate(self.layers):
+            x = self._gemma_layer(index, layer, x, local_rope if layer.local_rope else rope,
+                                  kv_cache, plan)
+        return x
+
+    def _gemma_layer(self, index: int, layer: Layer, x: torch.Tensor,
+                     rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, plan: Any
+                     ) -> torch.Tensor:
+        """One Gemma decoder layer over ``x``: its attention (as ``layer.attention`` says)
+        and its MLP, each output normalised before its residual add."""
+        assert layer.attn_out_norm is not None and layer.mlp_out_norm is not None
+        c = self.config
+        q_size, kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
+        qkv = layer.qkv(self._norm(x, layer.input_norm))
+        q = qkv[:, :q_size].view(-1, self.num_heads, c.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(-1, self.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size:].view(-1, self.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+        cos, sin = rope
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        attn = self.attention.forward(index, q, k, v, kv_cache, plan, layer.attention)
+        x = x + self._norm(self._reduced(layer.o(attn)), layer.attn_out_norm)
+        gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)
+        out = layer.down(ACTIVATIONS[c.hidden_act](gate) * up)
+        return x + self._norm(self._reduced(out), layer.mlp_out_norm)
+
     def _fused_layers(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                       plan: Any) -> torch.Tensor:
         """``hidden``'s layers with the triton backend: the same ops, the small ones as our
@@ -348,6 +451,8 @@ class LlamaModel(nn.Module):
         return x + self._reduced(projection(h))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.config.gemma:  # ``weight``: 1 + Gemma's weight (``norm_scale``)
+            return gemma_rms_norm(x, weight, self.config.rms_norm_eps)
         if self.triton_ops is not None:
             return self.triton_ops.rms_norm(x, weight, self.config.rms_norm_eps)
         if self.kernels is not None:

@@ -11,12 +11,18 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from tandem.services.engine.config import WEIGHT_FORMATS, ModelConfig
+from tandem.services.engine.config import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    WEIGHT_FORMATS,
+    ModelConfig,
+)
 from tandem.services.engine.int4_linear import Q4Weight
 from tandem.services.engine.tokenizer import Tokenizer
 from tandem.services.engine.tokenizer_loader import (
@@ -215,7 +221,9 @@ def _gguf_rope_scaling(field, arch: str) -> dict[str, object] | None:  # type: i
 # ---------------------------------------------------------------------------------------------
 # Hugging Face directory
 
-_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+             "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
@@ -267,8 +275,76 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
         attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
     )
+    if any(a in _GEMMA_ARCHS for a in archs):
+        config = _gemma_config(config, hf, "Gemma3ForCausalLM" in archs, path)
     _check_weights(config, weights, path)
     return LoadedModel(config=config, weights=weights, tokenizer=metadata.tokenizer, source=path)
+
+
+def _gemma_config(config: ModelConfig, hf: dict[str, Any], gemma3: bool, path: Path
+                  ) -> ModelConfig:
+    """``config`` with Gemma 2's or Gemma 3's parts from its config.json, each key's default
+    transformers' own (Gemma2Config, Gemma3TextConfig)."""
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{path}: hidden_activation {activation!r} is not supported for "
+                             f"Gemma (gelu_pytorch_tanh is)")
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{path}: use_bidirectional_attention (an embedding model) is not "
+                             f"supported; Tandem runs causal decoders")
+    global_rope, local_theta = _gemma_rope(hf, gemma3, path)
+    return dataclasses.replace(
+        config, gemma=True, hidden_act=activation,
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+        # Gemma 3's attention takes no soft-capping in transformers, whatever the config says.
+        attn_logit_softcapping=None if gemma3 else _optional_float(hf, "attn_logit_softcapping",
+                                                                   50.0),
+        final_logit_softcapping=_optional_float(hf, "final_logit_softcapping",
+                                                None if gemma3 else 30.0),
+        sliding_window=int(hf.get("sliding_window") or 4096),
+        layer_types=_gemma_layer_types(hf, config.num_layers, gemma3),
+        rope_theta=float(global_rope.get("rope_theta", config.rope_theta)),
+        rope_scaling=_hf_rope_scaling({"rope_parameters": global_rope}),
+        rope_local_theta=local_theta)
+
+
+def _optional_float(hf: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = hf.get(key, default)
+    return None if value is None else float(value)
+
+
+def _gemma_layer_types(hf: dict[str, Any], num_layers: int, gemma3: bool) -> tuple[str, ...]:
+    """config.json's layer_types, or transformers' pattern without them: Gemma 2 alternates
+    sliding and full layers, Gemma 3 has a full one every ``sliding_window_pattern`` (6)."""
+    if hf.get("layer_types"):
+        return tuple(str(t) for t in hf["layer_types"])
+    every = int(hf.get("sliding_window_pattern", 6)) if gemma3 else 2
+    return tuple(SLIDING_ATTENTION if (i + 1) % every else FULL_ATTENTION
+                 for i in range(num_layers))
+
+
+def _gemma_rope(hf: dict[str, Any], gemma3: bool, path: Path
+                ) -> tuple[dict[str, Any], float | None]:
+    """The full layers' RoPE parameters, and Gemma 3's sliding layers' base (None: Gemma 2,
+    one RoPE for every layer). Gemma 3 keeps them per layer type in ``rope_parameters``
+    (transformers 5), or as ``rope_theta`` and ``rope_scaling`` for the full layers and
+    ``rope_local_base_freq`` for the sliding ones (older config.json files)."""
+    params = hf.get("rope_parameters") or {}
+    if not gemma3:
+        return {"rope_theta": hf.get("rope_theta", params.get("rope_theta", 10000.0)),
+                **params}, None
+    if FULL_ATTENTION in params or SLIDING_ATTENTION in params:
+        full = dict(params.get(FULL_ATTENTION) or {})
+        local = dict(params.get(SLIDING_ATTENTION) or {})
+    else:
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e6)}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", 1e6)
+    kind = local.get("rope_type") or local.get("type") or "default"
+    if kind != "default":
+        raise ModelLoadError(f"{path}: RoPE type {kind!r} on the sliding layers is not "
+                             f"supported (default is)")
+    return full, float(local.get("rope_theta", 10000.0))
 
 
 # quantization_config methods: fp8 is read (below); these are refused by name, never loaded
@@ -360,13 +436,13 @@ def _hf_rope_scaling(hf: dict[str, object]) -> dict[str, object] | None:
 
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
     required = ["model.embed_tokens.weight", "model.norm.weight"]
+    parts = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+             "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+             "mlp.up_proj", "mlp.down_proj"]
+    if config.gemma:
+        parts += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for i in range(config.num_layers):
-        required += [
-            f"model.layers.{i}.{part}.weight"
-            for part in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-                         "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-        ]
+        required += [f"model.layers.{i}.{part}.weight" for part in parts]
     missing = [name for name in required if name not in weights]
     if missing:
         raise ModelLoadError(f"{path}: missing {len(missing)} weight tensors, e.g. {missing[:3]}")

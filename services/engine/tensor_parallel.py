@@ -424,7 +424,8 @@ def follow(rank: int, settings: FollowerSettings, ready: IO[bytes]) -> None:
     model = LlamaModel(loaded.config, loaded.weights,
                        get_attention_backend(settings.attention_backend, device, local.num_heads,
                                              local.num_kv_heads, local.head_dim,
-                                             spec.torch_dtype),
+                                             spec.torch_dtype,
+                                             features=loaded.config.attention_features),
                        settings.max_positions, device, shard, all_reduce)
     del loaded
     ready.write(b"ready\n")  # loaded and built: the first step's collectives will not wait

@@ -16,23 +16,35 @@ also writes the step's new K/V into the cache. Backends:
 
 ``auto`` picks triton on a CUDA device when Triton imports; on a CPU, cpu for a bfloat16 cache
 when the kernel can run here, else torch.
+
+Each layer tells ``forward`` what its attention computes (``LayerAttention``: Gemma's sliding
+windows, logit soft-capping and query scale). Only torch implements more than plain causal
+attention: for a model whose layers ask more, ``auto`` picks torch and any other backend named
+is refused at start-up, naming what the model needs.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Collection
 from typing import Any, Protocol
 
 import torch
 
 from tandem.services.engine import cpu_kernels
 from tandem.services.engine.attention.metadata import StepMetadata, build_step_metadata
-from tandem.services.engine.config import ATTENTION_BACKENDS
+from tandem.services.engine.config import (
+    ATTENTION_BACKENDS,
+    PLAIN_ATTENTION,
+    LayerAttention,
+    check_plain,
+)
 from tandem.services.engine.kv_cache import KVCache
 
-__all__ = ["BACKENDS", "AttentionBackend", "StepMetadata", "build_step_metadata",
-           "get_attention_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "PLAIN_ATTENTION", "AttentionBackend", "LayerAttention", "StepMetadata",
+           "build_step_metadata", "check_features", "check_plain", "get_attention_backend",
+           "resolve_backend"]
 
 BACKENDS = ATTENTION_BACKENDS
 
@@ -45,17 +57,25 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, plan: Any) -> torch.Tensor:
+                kv_cache: KVCache, plan: Any, attn: LayerAttention = PLAIN_ATTENTION
+                ) -> torch.Tensor:
         """Write k/v [T, Hkv, D] for the step's tokens into the cache (an int8 cache quantizes
-        them); return the attention output of q [T, Hq, D] as [T, Hq * D]."""
+        them); return the attention output of q [T, Hq, D] as [T, Hq * D], computed as the
+        layer's ``attn`` says."""
         ...
 
 
-def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None) -> str:
+def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None,
+                    features: Collection[str] = ()) -> str:
     """``name`` with ``auto`` resolved for a cache of ``kv_dtype`` elements (int8: quantized;
-    None: not known yet); raises ValueError for one that cannot run here."""
+    None: not known yet) and a model whose layers' attention asks ``features`` beyond plain
+    attention (``ModelConfig.attention_features``); raises ValueError for one that cannot run
+    here or cannot compute that model's attention."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    check_features(name, features)
+    if features:
+        return "torch"
     on_cuda = torch.device(device).type == "cuda"
     has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
@@ -90,11 +110,22 @@ def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None)
     return name
 
 
+def check_features(name: str, features: Collection[str]) -> None:
+    """Refuse backend ``name`` for a model whose layers' attention asks ``features`` beyond
+    plain attention: torch alone implements them (and ``auto`` picks it)."""
+    if features and name not in ("auto", "torch"):
+        raise ValueError(f"attention_backend {name} does not implement "
+                         f"{', '.join(sorted(features))}, which this model's layers use; use "
+                         f"attention_backend torch (or auto, which picks it)")
+
+
 def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: int,
                           head_dim: int, kv_dtype: torch.dtype | None = None,
-                          kernel_threads: int = 1) -> AttentionBackend:
-    """``kernel_threads``: what the cpu backend's decode kernel may split over (1 or 2)."""
-    name = resolve_backend(name, device, kv_dtype)
+                          kernel_threads: int = 1, features: Collection[str] = ()
+                          ) -> AttentionBackend:
+    """``kernel_threads``: what the cpu backend's decode kernel may split over (1 or 2);
+    ``features``: what the model's layers ask beyond plain attention (``resolve_backend``)."""
+    name = resolve_backend(name, device, kv_dtype, features)
     if name == "cpu":
         from tandem.services.engine.attention.cpu_backend import CpuAttention
         return CpuAttention(num_heads // num_kv_heads, num_kv_heads, head_dim, kernel_threads)

@@ -23,6 +23,7 @@ import torch
 from tandem.services.engine import cpu_kernels
 from tandem.services.engine.attention.metadata import StepMetadata
 from tandem.services.engine.attention.torch_backend import TorchAttention, TorchPlan
+from tandem.services.engine.config import PLAIN_ATTENTION, LayerAttention, check_plain
 from tandem.services.engine.kv_cache import KVCache
 
 
@@ -61,6 +62,12 @@ class CpuAttention(TorchAttention):
         # Prefill chunks through our AMX kernel where it runs, else SDPA.
         self.prefill_kernel = self.kernels.amx and cpu_kernels.supports_prefill(head_dim)
 
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, plan: TorchPlan, attn: LayerAttention = PLAIN_ATTENTION
+                ) -> torch.Tensor:
+        check_plain(self.name, attn)  # the kernels compute plain attention only
+        return super().forward(layer, q, k, v, kv_cache, plan)
+
     def _plan_decodes(self, step: StepMetadata, s: int, e: int, row: int) -> Any:
         length = step.query_lens_host[s]
         if not cpu_kernels.supports_decode(self.num_kv_heads, self.head_dim, self.group, length):
@@ -76,7 +83,8 @@ class CpuAttention(TorchAttention):
         return k, v
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, batch: Any, out: torch.Tensor) -> None:
+                kv_cache: KVCache, batch: Any, out: torch.Tensor,
+                attn: LayerAttention = PLAIN_ATTENTION) -> None:
         if not isinstance(batch, KernelBatch):
             return super()._decode(layer, q, k, v, kv_cache, batch, out)
         assert isinstance(kv_cache, torch.Tensor)
@@ -96,7 +104,8 @@ class CpuAttention(TorchAttention):
         return [KernelPrefill(spans, step.block_tables[step.num_decodes:])]
 
     def _prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: KVCache, prefills: list[Any], out: torch.Tensor) -> None:
+                 kv_cache: KVCache, prefills: list[Any], out: torch.Tensor,
+                 attn: LayerAttention = PLAIN_ATTENTION) -> None:
         if not (prefills and isinstance(prefills[0], KernelPrefill)):
             return super()._prefill(layer, q, k, v, kv_cache, prefills, out)
         assert isinstance(kv_cache, torch.Tensor)  # bfloat16: resolve_backend refuses int8
