@@ -27,6 +27,15 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3 normalises q and k per head
+    # Qwen3-MoE: the layers whose MLP is a mixture of experts (engine/moe.py; the others are
+    # dense MLPs of intermediate_size): num_experts SwiGLU experts of moe_intermediate_size,
+    # each token through its top num_experts_per_tok, their router weights renormalised to sum
+    # to 1 when norm_topk_prob.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -34,6 +43,14 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be "
+                             f"between 1 and num_experts ({self.num_experts})")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer's MLP is a mixture of experts."""
+        return bool(self.moe_layers)
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "self")

@@ -8,13 +8,15 @@ import torch
 
 from tandem.services.engine.cpu_linear import AmxLinear, Linear
 from tandem.services.engine.int4_linear import Int4Linear
+from tandem.services.engine.moe import MoeMlp
 
 Projection = Linear | AmxLinear | Int4Linear
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer's weights: q/k/v and gate/up fused into one projection each."""
+    """One decoder layer's weights: q/k/v and gate/up fused into one projection each. A
+    mixture-of-experts layer (Qwen3-MoE) has ``moe`` in place of gate_up and down."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -22,11 +24,14 @@ class Layer:
     o: Projection
     q_norm: torch.Tensor | None  # Qwen3
     k_norm: torch.Tensor | None
-    gate_up: Projection
-    down: Projection
+    gate_up: Projection | None  # None: a mixture-of-experts layer
+    down: Projection | None
+    moe: MoeMlp | None = None
 
     def weight_bytes(self) -> int:
         tensors = [self.input_norm, self.post_norm, self.q_norm, self.k_norm]
         for linear in (self.qkv, self.o, self.gate_up, self.down):
-            tensors += [linear.weight, linear.bias]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            if linear is not None:
+                tensors += [linear.weight, linear.bias]
+        experts = self.moe.weight_bytes() if self.moe is not None else 0
+        return experts + sum(t.numel() * t.element_size() for t in tensors if t is not None)
