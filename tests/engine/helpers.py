@@ -30,3 +30,37 @@ def outputs(engine: LLMEngine, prompt: list[int], params: SamplingParams,
     while engine.has_unfinished_requests():
         found += [out for out in engine.step() if out.request_id == request_id]
     return found
+
+
+def tiny_qwen3_moe(num_layers: int = 3, sparse_step: int = 1,
+                   mlp_only_layers: Sequence[int] = (1,), norm_topk_prob: bool = True):  # type: ignore[no-untyped-def]
+    """A random-weight transformers Qwen3-MoE of ``num_layers`` layers (8 experts, 2 a token;
+    dense MLPs in ``mlp_only_layers`` and off ``sparse_step``), in eval mode, float32."""
+    import torch
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=sparse_step, mlp_only_layers=list(mlp_only_layers),
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
+        initializer_range=0.2)
+    torch.manual_seed(0)
+    return tf.Qwen3MoeForCausalLM(config).eval()
+
+
+def assert_matches_teacher_forced(hf, prompt: list[int], tokens: list[int],  # type: ignore[no-untyped-def]
+                                  logprobs: list[float]) -> None:
+    """Greedy ``tokens`` with their ``logprobs`` after ``prompt`` against a teacher-forced
+    transformers pass of ``hf`` over the same tokens: logprobs within 1e-4, each token the
+    argmax up to a genuine near-tie."""
+    import torch
+
+    assert len(tokens) == len(logprobs) > 0
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + tokens[:-1]])
+        ref = hf(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)
+    ref_lp = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
+    torch.testing.assert_close(torch.tensor(logprobs), ref_lp, atol=1e-4, rtol=0)
+    assert bool((ref.max(-1).values - ref_lp < 1e-3).all())
