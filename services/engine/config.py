@@ -75,6 +75,15 @@ class ModelConfig:
     sliding_window: int | None = None  # the window of the layers layer_types marks sliding
     layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; (): full
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base
+    # Qwen3-MoE: the layers whose MLP is a mixture of experts (engine/moe.py; the others are
+    # dense MLPs of intermediate_size): num_experts SwiGLU experts of moe_intermediate_size,
+    # each token through its top num_experts_per_tok, their router weights renormalised to sum
+    # to 1 when norm_topk_prob.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -94,6 +103,9 @@ class ModelConfig:
         if SLIDING_ATTENTION in self.layer_types and not (self.sliding_window or 0) > 0:
             raise ValueError(f"sliding layers need a sliding_window > 0, got "
                              f"{self.sliding_window}")
+        if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be "
+                             f"between 1 and num_experts ({self.num_experts})")
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING_ATTENTION
@@ -110,6 +122,11 @@ class ModelConfig:
         """What the model's layers ask of an attention backend beyond plain attention."""
         return frozenset().union(*(self.layer_attention(i).features
                                    for i in range(self.num_layers)))
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer's MLP is a mixture of experts."""
+        return bool(self.moe_layers)
 
 
 SPEC_METHODS = ("none", "ngram", "draft", "self")

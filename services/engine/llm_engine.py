@@ -15,7 +15,7 @@ import torch
 from tandem.services.engine import cpu_kernels
 from tandem.services.engine.attention import get_attention_backend
 from tandem.services.engine.block_manager import BlockManager
-from tandem.services.engine.config import EngineConfig
+from tandem.services.engine.config import EngineConfig, ModelConfig
 from tandem.services.engine.cuda_graphs import DecodeGraphs
 from tandem.services.engine.device import check_device, wait_for_writes
 from tandem.services.engine.faults import fault_hook_from_env
@@ -82,6 +82,15 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     steps: int = 0
+
+
+def _moe_runs_eagerly(config: ModelConfig) -> bool:
+    """Whether the model is a mixture of experts, whose decode steps run without CUDA graphs
+    (a step reads its experts' group sizes on the host: engine/moe.py); says so in the log."""
+    if config.is_moe:
+        log.info("decode steps run eagerly: CUDA graphs do not capture a mixture-of-experts "
+                 "model's expert routing")
+    return config.is_moe
 
 
 class LLMEngine:
@@ -177,7 +186,8 @@ class LLMEngine:
                      f"; the model's layers use {', '.join(sorted(features))}"
                      if features else "")
         if (config.cuda_graphs and torch.device(config.device).type == "cuda"
-                and model.attention.name == "triton" and self.tp is None):
+                and model.attention.name == "triton" and self.tp is None
+                and not _moe_runs_eagerly(loaded.config)):
             began = time.monotonic()
             graphs = DecodeGraphs(model, self.kv_cache, config.block_size, config.max_num_seqs,
                                   self.max_model_len, config.device)

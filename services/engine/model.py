@@ -1,7 +1,8 @@
 """Llama-family decoder in plain PyTorch over a paged KV cache.
 
 Covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3
-(q/k norm), Gemma 2 and Gemma 3 (text). Numerics follow Hugging Face's implementation (RMSNorm
+(q/k norm), Qwen3-MoE (Qwen3 with mixture-of-experts MLPs: ``moe.py``), Gemma 2 and Gemma 3
+(text). Numerics follow Hugging Face's implementation (RMSNorm
 in float32, rotate-half RoPE) so greedy output matches transformers on the same weights. With
 the triton attention backend a layer's small ops (norms, residual adds, rotary embedding with
 the K/V store, SiLU's product) run as fused Triton kernels rounding where torch rounds
@@ -20,7 +21,7 @@ heads (q/k/v rows and the o columns of those heads, biases with their rows) and 
 run of the MLP's intermediate columns (gate and up rows, down columns); o and down give partial
 sums that ``all_reduce`` adds up across the ranks. Embedding, norms (Qwen3's q/k norms are per
 head dim) and the head are replicated; only rank 0 runs the head. Splits may be uneven (3 KV
-heads over 2 ranks: 2 and 1).
+heads over 2 ranks: 2 and 1). A mixture-of-experts model runs on one rank only.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from tandem.services.engine.cpu_linear import AmxLinear, Linear, packing_availab
 from tandem.services.engine.int4_linear import Int4Linear, Q4Weight
 from tandem.services.engine.kv_cache import KVCache
 from tandem.services.engine.layer import Layer, Projection
+from tandem.services.engine.moe import MoeMlp
 
 if TYPE_CHECKING:
     from tandem.services.engine.attention.triton_backend import TritonAttention
@@ -146,6 +148,10 @@ class Shard:
         if world_size > config.num_kv_heads:
             raise ValueError(f"tensor_parallel_size {world_size} is more than the model's "
                              f"{config.num_kv_heads} KV heads (each rank needs one)")
+        if world_size > 1 and config.is_moe:
+            raise ValueError(f"tensor_parallel_size {world_size} does not support "
+                             f"mixture-of-experts models ({config.model_id}); use "
+                             f"tensor_parallel_size 1")
         return cls(rank, world_size, split_evenly(config.num_kv_heads, world_size, rank),
                    split_evenly(config.intermediate_size, world_size, rank))
 
@@ -267,6 +273,7 @@ class LlamaModel(nn.Module):
             mlp_norm = norm(p + ("pre_feedforward_layernorm" if gemma
                                  else "post_attention_layernorm"))
             assert input_norm is not None and mlp_norm is not None  # _check_weights
+            moe = MoeMlp.of(w, p, config) if i in config.moe_layers else None
             self.layers.append(Layer(
                 input_norm=input_norm,
                 post_norm=mlp_norm,
@@ -274,9 +281,11 @@ class LlamaModel(nn.Module):
                 o=linear([p + "self_attn.o_proj.weight"]),
                 q_norm=norm(p + "self_attn.q_norm"),
                 k_norm=norm(p + "self_attn.k_norm"),
-                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                               swiglu=config.hidden_act == "silu"),
-                down=linear([p + "mlp.down_proj.weight"]),
+                gate_up=None if moe else linear([p + "mlp.gate_proj.weight",
+                                                 p + "mlp.up_proj.weight"],
+                                                swiglu=config.hidden_act == "silu"),
+                down=None if moe else linear([p + "mlp.down_proj.weight"]),
+                moe=moe,
                 attn_out_norm=norm(p + "post_attention_layernorm") if gemma else None,
                 mlp_out_norm=norm(p + "post_feedforward_layernorm") if gemma else None,
                 attention=config.layer_attention(i),
@@ -286,10 +295,10 @@ class LlamaModel(nn.Module):
         self.cos, self.sin = rope_tables(rope_inv_freq(config), max_positions, dtype, device)
         self.local_cos, self.local_sin = self.cos, self.sin
         if config.rope_local_theta is not None:  # Gemma 3's sliding layers: unscaled
-            local = dataclasses.replace(config, rope_theta=config.rope_local_theta,
-                                        rope_scaling=None)
-            self.local_cos, self.local_sin = rope_tables(rope_inv_freq(local), max_positions,
-                                                         dtype, device)
+            unscaled = dataclasses.replace(config, rope_theta=config.rope_local_theta,
+                                           rope_scaling=None)
+            self.local_cos, self.local_sin = rope_tables(rope_inv_freq(unscaled),
+                                                         max_positions, dtype, device)
         # With the cpu backend, a step's layers in one C call where they fit it (cpu_layers.py).
         self.cpu_layers = CpuLayers.of(
             self.kernels, self.layers, attention, self.num_heads, self.num_kv_heads,
@@ -372,6 +381,10 @@ class LlamaModel(nn.Module):
             attn = self.attention.forward(index, q, k, v, kv_cache, plan)
             x = self._add(x, layer.o, attn)
             h = self._norm(x, layer.post_norm)
+            if layer.moe is not None:
+                x = x + layer.moe(h)
+                continue
+            assert layer.gate_up is not None and layer.down is not None
             if isinstance(layer.gate_up, AmxLinear) and layer.gate_up.swiglu:
                 act = layer.gate_up(h)  # the activation straight from the projection
             elif kernels is not None:
@@ -436,7 +449,11 @@ class LlamaModel(nn.Module):
                                  layer.q_norm, layer.k_norm, eps)
             attn = attention.attend(index, q, kv_cache, plan)  # K/V stored above
             x, h = ops.add_rms_norm(x, self._reduced(layer.o(attn)), layer.post_norm, eps)
-            out = self._reduced(layer.down(ops.silu_mul(layer.gate_up(h))))
+            if layer.moe is not None:
+                out = layer.moe(h)
+            else:
+                assert layer.gate_up is not None and layer.down is not None
+                out = self._reduced(layer.down(ops.silu_mul(layer.gate_up(h))))
             if index + 1 < len(self.layers):
                 x, h = ops.add_rms_norm(x, out, self.layers[index + 1].input_norm, eps)
             else:  # the final norm runs on the logits rows only (``forward``)

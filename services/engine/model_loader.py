@@ -24,6 +24,7 @@ from tandem.services.engine.config import (
     ModelConfig,
 )
 from tandem.services.engine.int4_linear import Q4Weight
+from tandem.services.engine.moe import DOWN, GATE_UP, ROUTER
 from tandem.services.engine.tokenizer import Tokenizer
 from tandem.services.engine.tokenizer_loader import (
     ModelLoadError,
@@ -222,7 +223,7 @@ def _gguf_rope_scaling(field, arch: str) -> dict[str, object] | None:  # type: i
 # Hugging Face directory
 
 _HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+             "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -274,9 +275,11 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
         rope_scaling=_hf_rope_scaling(hf),
         attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
+        **(_qwen3_moe_fields(hf) if "Qwen3MoeForCausalLM" in archs else {}),
     )
     if any(a in _GEMMA_ARCHS for a in archs):
         config = _gemma_config(config, hf, "Gemma3ForCausalLM" in archs, path)
+    _stack_experts(config, weights, path)
     _check_weights(config, weights, path)
     return LoadedModel(config=config, weights=weights, tokenizer=metadata.tokenizer, source=path)
 
@@ -345,6 +348,42 @@ def _gemma_rope(hf: dict[str, Any], gemma3: bool, path: Path
         raise ModelLoadError(f"{path}: RoPE type {kind!r} on the sliding layers is not "
                              f"supported (default is)")
     return full, float(local.get("rope_theta", 10000.0))
+
+
+def _qwen3_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from a Qwen3-MoE config.json: a layer is sparse
+    unless listed in ``mlp_only_layers`` or off the ``decoder_sparse_step`` (transformers'
+    rule); transformers 5 writes ``num_experts`` as ``num_local_experts``."""
+    experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+    step = int(hf.get("decoder_sparse_step", 1))
+    dense = set(hf.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(int(hf["num_hidden_layers"]))
+                   if experts > 0 and i not in dense and (i + 1) % step == 0)
+    return {"moe_layers": layers, "num_experts": experts,
+            "num_experts_per_tok": int(hf.get("num_experts_per_tok", 0)),
+            "moe_intermediate_size": int(hf.get("moe_intermediate_size", 0)),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
+
+
+def _stack_experts(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Each sparse layer's per-expert ``mlp.experts.E.{gate,up,down}_proj.weight`` (the
+    checkpoints' layout) stacked in place into transformers' ``mlp.experts.gate_up_proj``
+    [experts, 2 * intermediate, hidden] and ``mlp.experts.down_proj`` [experts, hidden,
+    intermediate] (engine/moe.py), a layer at a time."""
+    for i in config.moe_layers:
+        p = f"model.layers.{i}.mlp.experts."
+        names = [[f"{p}{e}.{part}_proj.weight" for part in ("gate", "up", "down")]
+                 for e in range(config.num_experts)]
+        missing = [n for expert in names for n in expert if n not in weights]
+        if missing:
+            raise ModelLoadError(f"{path}: missing {len(missing)} expert weight tensors, e.g. "
+                                 f"{missing[:3]}")
+        try:
+            weights[p + "gate_up_proj"] = torch.stack(
+                [torch.cat([weights.pop(gate), weights.pop(up)]) for gate, up, _ in names])
+            weights[p + "down_proj"] = torch.stack([weights.pop(down) for _, _, down in names])
+        except RuntimeError as exc:  # shapes that do not stack
+            raise ModelLoadError(f"{path}: layer {i}'s experts differ in shape ({exc})") from exc
 
 
 # quantization_config methods: fp8 is read (below); these are refused by name, never loaded
@@ -437,18 +476,34 @@ def _hf_rope_scaling(hf: dict[str, object]) -> dict[str, object] | None:
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor], path: Path) -> None:
     required = ["model.embed_tokens.weight", "model.norm.weight"]
     parts = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-             "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-             "mlp.up_proj", "mlp.down_proj"]
+             "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     if config.gemma:
         parts += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for i in range(config.num_layers):
-        required += [f"model.layers.{i}.{part}.weight" for part in parts]
+        p = f"model.layers.{i}."
+        required += [f"{p}{part}.weight" for part in parts]
+        required += ([p + ROUTER, p + GATE_UP, p + DOWN] if i in config.moe_layers else
+                     [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+                      p + "mlp.down_proj.weight"])
     missing = [name for name in required if name not in weights]
     if missing:
         raise ModelLoadError(f"{path}: missing {len(missing)} weight tensors, e.g. {missing[:3]}")
+    _check_expert_shapes(config, weights, path)
     q = weights["model.layers.0.self_attn.q_proj.weight"]
     expected = (config.num_heads * config.head_dim, config.hidden_size)
     if tuple(q.shape) != expected:
         raise ModelLoadError(f"{path}: q_proj has shape {tuple(q.shape)}, expected {expected}")
     if not math.isfinite(float(weights["model.norm.weight"].float().sum())):
         raise ModelLoadError(f"{path}: non-finite values in model.norm.weight")
+
+
+def _check_expert_shapes(config: ModelConfig, weights: dict[str, torch.Tensor],
+                         path: Path) -> None:
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    expected = {ROUTER: (e, h), GATE_UP: (e, 2 * i, h), DOWN: (e, h, i)}
+    for layer in config.moe_layers:
+        for part, shape in expected.items():
+            name = f"model.layers.{layer}.{part}"
+            if tuple(weights[name].shape) != shape:
+                raise ModelLoadError(f"{path}: {name} has shape {tuple(weights[name].shape)}, "
+                                     f"expected {shape}")

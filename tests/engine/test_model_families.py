@@ -1,7 +1,7 @@
 """Loading from Hugging Face directories: Llama-3 RoPE scaling, Qwen2 biases, Qwen3 q/k norms,
-Gemma 2 and Gemma 3 (tiny random checkpoints: ``tiny_models.py``), and the built-in model
-re-saved as safetensors. Each is checked against transformers. The Gemma prompts (150 tokens)
-outrun the sliding window and are prefilled in chunks of 48."""
+Gemma 2 and Gemma 3, Qwen3-MoE's experts (tiny random checkpoints: ``tiny_models.py``), and the
+built-in model re-saved as safetensors. Each is checked against transformers. The Gemma prompts
+(150 tokens) outrun the sliding window and are prefilled in chunks of 48."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.engine.tiny_models import (
     assert_matches_transformers,
     random_prompt,
     save_tiny,
+    tiny_qwen3_moe,
 )
 
 
@@ -115,6 +116,34 @@ def assert_greedy_matches_transformers(hf, loaded, prompt_len: int, max_tokens: 
             tokens += out.new_token_ids
             logprobs += [lp.logprob for lp in out.new_logprobs]
     assert_matches_transformers(hf, prompt, tokens, logprobs)
+
+
+@pytest.mark.parametrize(("layers", "step", "dense", "norm", "sparse"),
+                         [(3, 1, (1,), True, (0, 2)), (4, 2, (), False, (1, 3))],
+                         ids=["mlp_only_layers-norm_topk", "sparse_step_2"])
+def test_tiny_qwen3_moe_matches_transformers(layers, step, dense, norm, sparse, tmp_path,
+                                             loaded_model):
+    hf = tiny_qwen3_moe(layers, step, dense, norm)
+    hf.save_pretrained(tmp_path)
+    loaded_model.tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_model(tmp_path, progress=False)
+    c = loaded.config
+    assert (c.moe_layers, c.num_experts, c.num_experts_per_tok) == (sparse, 8, 2)
+    assert c.norm_topk_prob == norm and c.qk_norm
+    # Stacked at load time: one [experts, ...] tensor per layer, no per-expert tensors left.
+    assert tuple(loaded.weights[f"model.layers.{sparse[0]}.mlp.experts.gate_up_proj"].shape) \
+        == (8, 64, 64)
+    assert not any(".experts.0." in name for name in loaded.weights)
+    # Chunked prefill (48 tokens a step) then decoding, greedy logprobs within 1e-4.
+    assert_greedy_matches_transformers(hf, loaded, prompt_len=150, max_tokens=12, seed=1)
+    # A batch (its tokens routed together) gives each request what it gets alone.
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64), loaded)
+    prompts = [[int(t) for t in torch.randint(3, 49152, (n,),
+                                              generator=torch.Generator().manual_seed(n))]
+               for n in (5, 40, 23)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompts, greedy) == [engine.generate([p], greedy)[0]
+                                                for p in prompts]
 
 
 def test_builtin_model_resaved_as_hf_directory(tmp_path, hf_model, loaded_model, prompts,

@@ -1,8 +1,8 @@
 """The engine with the triton attention backend: greedy output equals transformers' and the
 torch backend's through decoding, chunked prefill, prefix-cache hits and speculative
-verification. On a CPU the kernels run under the Triton interpreter (a Python loop per
-kernel program): short prompts, few tokens, and the backends compared on the model's first
-layers."""
+verification, and a Qwen3-MoE model's logprobs equal transformers'. On a CPU the kernels
+run under the Triton interpreter (a Python loop per kernel program): short prompts, few
+tokens, and the backends compared on the model's first layers."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ if not torch.cuda.is_available():  # before the kernels' module is imported (see
 from tandem.services.engine.attention import get_attention_backend, resolve_backend  # noqa: E402
 from tandem.services.engine.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from tandem.services.engine.llm_engine import LLMEngine  # noqa: E402
+from tandem.services.engine.model_loader import load_model  # noqa: E402
 from tandem.services.protocol.request import SamplingParams  # noqa: E402
+from tests.engine.helpers import outputs  # noqa: E402
+from tests.engine.tiny_models import assert_matches_transformers, tiny_qwen3_moe  # noqa: E402
 from tests.hf_reference import Reference, compare  # noqa: E402
 
 NEW_TOKENS = 6
@@ -53,6 +56,22 @@ def test_triton_equals_torch_on_prefix_hits_and_speculation(loaded_model, prompt
         assert engine.stats.spec_draft_tokens > 0
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_triton_qwen3_moe_matches_transformers(loaded_model, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The fused layers with mixture-of-experts MLPs: a chunked prefill, then decoding.
+    hf = tiny_qwen3_moe()
+    hf.save_pretrained(tmp_path)
+    loaded_model.tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    engine = LLMEngine(EngineConfig(num_kv_blocks=16, attention_backend="triton",
+                                    max_num_batched_tokens=8), load_model(tmp_path, progress=False))
+    prompt = [int(t) for t in torch.randint(3, 49152, (20,),
+                                             generator=torch.Generator().manual_seed(3))]
+    params = dataclasses.replace(GREEDY, max_tokens=4, logprobs=0)
+    out = outputs(engine, prompt, params)
+    tokens = [t for o in out for t in o.new_token_ids]
+    assert_matches_transformers(hf, prompt, tokens,
+                                  [lp.logprob for o in out for lp in o.new_logprobs])
 
 
 def test_backend_choice() -> None:

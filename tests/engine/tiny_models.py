@@ -9,6 +9,7 @@ scaled global ones."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -73,6 +74,7 @@ def assert_matches_transformers(hf, prompt: list[int], tokens: list[int],  # typ
                                 logprobs: list[float]) -> None:
     """Greedy ``tokens`` after ``prompt`` and their ``logprobs`` against a teacher-forced
     transformers pass of ``hf``."""
+    assert len(tokens) == len(logprobs) > 0
     with torch.inference_mode():
         ids = torch.tensor([prompt + tokens[:-1]])
         ref = hf(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)
@@ -80,3 +82,20 @@ def assert_matches_transformers(hf, prompt: list[int], tokens: list[int],  # typ
     torch.testing.assert_close(torch.tensor(logprobs), ref_lp, atol=1e-4, rtol=0)
     # Each greedy token is transformers' argmax up to a genuine near-tie.
     assert bool((ref.max(-1).values - ref_lp < 1e-3).all())
+
+
+def tiny_qwen3_moe(num_layers: int = 3, sparse_step: int = 1,
+                   mlp_only_layers: Sequence[int] = (1,), norm_topk_prob: bool = True):  # type: ignore[no-untyped-def]
+    """A random-weight transformers Qwen3-MoE of ``num_layers`` layers (8 experts, 2 a token;
+    dense MLPs in ``mlp_only_layers`` and off ``sparse_step``), in eval mode, float32."""
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=sparse_step, mlp_only_layers=list(mlp_only_layers),
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, eos_token_id=2, bos_token_id=1, tie_word_embeddings=False,
+        initializer_range=0.2)
+    torch.manual_seed(0)
+    return tf.Qwen3MoeForCausalLM(config).eval()
