@@ -1,6 +1,6 @@
 """Llama-family decoder in plain PyTorch over a paged KV cache.
 
-Covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias), Qwen3
+Covers Llama 2/3 (incl. Llama-3 RoPE scaling), SmolLM2, Mistral, Phi-3, Qwen2 (q/k/v bias), Qwen3
 (q/k norm), Qwen3-MoE (Qwen3 with mixture-of-experts MLPs: ``moe.py``), Gemma 2 and Gemma 3
 (text). Numerics follow Hugging Face's implementation (RMSNorm
 in float32, rotate-half RoPE) so greedy output matches transformers on the same weights. With
@@ -378,7 +378,7 @@ class LlamaModel(nn.Module):
             else:
                 q = q * cos + _rotate_half(q) * sin
                 k = k * cos + _rotate_half(k) * sin
-            attn = self.attention.forward(index, q, k, v, kv_cache, plan)
+            attn = self.attention.forward(index, q, k, v, kv_cache, plan, layer.attention)
             x = self._add(x, layer.o, attn)
             h = self._norm(x, layer.post_norm)
             if layer.moe is not None:

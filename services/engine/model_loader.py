@@ -223,7 +223,10 @@ def _gguf_rope_scaling(field, arch: str) -> dict[str, object] | None:  # type: i
 # Hugging Face directory
 
 _HF_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+             "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+             "Phi3ForCausalLM")
+# Families whose config.json's sliding_window (when set) applies to every layer.
+_WINDOWED_ARCHS = ("MistralForCausalLM", "Phi3ForCausalLM")
 _GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -255,6 +258,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
     weights |= {name: t.to(dtype) for name, t in _dequantize_fp8(quantized, fp8, path).items()}
 
     num_heads = int(hf["num_attention_heads"])
+    if "Phi3ForCausalLM" in archs:
+        _split_phi3(weights, hf, path)
     tie = bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in weights
     config = ModelConfig(
         model_id=metadata.model_id,
@@ -276,12 +281,54 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, progress: bool) -> LoadedModel:
         attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in weights,
         **(_qwen3_moe_fields(hf) if "Qwen3MoeForCausalLM" in archs else {}),
+        **_window_fields(hf, int(hf["num_hidden_layers"]), archs),
     )
     if any(a in _GEMMA_ARCHS for a in archs):
         config = _gemma_config(config, hf, "Gemma3ForCausalLM" in archs, path)
     _stack_experts(config, weights, path)
     _check_weights(config, weights, path)
     return LoadedModel(config=config, weights=weights, tokenizer=metadata.tokenizer, source=path)
+
+
+def _window_fields(hf: dict[str, Any], num_layers: int, archs: list[str]) -> dict[str, Any]:
+    """Sliding-window attention as transformers applies it: on the layers config.json's
+    ``layer_types`` marks sliding; else Qwen2/3's ``use_sliding_window`` from layer
+    ``max_window_layers`` on; else every layer of Mistral and Phi-3 when ``sliding_window``
+    is set (Mistral 7B v0.1: 4096). {} when no layer slides."""
+    window = hf.get("sliding_window")
+    types = tuple(str(t) for t in hf.get("layer_types") or ())
+    if not types and hf.get("use_sliding_window") and window:
+        first = int(hf.get("max_window_layers", num_layers))
+        types = tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION
+                      for i in range(num_layers))
+    elif not types and window and any(a in _WINDOWED_ARCHS for a in archs):
+        types = (SLIDING_ATTENTION,) * num_layers
+    if SLIDING_ATTENTION not in types or not window:
+        return {}
+    return {"sliding_window": int(window), "layer_types": types}
+
+
+def _split_phi3(weights: dict[str, torch.Tensor], hf: dict[str, Any], path: Path) -> None:
+    """Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` as the q/k/v and gate/up tensors the
+    model fuses again its own way; a partial rotary embedding (Phi-4-mini) is refused."""
+    rotary = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                   hf.get("partial_rotary_factor", 1.0))
+    if float(rotary) != 1.0:
+        raise ModelLoadError(f"{path}: partial_rotary_factor {rotary} (RoPE on part of each "
+                             f"head) is not supported")
+    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    kv = int(hf.get("num_key_value_heads", heads)) * head_dim
+    for i in range(int(hf["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        if p + "self_attn.qkv_proj.weight" in weights:
+            q, k, v = weights.pop(p + "self_attn.qkv_proj.weight").split(
+                [heads * head_dim, kv, kv])
+            weights |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                        p + "self_attn.v_proj.weight": v}
+        if p + "mlp.gate_up_proj.weight" in weights:
+            gate, up = weights.pop(p + "mlp.gate_up_proj.weight").chunk(2)
+            weights |= {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up}
 
 
 def _gemma_config(config: ModelConfig, hf: dict[str, Any], gemma3: bool, path: Path

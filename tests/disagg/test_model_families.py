@@ -1,8 +1,8 @@
-"""Gemma 2 and Gemma 3 across a KV transfer: one prefill and one decode worker in this process
-(TCP) on a tiny random checkpoint (tests/engine/tiny_models.py: sliding window 32, soft-capped
-logits). D's greedy tokens after pulling P's blocks equal a colocated engine's, which match
-transformers: a 150-token prompt that outruns the window, then one sharing its first 6 blocks
-(D reuses them from its prefix cache)."""
+"""Phi-3, Gemma 2 and Gemma 3 across a KV transfer: one prefill and one decode worker in this
+process (TCP) on a tiny random checkpoint (tests/engine/tiny_models.py: sliding window 32;
+Gemma's soft-capped logits). D's greedy tokens after pulling P's blocks equal a colocated
+engine's, which match transformers: a 150-token prompt that outruns the window, then one
+sharing its first 6 blocks (D reuses them from its prefix cache)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from tests.engine.tiny_models import (
 )
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
-def test_gemma_decode_after_transfer_equals_colocated(family, tmp_path, loaded_model):
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3"])
+def test_decode_after_transfer_equals_colocated(family, tmp_path, loaded_model):
     hf = save_tiny(family, tmp_path, loaded_model)
     model = load_model(tmp_path, progress=False)
     long = random_prompt(150, seed=1)

@@ -25,7 +25,8 @@ from tests.engine.tiny_models import (
 )
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma2",
+                                    "gemma3"])
 def test_tiny_hf_models_match_transformers(family, tmp_path, loaded_model):
     hf = save_tiny(family, tmp_path, loaded_model)
     loaded = load_model(tmp_path, progress=False)
@@ -34,6 +35,11 @@ def test_tiny_hf_models_match_transformers(family, tmp_path, loaded_model):
     assert loaded.config.attention_bias == (family == "qwen2")
     if family == "llama3":
         assert loaded.config.rope_scaling and loaded.config.rope_scaling["rope_type"] == "llama3"
+    if family in ("mistral", "phi3"):  # the 150-token prompt outruns the 32-token window
+        assert loaded.config.sliding_window == 32
+        assert loaded.config.layer_types == ("sliding_attention",) * 2
+    if family == "phi3":
+        assert not any("qkv_proj" in n or "gate_up_proj" in n for n in loaded.weights)
     if family == "gemma2":
         assert loaded.config.layer_types == ("sliding_attention", "full_attention")
         assert loaded.config.attn_logit_softcapping == 4.0

@@ -38,6 +38,10 @@ def tiny_model(family: str):  # type: ignore[no-untyped-def]
         config, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
     elif family == "qwen3":
         config, cls = tf.Qwen3Config(**common, head_dim=16), tf.Qwen3ForCausalLM
+    elif family == "mistral":  # Mistral 7B v0.1's shape: every layer slides
+        config, cls = tf.MistralConfig(**common, sliding_window=32), tf.MistralForCausalLM
+    elif family == "phi3":  # fused qkv_proj and gate_up_proj; every layer slides
+        config, cls = tf.Phi3Config(**common, sliding_window=32), tf.Phi3ForCausalLM
     elif family == "gemma2":  # layers: sliding, full
         config = tf.Gemma2Config(**gemma, attn_logit_softcapping=4.0)
         cls = tf.Gemma2ForCausalLM
