@@ -155,9 +155,9 @@ class LLMEngine:
         capacity = num_blocks * config.block_size
         self.max_model_len = context_length(config.max_model_len, model_len, capacity,
                                             hand_sized, sizing)
-        log.info("KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB): %d sequence(s) "
-                 "of max_model_len %d", num_blocks, config.block_size, capacity, sizing,
-                 num_blocks * self.local_kv_spec.bytes_per_block / GIB,
+        log.info("KV cache: %d blocks of %d tokens = %d tokens in %.2f GiB (%s): %d "
+                 "sequence(s) of max_model_len %d", num_blocks, config.block_size, capacity,
+                 num_blocks * self.local_kv_spec.bytes_per_block / GIB, sizing,
                  capacity // self.max_model_len, self.max_model_len)
         self.kv_cache: KVCache = allocate_kv_cache(self.local_kv_spec, config.device)
         self.host_pool = (
@@ -594,8 +594,7 @@ def _hand_sized_blocks(shape: KVCacheSpec, config: EngineConfig) -> tuple[int, s
     if config.kv_cache_memory_gb is not None:
         return (blocks_in(config.kv_cache_memory_gb, shape.bytes_per_block),
                 f"kv_cache_memory_gb {config.kv_cache_memory_gb:g}")
-    return (blocks_in(CPU_KV_CACHE_GB, shape.bytes_per_block),
-            f"{CPU_KV_CACHE_GB:g} GiB, the CPU default")
+    return blocks_in(CPU_KV_CACHE_GB, shape.bytes_per_block), "the CPU default"
 
 
 def _profiled_blocks(model: LlamaModel, shape: KVCacheSpec, config: EngineConfig

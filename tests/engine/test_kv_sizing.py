@@ -68,7 +68,7 @@ def test_the_cpu_default_holds_the_models_context(loaded_model: LoadedModel,
     stats = engine.stats
     assert stats.num_blocks * stats.block_size == spec.num_blocks * spec.block_size
     assert (f"KV cache: {spec.num_blocks} blocks of 16 tokens = {spec.num_blocks * 16} tokens "
-            f"(1 GiB, the CPU default") in caplog.text
+            f"in 1.00 GiB (the CPU default): ") in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="sizing from GPU memory needs a GPU")
