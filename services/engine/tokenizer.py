@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -83,6 +84,14 @@ class Tokenizer:
         """This tokenizer with another chat template (``--chat-template``)."""
         return Tokenizer(self.backend, self.eos_token_ids, self.bos_token_id, self.add_bos,
                          chat_template)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary string: a byte-level BPE
+        token's is one character per byte, a SentencePiece one's its text): a text of more than
+        ``n * max_token_chars`` characters is more than ``n`` tokens."""
+        return max((len(token) for token in self.backend.get_vocab(with_added_tokens=True)),
+                   default=1)
 
     @property
     def vocab_size(self) -> int:

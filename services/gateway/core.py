@@ -32,6 +32,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,7 +41,7 @@ from tandem.services.engine.tokenizer import Tokenizer
 from tandem.services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
 from tandem.services.gateway.config import GatewayConfig
 from tandem.services.gateway.errors import GatewayError, bad_request, model_not_found, overloaded
-from tandem.services.gateway.inputs import SamplingOptions, build_request
+from tandem.services.gateway.inputs import SamplingOptions, build_request, check_prompt_size
 from tandem.services.gateway.metrics import (
     ERROR,
     REJECTED,
@@ -62,6 +63,7 @@ from tandem.services.protocol.request import (
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_THREADS = 2  # per gateway: tokenizing releases the GIL, templates do not
 MAX_LOGGED_MESSAGE = 300  # characters of a refusal's message in its log line
 
 
@@ -85,6 +87,11 @@ class Gateway:
         # requests in the same order get the same ones), else random (inputs.build_request).
         self._seeds = None if self.config.seed is None else random.Random(self.config.seed)
         self.created = int(time.time())
+        # Tokenizing and chat templates run here, off the event loop (a long prompt would stall
+        # every stream the loop serves), after check_prompt_size refused what cannot fit.
+        self._tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                              thread_name_prefix="tandem-tokenize")
+        self._max_token_chars = tokenizer.max_token_chars
         self.metrics = GatewayMetrics(self.model_name, self._worker_stats,
                                       tenants=self.tenants.tenant_names,
                                       authenticates=bool(self.tenants.keys))
@@ -97,6 +104,14 @@ class Gateway:
     @property
     def max_model_len(self) -> int:
         return self.backend.max_model_len
+
+    async def tokenize(self, param: str, chars: int, work: Callable[[], list[int]]
+                       ) -> list[int]:
+        """``work``'s token ids (a prompt's tokenizing or a chat's rendering), computed in the
+        gateway's tokenizer threads; first, at once, a 400 naming ``param`` when its ``chars``
+        characters could not fit the context."""
+        check_prompt_size(chars, self.max_model_len, self._max_token_chars, param)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
 
     def health_problem(self) -> str | None:
         """None while requests can be served; else why not (/health answers 503)."""

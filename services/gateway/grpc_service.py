@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -25,6 +26,7 @@ from tandem.services.gateway.inputs import (
     check_token_ids,
     new_request_id,
     template_message,
+    text_chars,
     tokenize_chat,
     tokenize_prompt,
 )
@@ -87,7 +89,7 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
                         (request.sampling.WhichOneof("structured_output") or "structured_output",
                          options.structured_output))
             with trace.phase("gateway.tokenize") as span:
-                prompt = _prompt_token_ids(gateway, request)
+                prompt = await _prompt_token_ids(gateway, request)
                 span.set_attribute("tandem.prompt_tokens", len(prompt))
             if len(request.request_id) > MAX_CLIENT_REQUEST_ID:
                 raise bad_request(f"request_id is longer than {MAX_CLIENT_REQUEST_ID} "
@@ -255,16 +257,18 @@ def _as_str(value: str | bytes | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest) -> list[int]:
+async def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest) -> list[int]:
     which = request.WhichOneof("input")
     if which == "prompt":
-        return tokenize_prompt(gateway.tokenizer, request.prompt)
+        return await gateway.tokenize("prompt", len(request.prompt), partial(
+            tokenize_prompt, gateway.tokenizer, request.prompt))
     if which == "chat":
         bad = next((m.role for m in request.chat.messages if m.role not in CHAT_ROLES), None)
         if bad is not None:
             raise bad_request(f"unknown chat role {bad!r}", param="chat")
-        return tokenize_chat(gateway.tokenizer, [template_message(m.role, m.content)
-                                                 for m in request.chat.messages])
+        messages = [template_message(m.role, m.content) for m in request.chat.messages]
+        return await gateway.tokenize("chat", text_chars(messages), partial(
+            tokenize_chat, gateway.tokenizer, messages))
     if which == "token_ids":
         return check_token_ids(request.token_ids.ids, gateway.tokenizer.vocab_size,
                                param="token_ids")

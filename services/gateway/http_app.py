@@ -9,6 +9,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -29,6 +30,7 @@ from tandem.services.gateway.http_io import AbortConnection, BodyLimitMiddleware
 from tandem.services.gateway.inputs import (
     check_token_ids,
     new_request_id,
+    text_chars,
     tokenize_chat,
     tokenize_prompt,
 )
@@ -187,11 +189,11 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                     functions = body.functions()
                     own = gateway.tokenizer.template_renders_tools
                     messages = body.chat_messages()
-                    prompt = tokenize_chat(gateway.tokenizer,
-                                           with_tools(messages, functions, own) if functions
-                                           else messages,
-                                           [f.spec() for f in functions] if own else None,
-                                           body.chat_template_kwargs)
+                    rendered = with_tools(messages, functions, own) if functions else messages
+                    specs = [f.spec() for f in functions] if own else None
+                    prompt = await gateway.tokenize("messages", text_chars(messages), partial(
+                        tokenize_chat, gateway.tokenizer, rendered, specs,
+                        body.chat_template_kwargs))
                     span.set_attribute("tandem.prompt_tokens", len(prompt))
                 greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
                                              body.sampling_options(), body.salt(), arrival,
@@ -220,7 +222,8 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 tenant, body = await _checked(gateway, request, CompletionRequest, trace)
                 with trace.phase("gateway.tokenize") as span:
                     prompt_in = body.single_prompt()
-                    prompt = (tokenize_prompt(gateway.tokenizer, prompt_in)
+                    prompt = (await gateway.tokenize("prompt", len(prompt_in), partial(
+                                  tokenize_prompt, gateway.tokenizer, prompt_in))
                               if isinstance(prompt_in, str)
                               else check_token_ids(prompt_in, gateway.tokenizer.vocab_size))
                     span.set_attribute("tandem.prompt_tokens", len(prompt))

@@ -72,6 +72,29 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def text_chars(value: Any) -> int:
+    """The characters of every string in ``value`` (a prompt, or chat messages and their
+    parts)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(text_chars(v) for v in value)
+    return 0
+
+
+def check_prompt_size(chars: int, max_model_len: int, max_token_chars: int, param: str) -> None:
+    """400 before any tokenizing for a text too long to fit the context whatever its tokens
+    (each stands for at most ``max_token_chars`` characters)."""
+    limit = max_model_len * max_token_chars
+    if chars > limit:
+        raise bad_request(
+            f"{param} has {chars} characters: more than the {max_model_len} tokens of this "
+            f"model's context could hold (at most {max_token_chars} characters a token, "
+            f"{limit} in all)", param=param, code="context_length_exceeded")
+
+
 def tokenize_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     if not prompt:
         raise bad_request("prompt is empty", param="prompt")
