@@ -206,8 +206,14 @@ class StopResult:
 
 
 class StopStringMatcher:
+    """Finds stop strings in streamed text in linear time: one Knuth-Morris-Pratt automaton per
+    stop string, fed each character once. Text that may still begin a stop string (the longest
+    partial match, shorter than the longest stop) is held back; the rest is emitted."""
+
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(s for s in stops if s)
+        self._fail = [_failure(s) for s in self._stops]
+        self._state = [0] * len(self._stops)  # each stop's longest prefix ending the text so far
         self._pending = ""  # text not emitted yet: a possible start of a stop string
         self.stopped = False
 
@@ -217,13 +223,25 @@ class StopStringMatcher:
         if not self._stops:
             return StopResult(text, False)
         pending = self._pending + text
-        # Anything emitted earlier could not start a match, so every match lies in ``pending``.
-        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
-        if hits:
+        first = None  # the earliest start of a stop string found in ``pending``
+        offset = len(self._pending)
+        for i, char in enumerate(text):
+            for j, stop in enumerate(self._stops):
+                k, fail = self._state[j], self._fail[j]
+                while k and stop[k] != char:
+                    k = fail[k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):
+                    start = offset + i + 1 - k
+                    first = start if first is None else min(first, start)
+                    k = fail[k - 1]
+                self._state[j] = k
+        if first is not None:
             self.stopped = True
             self._pending = ""
-            return StopResult(pending[:min(hits)], True)
-        hold = max(self._partial_match(pending, s) for s in self._stops)
+            return StopResult(pending[:first], True)
+        hold = max(self._state)
         self._pending = pending[len(pending) - hold:] if hold else ""
         return StopResult(pending[:len(pending) - hold], False)
 
@@ -232,10 +250,15 @@ class StopStringMatcher:
         text, self._pending = ("" if self.stopped else self._pending), ""
         return text
 
-    @staticmethod
-    def _partial_match(text: str, stop: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
-        for k in range(min(len(text), len(stop) - 1), 0, -1):
-            if text.endswith(stop[:k]):
-                return k
-        return 0
+
+def _failure(stop: str) -> list[int]:
+    """KMP's table: for each prefix of ``stop``, its longest proper suffix that is a prefix."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return fail
