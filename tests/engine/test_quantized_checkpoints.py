@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem.services.engine.model_loader import ModelLoadError, load_model
-from tests.engine.test_model_families import assert_greedy_matches_transformers, tiny_model
+from tests.engine.test_model_families import assert_greedy_matches_transformers
+from tests.engine.tiny_models import tiny_model
 
 BLOCK = 16  # the tiny models' dimensions (64, 128) are multiples of it
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
