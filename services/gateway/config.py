@@ -24,6 +24,9 @@ class GatewayConfig:
     # A streaming client that reads nothing for this long (its connection's buffers full) is
     # cut: its request aborted, its connection dropped. None: never.
     client_read_timeout_s: float | None = 60.0
+    # A non-streaming response is built whole in memory: at most this many token entries
+    # (choices x max_tokens x (1 + logprobs), plus the prompt's logprobs); beyond, 400 (stream it)
+    max_buffered_tokens: int = 1 << 18
     # Sampling settings for requests that leave them unset (the model's generation_config.json:
     # ModelMetadata.sampling_defaults): SamplingOptions field -> value.
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)

@@ -105,6 +105,22 @@ class Gateway:
     def max_model_len(self) -> int:
         return self.backend.max_model_len
 
+    def check_buffered(self, request: GenerationRequest, choices: int) -> None:
+        """400 for a non-streaming request whose response could hold more token entries than
+        ``max_buffered_tokens`` (it is built whole in memory): naming the fields."""
+        p = request.params
+        entries = choices * p.max_tokens * (1 + (p.logprobs or 0))
+        if p.prompt_logprobs is not None:
+            entries += request.num_prompt_tokens * (1 + p.prompt_logprobs)
+        limit = self.config.max_buffered_tokens
+        if entries > limit:
+            prompt = " + the prompt's logprobs" if p.prompt_logprobs is not None else ""
+            raise bad_request(
+                f"a response of n {choices} x max_tokens {p.max_tokens} x (1 + logprobs "
+                f"{p.logprobs or 0}){prompt} = {entries} tokens is more than the {limit} a "
+                f"non-streaming response may hold: stream it, or ask for fewer",
+                param="max_tokens")
+
     async def tokenize(self, param: str, chars: int, work: Callable[[], list[int]]
                        ) -> list[int]:
         """``work``'s token ids (a prompt's tokenizing or a chat's rendering), computed in the

@@ -198,6 +198,8 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
                                              body.sampling_options(), body.salt(), arrival,
                                              prompt_param="messages", tenant=tenant)
+                if not body.stream:
+                    gateway.check_buffered(greq, body.n)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
             if body.stream:
@@ -230,6 +232,8 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 greq = gateway.build_request(new_request_id("cmpl"), prompt,
                                              body.sampling_options(), body.salt(), arrival,
                                              tenant=tenant)
+                if not body.stream:
+                    gateway.check_buffered(greq, body.best_of or body.n)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
             want_logprobs = body.logprobs is not None
