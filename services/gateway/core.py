@@ -40,7 +40,7 @@ from tandem.services.engine.grammar import Grammars
 from tandem.services.engine.tokenizer import Tokenizer
 from tandem.services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
 from tandem.services.gateway.config import GatewayConfig
-from tandem.services.gateway.errors import GatewayError, bad_request, model_not_found, overloaded
+from tandem.services.gateway.errors import GatewayError, bad_request, model_not_found
 from tandem.services.gateway.inputs import SamplingOptions, build_request, check_prompt_size
 from tandem.services.gateway.metrics import (
     ERROR,
@@ -52,7 +52,7 @@ from tandem.services.gateway.metrics import (
 )
 from tandem.services.gateway.pipeline import Delta, Usage, generate_deltas
 from tandem.services.gateway.request_trace import RequestTrace
-from tandem.services.gateway.tenants import Tenants
+from tandem.services.gateway.tenants import FairSlots, Tenants
 from tandem.services.protocol.outputs import EngineStats
 from tandem.services.protocol.request import (
     DEFAULT_TENANT,
@@ -81,6 +81,8 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.tenants = tenants or Tenants()
         self._tenants = self.tenants if self.tenants.in_use else None  # None: nothing to do
+        self._slots = (None if self.config.max_in_flight is None else FairSlots(
+            self.config.max_in_flight, self.tenants.weights, self.config.retry_after_s))
         self.model_names = self.config.served_model_names or (backend.model_id,)
         self.model_name = self.model_names[0]
         # Seeds for sampled requests that bring none: drawn from the server's seed (the same
@@ -214,19 +216,21 @@ class Gateway:
         """Submit the request and wait for its first step (rejections raise ``GatewayError``).
         ``trace`` (the request's span) ends with the generation."""
         timer = self.metrics.start_request(request.arrival_time, request.tenant)
-        limit = self.config.max_in_flight
-        if limit is not None and self.in_flight >= limit:  # shed before any work or any 200
-            timer.fail(REJECTED)
-            raise overloaded(f"{self.in_flight} requests are in flight, the limit is {limit}",
-                             self.config.retry_after_s)
         tenants = self._tenants
-        try:  # the tenant's rate limits: at most its prompt and max_tokens
+        try:  # the tenant's rate limits (at most its prompt and max_tokens), then a slot
             charged = 0 if tenants is None else tenants.admit(
                 request.tenant, request.num_prompt_tokens + request.params.max_tokens)
+            if self._slots is not None:  # shed before any work or any 200
+                try:
+                    await self._slots.acquire(request.tenant, request.remaining_s())
+                except BaseException:
+                    if charged:
+                        self.tenants.settle(request.tenant, charged, 0)
+                    raise
         except GatewayError:
             timer.fail(REJECTED)
             raise
-        self._admitted(1)
+        self._admitted(1, request.tenant)
         deltas = generate_deltas(self.backend, self.tokenizer, request, timer,
                                  self.config.retry_after_s)
         if trace is not None:
@@ -239,7 +243,7 @@ class Gateway:
             try:
                 await deltas.aclose()
             finally:
-                self._admitted(-1)
+                self._admitted(-1, request.tenant)
                 if charged:
                     self.tenants.settle(request.tenant, charged, 0)  # refused: it cost nothing
             raise
@@ -247,7 +251,7 @@ class Gateway:
             trace.first_token()
 
         def ended() -> None:
-            self._admitted(-1)
+            self._admitted(-1, request.tenant)
             if charged:
                 self.tenants.settle(request.tenant, charged,
                                     request.num_prompt_tokens + generation.generated)
@@ -255,7 +259,10 @@ class Gateway:
         generation = Generation(request, first, deltas, trace, ended, timer)
         return generation
 
-    def _admitted(self, change: int) -> None:
+    def _admitted(self, change: int, tenant: str) -> None:
+        """``change`` requests of ``tenant`` admitted (1) or ended (-1: its slot freed)."""
+        if change < 0 and self._slots is not None:
+            self._slots.release(tenant)
         self.in_flight += change
         self.metrics.in_flight.labels(self.model_name).set(self.in_flight)
 

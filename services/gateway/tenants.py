@@ -16,16 +16,18 @@ and per-tenant rate limits.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.services.gateway.errors import GatewayError, unauthorized
+from tandem.services.gateway.errors import GatewayError, overloaded, unauthorized
 from tandem.services.protocol.request import DEFAULT_TENANT, UNKNOWN_TENANT
 
 
@@ -34,15 +36,41 @@ class TenantConfigError(ValueError):
 
 
 def parse_api_keys(text: str, source: str = "api keys") -> dict[str, str]:
-    """``tenant:key`` lines -> {key: tenant}."""
-    keys: dict[str, str] = {}
+    """``tenant:key`` lines -> {key: tenant} (a line's ``weight=N`` is ``tenant_weights``')."""
+    return {key: tenant for key, (tenant, _) in _key_lines(text, source).items()}
+
+
+def tenant_weights(text: str, source: str = "api keys") -> dict[str, float]:
+    """Each tenant's admission weight (``tenant:key weight=N``; 1 unless a line says)."""
+    weights: dict[str, float] = {}
+    for tenant, weight in _key_lines(text, source).values():
+        if weight is not None:
+            if weights.get(tenant, weight) != weight:
+                raise TenantConfigError(f"{source}: tenant {tenant!r} has two weights")
+            weights[tenant] = weight
+    return weights
+
+
+def _key_lines(text: str, source: str) -> dict[str, tuple[str, float | None]]:
+    """``tenant:key [weight=N]`` lines -> {key: (tenant, weight or None)}."""
+    keys: dict[str, tuple[str, float | None]] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        tenant, sep, key = line.rpartition(":")
+        tenant, sep, rest = line.rpartition(":")
         tenant = tenant.strip() if sep else DEFAULT_TENANT
-        key = key.strip()
+        key, *options = rest.split() or [""]
+        weight = None
+        for option in options:
+            name, _, value = option.partition("=")
+            try:
+                weight = float(value) if name == "weight" else None
+            except ValueError:
+                weight = None
+            if weight is None or not weight > 0 or not math.isfinite(weight):
+                raise TenantConfigError(f"{source} line {number}: expected tenant:key "
+                                        f"[weight=N], N > 0")
         if not key or not tenant:
             raise TenantConfigError(f"{source} line {number}: expected tenant:key")
         if tenant == UNKNOWN_TENANT:
@@ -50,8 +78,16 @@ def parse_api_keys(text: str, source: str = "api keys") -> dict[str, str]:
                                     f"is reserved (refused requests' metrics label)")
         if key in keys:
             raise TenantConfigError(f"{source} line {number}: a key is listed twice")
-        keys[key] = tenant
+        keys[key] = (tenant, weight)
     return keys
+
+
+def read_tenant_weights(path: str | Path) -> dict[str, float]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise TenantConfigError(f"cannot read api_keys_file {path}: {exc.strerror}") from None
+    return tenant_weights(text, str(path))
 
 
 def read_api_keys(path: str | Path) -> dict[str, str]:
@@ -99,6 +135,8 @@ class Tenants:
     requests_per_minute: int | None = None  # per tenant; None: no limit
     tokens_per_minute: int | None = None  # prompt + max_tokens, per tenant; None: no limit
     clock: Callable[[], float] = time.monotonic
+    # Admission weights under contention (FairSlots; the keys file's weight=N; 1 if unset)
+    weights: Mapping[str, float] = field(default_factory=dict)
     _buckets: dict[tuple[str, str], _Bucket] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -182,3 +220,82 @@ class Tenants:
             bucket = self._buckets[(tenant, what)] = _Bucket(per_minute, per_minute, now)
         bucket.refill(now)
         return bucket
+
+
+class FairSlots:
+    """The gateway's ``max_in_flight`` admission slots, fair across tenants when they run out.
+
+    A request takes any free slot. When none is free, a tenant below its share (the limit split
+    by weight among the tenants with requests in flight or waiting) waits for the next slot
+    that frees (the tenant with the fewest in flight per weight first), and one at or over its
+    share is refused at once (429). One tenant alone may use every slot; a flooding tenant keeps
+    getting 429s while another's requests wait only for the next slot to free. Runs on the
+    gateway's event loop."""
+
+    def __init__(self, limit: int, weights: Mapping[str, float] | None = None,
+                 retry_after_s: int = 1) -> None:
+        self.limit = limit
+        self.weights = dict(weights or {})
+        self.retry_after_s = retry_after_s
+        self.in_flight: dict[str, int] = {}
+        self.total = 0
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+
+    def share(self, tenant: str) -> float:
+        """``tenant``'s slots under contention."""
+        active = {t for t, n in self.in_flight.items() if n} | {
+            t for t, q in self._waiting.items() if q} | {tenant}
+        return self.limit * self._weight(tenant) / sum(self._weight(t) for t in active)
+
+    async def acquire(self, tenant: str, timeout_s: float | None = None) -> None:
+        """A slot for one request of ``tenant``: at once, after waiting its turn (at most
+        ``timeout_s``), or 429."""
+        if self.total < self.limit and not any(self._waiting.values()):
+            self._take(tenant)
+            return
+        queued = self._waiting.setdefault(tenant, deque())
+        if self.in_flight.get(tenant, 0) + len(queued) >= self.share(tenant):
+            raise overloaded(f"{self.total} requests are in flight, the limit is {self.limit}, "
+                             f"and tenant {tenant!r} holds its share of them",
+                             self.retry_after_s)
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queued.append(turn)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), timeout_s)
+        except TimeoutError:
+            if self._withdraw(tenant, turn):
+                raise overloaded(f"no slot freed within the request's deadline ({self.total} "
+                                 f"in flight, the limit is {self.limit})",
+                                 self.retry_after_s) from None
+        except BaseException:  # cancelled: the client left
+            if not self._withdraw(tenant, turn):
+                self.release(tenant)  # a slot came as it left: pass it on
+            raise
+
+    def _withdraw(self, tenant: str, turn: asyncio.Future[None]) -> bool:
+        """Take ``turn`` out of the queue; False when it was handed a slot already."""
+        if turn.done():
+            return False
+        turn.cancel()
+        self._waiting[tenant].remove(turn)
+        return True
+
+    def release(self, tenant: str) -> None:
+        """One of ``tenant``'s requests ended: its slot goes to the next in turn."""
+        self.in_flight[tenant] -= 1
+        self.total -= 1
+        while self.total < self.limit:
+            waiting = [t for t, q in self._waiting.items() if q]
+            if not waiting:
+                return
+            nxt = min(waiting, key=lambda t: self.in_flight.get(t, 0) / self._weight(t))
+            turn = self._waiting[nxt].popleft()
+            self._take(nxt)
+            turn.set_result(None)
+
+    def _take(self, tenant: str) -> None:
+        self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
+        self.total += 1
+
+    def _weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)

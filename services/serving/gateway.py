@@ -40,7 +40,7 @@ from tandem.services.gateway import (
     GatewayConfig,
 )
 from tandem.services.gateway.runner import FrontEnds
-from tandem.services.gateway.tenants import Tenants, read_api_keys
+from tandem.services.gateway.tenants import Tenants, read_api_keys, read_tenant_weights
 from tandem.services.protocol.auth import read_secret
 from tandem.services.protocol.block_hash import HashSettings
 from tandem.services.serving import metrics
@@ -65,8 +65,9 @@ def tenants_of(config: AppConfig) -> Tenants:
     the gateway's process: on Kubernetes, Secrets mounted into its pod)."""
     keys = read_api_keys(config.api_keys_file) if config.api_keys_file else {}
     secret = read_secret(config.cluster_secret_file) if config.cluster_secret_file else b""
+    weights = read_tenant_weights(config.api_keys_file) if config.api_keys_file else {}
     tenants = Tenants(keys, secret, config.tenant_requests_per_minute,
-                      config.tenant_tokens_per_minute)
+                      config.tenant_tokens_per_minute, weights=weights)
     if keys:  # the tenants, never the keys
         log.info("API keys on: %d key(s) for tenants %s", len(keys),
                  ", ".join(tenants.tenant_names))
