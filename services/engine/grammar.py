@@ -35,22 +35,41 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)  # Lark string literals take JSON's escapes
 
 
+MAX_SPEC_DEPTH = 64  # nesting of a JSON schema or choice list (deeper: refused, not a 500)
+
+
+def _spec_json(text: str, what: str) -> object:
+    """``text`` parsed, nested at most ``MAX_SPEC_DEPTH`` levels (ValueError otherwise)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"the {what} is nested more than {MAX_SPEC_DEPTH} levels deep") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the {what} is not JSON: {exc}") from None
+    stack = [(value, 1)]
+    while stack:  # iteratively: the check itself cannot recurse too deeply
+        item, depth = stack.pop()
+        if depth > MAX_SPEC_DEPTH:
+            raise ValueError(f"the {what} is nested more than {MAX_SPEC_DEPTH} levels deep")
+        children = item.values() if isinstance(item, dict) else (
+            item if isinstance(item, list) else ())
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
 @functools.lru_cache(maxsize=256)
 def compiled(constraint: StructuredOutput) -> str:
     """The llguidance grammar of ``constraint`` (raises ValueError when it is malformed)."""
     match constraint.kind:
         case "json":
-            try:
-                schema = json.loads(constraint.spec)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+            schema = _spec_json(constraint.spec, "JSON schema")
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema is an object")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
         case "regex":
             return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
         case "choice":
-            choices = json.loads(constraint.spec)
+            choices = _spec_json(constraint.spec, "choice list")
             if (not isinstance(choices, list) or not choices
                     or not all(isinstance(c, str) and c for c in choices)):
                 raise ValueError("a choice is a non-empty list of non-empty strings")
