@@ -259,6 +259,14 @@ class Gateway:
         generation = Generation(request, first, deltas, trace, ended, timer)
         return generation
 
+    def set_admission_limit(self, limit: int) -> None:
+        """The in-flight bound from now on (``max_in_flight``'s default follows the healthy
+        decode workers: serving/gateway.py)."""
+        if self._slots is not None and limit != self._slots.limit:
+            log.info("admission limit %d (was %d)", limit, self._slots.limit)
+            self._slots.resize(limit)
+            self.metrics.in_flight_limit.labels(self.model_name).set(limit)
+
     def _admitted(self, change: int, tenant: str) -> None:
         """``change`` requests of ``tenant`` admitted (1) or ended (-1: its slot freed)."""
         if change < 0 and self._slots is not None:

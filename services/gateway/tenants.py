@@ -284,6 +284,15 @@ class FairSlots:
         """One of ``tenant``'s requests ended: its slot goes to the next in turn."""
         self.in_flight[tenant] -= 1
         self.total -= 1
+        self._hand_out()
+
+    def resize(self, limit: int) -> None:
+        """A new bound (the healthy decode workers changed): more slots go to those waiting at
+        once; fewer take effect as requests end."""
+        self.limit = limit
+        self._hand_out()
+
+    def _hand_out(self) -> None:
         while self.total < self.limit:
             waiting = [t for t, q in self._waiting.items() if q]
             if not waiting:

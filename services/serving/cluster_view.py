@@ -214,6 +214,9 @@ class ClusterView:
     def count(self, role: str) -> int:
         return sum(1 for w in self.workers.values() if w.role == role)
 
+    def healthy_count(self, role: str) -> int:
+        return sum(1 for w in self.workers.values() if w.role == role and w.healthy)
+
     async def wait_for(self, counts: Mapping[str, int], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while any(self.count(role) < n for role, n in counts.items()):

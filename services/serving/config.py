@@ -130,8 +130,9 @@ class AppConfig:
     # long; then it is stopped and its streams migrate.
     drain_timeout_s: float = 30.0
     # Admission: requests in flight at the gateway, at most; beyond it 429 with Retry-After.
-    # None: one decode batch (decode_replicas x max_num_seqs; colocated: max_num_seqs), so an
-    # admitted request waits for its prefill, not for a decode slot (loadtest/overload.py).
+    # None: one decode batch per healthy decode worker (max_num_seqs each, followed as workers
+    # come and go; colocated: max_num_seqs), so an admitted request waits for its prefill, not
+    # for a decode slot (loadtest/overload.py).
     max_in_flight: int | None = None
     # Tenants and keys (services/gateway/tenants.py, docs/operations.md "Security").
     api_keys_file: str | None = None  # `tenant:key` lines; None: no authentication
@@ -306,7 +307,8 @@ class AppConfig:
         return ServerTLS.read(self.tls_cert_file, self.tls_key_file)
 
     def in_flight_limit(self) -> int:
-        """The gateway's admission bound (``max_in_flight`` or its default)."""
+        """The gateway's admission bound (``max_in_flight`` or its default) at start-up; the
+        default then follows the healthy decode workers (max_num_seqs each)."""
         if self.max_in_flight is not None:
             return self.max_in_flight
         return self.max_num_seqs * (1 if self.colocated else self.decode_replicas)

@@ -131,6 +131,10 @@ class GatewayIngress:
             view = self.view
             assert view is not None
             self.gateway.refresh_stats = lambda: view.refresh(config.poll_interval_s)
+            if config.max_in_flight is None:  # one decode batch per healthy decode worker
+                gateway = self.gateway
+                view.after_poll(lambda: gateway.set_admission_limit(
+                    config.max_num_seqs * max(1, view.healthy_count("decode"))))
             source = backend.snapshots
             migrations = backend.migrations
         metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,

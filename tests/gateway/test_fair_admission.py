@@ -139,3 +139,30 @@ def test_over_http_a_flooding_tenant_does_not_lock_out_another(
         assert answer["reply"].choices[0].text is not None  # type: ignore[attr-defined]
         streams[1].close()
     wait_until(lambda: gateway.in_flight == 0, what="every slot free again")
+
+
+def test_a_larger_limit_admits_those_waiting_and_a_smaller_one_takes_effect_as_requests_end(
+        ) -> None:
+    async def scenario() -> None:
+        slots = FairSlots(2)
+        for tenant in ("a", "b"):
+            await slots.acquire(tenant)
+        waiting = asyncio.ensure_future(slots.acquire("c"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        slots.resize(3)  # a decode worker came back: its batch's slots open at once
+        await waiting
+        slots.resize(1)  # two went away: nobody is cut, new requests wait for the ends
+        with pytest.raises(GatewayError):
+            await slots.acquire("a")  # "a" holds more than its third of the one slot
+        for tenant in ("a", "b"):
+            slots.release(tenant)
+        assert slots.total == 1  # still over the new limit's worth: "a" waits for "c"
+        again = asyncio.ensure_future(slots.acquire("a"))
+        await asyncio.sleep(0)
+        assert not again.done()
+        slots.release("c")
+        await again
+        assert slots.in_flight == {"a": 1, "b": 0, "c": 0} and slots.total == 1
+
+    asyncio.run(scenario())
