@@ -321,6 +321,15 @@ def test_serve_config_is_tandems_application(helm: Helm, tmp_path: Path,
         by_name[override["name"]].options(**options)  # Serve validates the combination
 
 
+def test_default_kv_cache_is_sized_from_the_gpu(helm: Helm) -> None:
+    """The defaults leave kv_cache_memory_gb unset: each GPU engine takes
+    gpu_memory_utilization of its GPU (weights, a profiling step, then KV blocks)."""
+    args = Rendered("default", values_for("default"),
+                    helm.template(*render_args("default"))).application["args"]
+    assert "kv_cache_memory_gb" not in args and "num_kv_blocks" not in args
+    assert args["gpu_memory_utilization"] == AppConfig().gpu_memory_utilization == 0.9
+
+
 def test_deployments_land_on_their_groups(rendered: Rendered) -> None:
     """Each Serve deployment asks for a custom Ray resource that only its group provides, one
     per pod, and for the GPUs its pod has."""
@@ -672,6 +681,9 @@ def test_broken_values_fail_with_the_schema_message(helm: Helm, command: str, se
     (("redis.externalUrl=redis://elsewhere:6379",),
      "set either redis.enabled=true (a Redis in this release) or redis.externalUrl, not both"),
     (("model.path=llama",), "model.volume: set a volume source holding model.path"),
+    (("app.tensor_parallel_size=2",),
+     "app.tensor_parallel_size 2: engines size the KV cache from gpu_memory_utilization with "
+     "one rank only; set app.kv_cache_memory_gb (GiB per rank)"),
 ])
 def test_inconsistent_values_fail_clearly(helm: Helm, settings: tuple[str, ...],
                                           message: str) -> None:
