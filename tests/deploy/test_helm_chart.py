@@ -301,6 +301,9 @@ def test_serve_config_is_tandems_application(helm: Helm, tmp_path: Path,
     assert not config.colocated
     if values["model"]["path"]:
         assert Path(config.model) == tmp_path / values["model"]["path"]
+    elif values["model"]["hubId"]:
+        # The engines resolve the id from the hub cache the init containers filled.
+        assert config.model == values["model"]["hubId"]
     else:
         assert config.model is None
     for key, value in values["app"].items():
@@ -402,12 +405,17 @@ def test_worker_groups_follow_values(rendered: Rendered) -> None:
 # ----------------------------------------------------------------------- pods
 
 
+def containers_of(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pod spec's containers, its init containers (model.hubId's fetch) first."""
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
 def test_pods_run_non_root_on_a_read_only_root(rendered: Rendered) -> None:
     for component, template in rendered.pod_templates().items():
         pod = template["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, component
         assert pod["securityContext"]["runAsUser"] != 0, component
-        for container in pod["containers"]:
+        for container in containers_of(pod):
             security = container["securityContext"]
             assert security["readOnlyRootFilesystem"] is True, component
             assert security["allowPrivilegeEscalation"] is False, component
@@ -422,7 +430,7 @@ def test_pods_run_non_root_on_a_read_only_root(rendered: Rendered) -> None:
 
 def test_resources_are_bounded_and_the_head_is_not_tiny(rendered: Rendered) -> None:
     for component, template in rendered.pod_templates().items():
-        for container in template["spec"]["containers"]:
+        for container in containers_of(template["spec"]):
             resources = container["resources"]
             assert {"cpu", "memory"} <= set(resources["requests"]), component
             assert "memory" in resources["limits"], component

@@ -19,10 +19,9 @@ COMMIT = hashlib.sha1(b"tandem fetched llama").hexdigest()
 TOKEN = "hf_test_token_not_a_secret_0123456789"
 
 
-@pytest.fixture(scope="module")
-def hub_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF_HOME whose hub cache holds REPO at COMMIT, refs/main pointing at it."""
-    home = tmp_path_factory.mktemp("hf_home")
+def write_hub_cache(home: Path) -> Path:
+    """Make `home` an HF_HOME whose hub cache holds REPO at COMMIT, refs/main pointing at it,
+    as `huggingface-cli download` leaves it; returns the snapshot's directory."""
     repo = home / "hub" / f"models--{REPO.replace('/', '--')}"
     snapshot = repo / "snapshots" / COMMIT
     snapshot.mkdir(parents=True)
@@ -30,6 +29,13 @@ def hub_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (snapshot / "tokenizer.json").write_text("{}")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def hub_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("hf_home")
+    write_hub_cache(home)
     return home
 
 
