@@ -22,7 +22,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.conftest import CHART_DIR, RELEASE, SHARED_SCHEMAS, Helm, HelmError
+from tests.deploy.conftest import (
+    CHART_DIR,
+    NAMESPACE,
+    RELEASE,
+    SHARED_SCHEMAS,
+    Helm,
+    HelmError,
+)
 from tests.deploy.test_chart_security import ray_env, render
 from tests.deploy.test_helm_chart import (
     K8S_VERSIONS,
@@ -204,6 +211,17 @@ def test_the_rendered_pods_resolve_the_snapshot_offline(helm: Helm, tmp_path: Pa
         env=pod_env(ray["env"]), capture_output=True, text=True, timeout=120, check=False)
     assert resolved.returncode == 0, resolved.stderr
     assert resolved.stdout.strip() == str(snapshot)
+
+
+def test_notes_say_where_the_download_is_logged(helm: Helm) -> None:
+    def notes(*settings: str) -> str:
+        return helm.check("install", RELEASE, str(CHART_DIR), "--dry-run=client",
+                          "--namespace", NAMESPACE, *SKIP_KUBERAY_CHECK, *settings)
+
+    with_hub = notes("--set", f"model.hubId={REPO}")
+    assert f"Each Ray pod first downloads {REPO} (its init container fetch-model" in with_hub
+    assert f"kubectl -n {NAMESPACE} logs <pod> -c fetch-model" in with_hub
+    assert "fetch-model" not in notes()
 
 
 # ------------------------------------------------------------------------ refusals
