@@ -313,6 +313,25 @@ def _settings(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_fetch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    fetch = sub.add_parser("fetch", help="download a Hugging Face model id into the hub cache "
+                                         "(HF_HOME; the token from HF_TOKEN) and print its "
+                                         "local snapshot's path (the chart's init container)")
+    fetch.add_argument("model", help="org/name[@revision] (a branch, tag or commit)")
+    fetch.set_defaults(func=_fetch)
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    """The snapshot `--model org/name[@revision]` resolves to, downloaded unless
+    HF_HUB_OFFLINE is set. huggingface_hub reads the token (HF_TOKEN) itself: never here."""
+    from tandem.services.engine.tokenizer_loader import hub_snapshot, is_hub_id
+
+    if not is_hub_id(args.model):
+        raise ValueError(f"{args.model!r} is not a Hugging Face model id, org/name[@revision]")
+    print(hub_snapshot(args.model), flush=True)
+    return 0
+
+
 def _add_chat_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     chat = sub.add_parser("chat", help="chat with a running server, streaming replies")
     chat.add_argument("prompt", nargs="?", help="ask once and exit (default: interactive)")
@@ -407,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = sub.add_parser("settings", help="every setting of `tandem up` and its YAML file: "
                               "default, flag, meaning (a Markdown table)")
     settings.set_defaults(func=_settings)
+    _add_fetch_parser(sub)
     _add_chat_parser(sub)
     _add_status_parser(sub)
     try:

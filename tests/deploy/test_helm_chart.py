@@ -301,6 +301,9 @@ def test_serve_config_is_tandems_application(helm: Helm, tmp_path: Path,
     assert not config.colocated
     if values["model"]["path"]:
         assert Path(config.model) == tmp_path / values["model"]["path"]
+    elif values["model"]["hubId"]:
+        # The engines resolve the id from the hub cache the init containers filled.
+        assert config.model == values["model"]["hubId"]
     else:
         assert config.model is None
     for key, value in values["app"].items():
@@ -319,6 +322,15 @@ def test_serve_config_is_tandems_application(helm: Helm, tmp_path: Path,
     for override in app["deployments"]:
         options = {k: v for k, v in override.items() if k != "name"}
         by_name[override["name"]].options(**options)  # Serve validates the combination
+
+
+def test_default_kv_cache_is_sized_from_the_gpu(helm: Helm) -> None:
+    """The defaults leave kv_cache_memory_gb unset: each GPU engine takes
+    gpu_memory_utilization of its GPU (weights, a profiling step, then KV blocks)."""
+    args = Rendered("default", values_for("default"),
+                    helm.template(*render_args("default"))).application["args"]
+    assert "kv_cache_memory_gb" not in args and "num_kv_blocks" not in args
+    assert args["gpu_memory_utilization"] == AppConfig().gpu_memory_utilization == 0.9
 
 
 def test_deployments_land_on_their_groups(rendered: Rendered) -> None:
@@ -393,12 +405,17 @@ def test_worker_groups_follow_values(rendered: Rendered) -> None:
 # ----------------------------------------------------------------------- pods
 
 
+def containers_of(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """A pod spec's containers, its init containers (model.hubId's fetch) first."""
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
 def test_pods_run_non_root_on_a_read_only_root(rendered: Rendered) -> None:
     for component, template in rendered.pod_templates().items():
         pod = template["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, component
         assert pod["securityContext"]["runAsUser"] != 0, component
-        for container in pod["containers"]:
+        for container in containers_of(pod):
             security = container["securityContext"]
             assert security["readOnlyRootFilesystem"] is True, component
             assert security["allowPrivilegeEscalation"] is False, component
@@ -413,7 +430,7 @@ def test_pods_run_non_root_on_a_read_only_root(rendered: Rendered) -> None:
 
 def test_resources_are_bounded_and_the_head_is_not_tiny(rendered: Rendered) -> None:
     for component, template in rendered.pod_templates().items():
-        for container in template["spec"]["containers"]:
+        for container in containers_of(template["spec"]):
             resources = container["resources"]
             assert {"cpu", "memory"} <= set(resources["requests"]), component
             assert "memory" in resources["limits"], component
@@ -672,6 +689,9 @@ def test_broken_values_fail_with_the_schema_message(helm: Helm, command: str, se
     (("redis.externalUrl=redis://elsewhere:6379",),
      "set either redis.enabled=true (a Redis in this release) or redis.externalUrl, not both"),
     (("model.path=llama",), "model.volume: set a volume source holding model.path"),
+    (("app.tensor_parallel_size=2",),
+     "app.tensor_parallel_size 2: engines size the KV cache from gpu_memory_utilization with "
+     "one rank only; set app.kv_cache_memory_gb (GiB per rank)"),
 ])
 def test_inconsistent_values_fail_clearly(helm: Helm, settings: tuple[str, ...],
                                           message: str) -> None:

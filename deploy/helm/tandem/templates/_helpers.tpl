@@ -65,6 +65,85 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* The app's `model` setting: the hub id (read from the hub cache the init containers fill),
+the model's path inside the pods, or nothing for the built-in model. */}}
+{{- define "tandem.model" -}}
+{{- .Values.model.hubId | default (include "tandem.modelPath" .) }}
+{{- end }}
+
+{{/* Where model.hubCache is mounted in every Ray pod: HF_HOME. */}}
+{{- define "tandem.hubHome" -}}
+/hf
+{{- end }}
+
+{{/*
+Refusals: a model from two places, a token with no hub id, a hub cache of several volume
+sources, and with model.hubId the Hugging Face variables the chart sets in extraEnv.
+*/}}
+{{- define "tandem.modelChecks" -}}
+{{- $m := .Values.model }}
+{{- if and $m.hubId $m.path }}
+{{- fail "model: set either model.path (a model on model.volume) or model.hubId (a Hugging Face id fetched by an init container), not both" }}
+{{- end }}
+{{- if and $m.hubTokenSecret (not $m.hubId) }}
+{{- fail "model.hubTokenSecret is the token for model.hubId: set model.hubId, or remove model.hubTokenSecret" }}
+{{- end }}
+{{- if $m.hubId }}
+{{- $cache := $m.hubCache | default dict }}
+{{- if ne (len $cache) 1 }}
+{{- fail (printf "model.hubCache: give one volume source, got [%s] (Helm merges your values into the default: set emptyDir: null beside your source)" (keys $cache | sortAlpha | join ", ")) }}
+{{- end }}
+{{- $lists := dict "extraEnv" .Values.extraEnv "head.extraEnv" .Values.head.extraEnv "prefill.extraEnv" .Values.prefill.extraEnv "decode.extraEnv" .Values.decode.extraEnv }}
+{{- range $where, $list := $lists }}
+{{- range $list }}
+{{- if has .name (list "HF_HOME" "HF_HUB_CACHE" "HF_HUB_OFFLINE" "HF_TOKEN") }}
+{{- fail (printf "%s: %s is set by the chart with model.hubId: remove it (a token: model.hubTokenSecret)" $where .name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The init container of every Ray pod with model.hubId: `tandem fetch` downloads the model into
+the hub cache (HF_HOME on model.hubCache), with HF_TOKEN from model.hubTokenSecret's Secret when
+set (a secretKeyRef: the token itself is never in the manifest). The pod's extraEnv too
+(proxies, HF_ENDPOINT). (dict "ctx" $ "extra" list); nothing without model.hubId.
+*/}}
+{{- define "tandem.fetchModelContainer" -}}
+{{- $ctx := .ctx }}
+{{- with $ctx.Values.model.hubId -}}
+- name: fetch-model
+  image: {{ include "tandem.image" $ctx }}
+  imagePullPolicy: {{ $ctx.Values.image.pullPolicy }}
+  command: ["tandem", "fetch", {{ . | quote }}]
+  securityContext:
+    {{- toYaml $ctx.Values.securityContext | nindent 4 }}
+  resources:
+    {{- toYaml $ctx.Values.model.fetchResources | nindent 4 }}
+  env:
+    - name: HF_HOME
+      value: {{ include "tandem.hubHome" $ctx }}
+    {{- with $ctx.Values.model.hubTokenSecret }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ .name }}
+          key: {{ .key }}
+    {{- end }}
+    {{- with $.extra }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  volumeMounts:
+    - name: hf-cache
+      mountPath: {{ include "tandem.hubHome" $ctx }}
+    - name: tmp
+      mountPath: /tmp
+    - name: home
+      mountPath: /home/ray
+{{- end }}
+{{- end }}
+
 {{/* Ray custom resource that pins each deployment to its group, one replica per pod. */}}
 {{- define "tandem.rayResource" -}}
 tandem_{{ . }}
@@ -76,7 +155,7 @@ settings `tandem up --config` reads from its YAML file.
 */}}
 {{- define "tandem.appArgs" -}}
 {{- $args := deepCopy .Values.app }}
-{{- $_ := set $args "model" (include "tandem.modelPath" . | default nil) }}
+{{- $_ := set $args "model" (include "tandem.model" . | default nil) }}
 {{- $_ = set $args "host" "0.0.0.0" }}
 {{- $_ = set $args "port" .Values.ports.http }}
 {{- $_ = set $args "grpc_port" .Values.ports.grpc }}
@@ -189,9 +268,21 @@ KubeRay's wait-gcs-ready init container copies this env and the mounts.
 {{- end }}
 {{- end }}
 
-{{/* A Ray container's env: the chart's (Ray's token) and the user's: (dict "ctx" $ "extra" list) */}}
+{{/* With model.hubId: the hub cache the init container filled, read offline. */}}
+{{- define "tandem.hubEnv" -}}
+{{- if .Values.model.hubId }}
+- name: HF_HOME
+  value: {{ include "tandem.hubHome" . }}
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- end }}
+{{- end }}
+
+{{/* A Ray container's env: the chart's (Ray's token, the hub cache) and the user's:
+(dict "ctx" $ "extra" list) */}}
 {{- define "tandem.rayEnv" -}}
-{{- $env := concat (include "tandem.rayAuthEnv" .ctx | fromYamlArray) .extra }}
+{{- $chart := concat (include "tandem.rayAuthEnv" .ctx | fromYamlArray) (include "tandem.hubEnv" .ctx | fromYamlArray) }}
+{{- $env := concat $chart .extra }}
 {{- if $env }}
 {{- toYaml $env }}
 {{- end }}
@@ -282,7 +373,7 @@ Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody wr
       {{- end }}
 {{- end }}
 
-{{/* Volumes every Ray pod has: scratch space (read-only root) and the model. */}}
+{{/* Volumes every Ray pod has: scratch space (read-only root) and the model (or the hub cache). */}}
 {{- define "tandem.rayVolumes" -}}
 - name: tmp
   emptyDir:
@@ -301,6 +392,10 @@ Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody wr
 - name: model
   {{- required "model.volume: set a volume source holding model.path (e.g. persistentVolumeClaim)" (.Values.model.volume | default nil) | toYaml | nindent 2 }}
 {{- end }}
+{{- if .Values.model.hubId }}
+- name: hf-cache
+  {{- toYaml .Values.model.hubCache | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{- define "tandem.rayVolumeMounts" -}}
@@ -318,6 +413,11 @@ Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody wr
 {{- if .Values.model.path }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if .Values.model.hubId }}
+- name: hf-cache
+  mountPath: {{ include "tandem.hubHome" . }}
   readOnly: true
 {{- end }}
 {{- end }}
