@@ -551,7 +551,7 @@ TLS = {"tls": {"existingSecret": "tandem-tls"},
        "monitoring": {"serviceMonitor": {"tlsConfig": {
            "ca": {"secret": {"name": "tandem-tls", "key": "ca.crt"}},
            "serverName": "tandem.example.com"}}},
-       "ingress": {"enabled": True}}
+       "ingress": {"enabled": True}, "auth": {"allowUnauthenticatedExposure": True}}
 
 
 def gateway_probes(rendered: Rendered) -> list[tuple[str, dict[str, Any]]]:
@@ -614,7 +614,8 @@ def test_tls_is_mounted_in_the_gateways_pod_and_named_in_the_config(
 
 
 def test_without_tls_nothing_of_it(helm: Helm) -> None:
-    rendered = render(helm, {"ingress": {"enabled": True}})
+    rendered = render(helm, {"ingress": {"enabled": True},
+                             "auth": {"allowUnauthenticatedExposure": True}})
     args = rendered.application["args"]
     assert not {"tls_cert_file", "tls_key_file"} & set(args)
     for component in ("head", *ROLES):
@@ -655,10 +656,14 @@ def _fails(helm: Helm, overrides: dict[str, Any], message: str, base: str = "def
         render(helm, overrides, base)
 
 
-def test_load_balancer_needs_api_keys(helm: Helm) -> None:
+def test_every_exposure_needs_api_keys(helm: Helm) -> None:
     _fails(helm, {"service": {"type": "LoadBalancer"}},
            "service.type LoadBalancer exposes the API outside the cluster: configure API keys "
            "first (auth.apiKeys.existingSecret")
+    _fails(helm, {"service": {"type": "NodePort"}},
+           "service.type NodePort exposes the API on every node's address: configure API keys")
+    _fails(helm, {"ingress": {"enabled": True}},
+           "ingress.enabled exposes the API through an Ingress: configure API keys")
     # The worked example's LoadBalancer without its keys.
     _fails(helm, {"auth": {"apiKeys": {"existingSecret": ""}}},
            "service.type LoadBalancer exposes the API", base="large-4p8d-autoscaling-values")
@@ -666,9 +671,11 @@ def test_load_balancer_needs_api_keys(helm: Helm) -> None:
         rendered = render(helm, {"service": {"type": "LoadBalancer"}, "auth": {"apiKeys": keys}})
         front = [rendered.one("Service", f"-{kind}") for kind in ("http", "grpc")]
         assert {s["spec"]["type"] for s in front} == {"LoadBalancer"}
-    # Nothing else refuses to run without keys.
-    for kind in ("ClusterIP", "NodePort"):
-        assert render(helm, {"service": {"type": kind}}).of_kind("Service")
+    # Inside the cluster, or with the explicit override, no keys are needed.
+    assert render(helm, {"service": {"type": "ClusterIP"}}).of_kind("Service")
+    for exposure in ({"service": {"type": "NodePort"}}, {"ingress": {"enabled": True}},
+                     {"service": {"type": "LoadBalancer"}}):
+        assert render(helm, {**exposure, "auth": {"allowUnauthenticatedExposure": True}})
 
 
 def test_metrics_behind_keys_need_a_bearer_token(helm: Helm) -> None:

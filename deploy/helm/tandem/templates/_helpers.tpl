@@ -299,8 +299,17 @@ key Prometheus is not given.
 */}}
 {{- define "tandem.authChecks" -}}
 {{- $keys := include "tandem.apiKeysSecret" . }}
-{{- if and (eq .Values.service.type "LoadBalancer") (not $keys) }}
-{{- fail "service.type LoadBalancer exposes the API outside the cluster: configure API keys first (auth.apiKeys.existingSecret, a Secret with key api-keys holding tenant:key lines), or use ClusterIP behind an Ingress" }}
+{{- if not (or $keys .Values.auth.allowUnauthenticatedExposure) }}
+{{- $how := "configure API keys first (auth.apiKeys.existingSecret, a Secret with key api-keys holding tenant:key lines), or set auth.allowUnauthenticatedExposure=true to serve anyone who reaches it" }}
+{{- if eq .Values.service.type "LoadBalancer" }}
+{{- fail (printf "service.type LoadBalancer exposes the API outside the cluster: %s" $how) }}
+{{- end }}
+{{- if eq .Values.service.type "NodePort" }}
+{{- fail (printf "service.type NodePort exposes the API on every node's address: %s" $how) }}
+{{- end }}
+{{- if .Values.ingress.enabled }}
+{{- fail (printf "ingress.enabled exposes the API through an Ingress: %s" $how) }}
+{{- end }}
 {{- end }}
 {{- if .Values.auth.metricsRequireKey }}
 {{- if not $keys }}
