@@ -94,6 +94,17 @@ def _kernels_run(config: AppConfig, dtype: str) -> bool:
     return cpu_kernels.unavailable_reason() is None
 
 
+def _capacity(config: AppConfig, stop: threading.Event, wait_s: float = 10.0
+              ) -> tuple[int, int] | None:
+    """``kv_capacity`` once the gateway's stats hold every engine's cache (a status poll
+    after /health turned 200); None if they do not within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while (capacity := kv_capacity(config)) is None and time.monotonic() < deadline:
+        if stop.wait(0.5):
+            return None
+    return capacity
+
+
 def ready_line(config: AppConfig, capacity: tuple[int, int] | None = None) -> str:
     """``capacity``: the served context and the fewest tokens an engine's KV cache holds
     (``up_stats.kv_capacity``)."""
@@ -210,7 +221,7 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
                        wait_for_applications_running=False)
         _wait_healthy(config, stop, monitor)
         if not stop.is_set():
-            print(ready_line(config, kv_capacity(config)), file=out, flush=True)
+            print(ready_line(config, _capacity(config, stop)), file=out, flush=True)
         _serve(config, stop, monitor, stats_interval_s)
     except StartupError:
         ray.shutdown()  # nothing to drain: stop every process now

@@ -475,7 +475,7 @@ def test_stop_string_ends_stream(client: OpenAI) -> None:
 @pytest.mark.parametrize(("body", "status", "needle"), [
     (b"{not json", 400, "not valid JSON"),
     ({"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
-    ({"prompt": [1] * 6000, "max_tokens": 1}, 400, "context length"),
+    ({"prompt": [1] * 9000, "max_tokens": 1}, 400, "context length"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
