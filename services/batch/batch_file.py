@@ -16,13 +16,19 @@ is always null: a request that got no answer has no line yet (the next run sends
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+# Lines written are fsynced this often (and when the output is closed): a crash of the machine
+# loses at most the last second's lines.
+FSYNC_INTERVAL_S = 1.0
 
 
 class BatchFileError(ValueError):
@@ -148,14 +154,75 @@ def _line_id() -> str:
     return f"batch_req_{uuid.uuid4().hex}"
 
 
-def open_output(path: Path, restart: bool) -> TextIO:
-    """The output file opened for appending (emptied first with ``restart``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.open("w" if restart else "a", encoding="utf-8")
+class OutputLocked(ValueError):
+    """Another run holds the output's lock (the CLI's usage error, exit 2)."""
 
 
-def write_line(out: TextIO, line: dict[str, Any]) -> None:
-    """One whole line, flushed to the OS: a killed run loses at most the line being written
-    (a torn last line, which ``read_done`` removes)."""
-    out.write(json.dumps(line, ensure_ascii=False) + "\n")
-    out.flush()
+class Output:
+    """The output file of one run, held under an exclusive ``flock`` until closed (another
+    run on the same file is refused at once; the lock goes with the process, killed too).
+    Lines are appended whole and flushed to the OS, so a killed run loses at most the line
+    being written (a torn last line, which ``read_done`` removes); a thread fsyncs them every
+    ``FSYNC_INTERVAL_S`` and ``close`` once more, so a crash of the machine loses at most the
+    last interval's."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        created = not path.exists()
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise OutputLocked(f"{path}: another tandem batch run is writing this output (it "
+                               f"holds the file's lock); wait for it to end or stop it, or "
+                               f"choose another --output") from None
+        if created:  # the file's name too survives a crash
+            directory = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        self.unsynced_lines = 0
+        self._count = threading.Lock()
+        self._closing = threading.Event()
+        self._syncer = threading.Thread(target=self._sync_every_interval, daemon=True,
+                                        name="batch-output-fsync")
+        self._syncer.start()
+
+    def empty(self) -> None:
+        """Remove every line (``--restart``)."""
+        self._file.truncate(0)
+
+    def write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self._file.flush()
+        with self._count:
+            self.unsynced_lines += 1
+
+    def sync(self) -> None:
+        """fsync, if lines were written since the last."""
+        with self._count:
+            unsynced, self.unsynced_lines = self.unsynced_lines, 0
+        if unsynced:
+            os.fsync(self._file.fileno())
+
+    def _sync_every_interval(self) -> None:
+        while not self._closing.wait(FSYNC_INTERVAL_S):
+            self.sync()
+
+    def close(self) -> None:
+        """The last fsync; the lock is released."""
+        self._closing.set()
+        self._syncer.join()
+        try:
+            self.sync()
+        finally:
+            self._file.close()
+
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-from tandem.services.batch.batch_file import BatchRequest, response_line, write_line
+from tandem.services.batch.batch_file import BatchRequest, response_line
 
 # Answers that mean "not now" (the server is full, or a worker is being replaced): the
 # request is sent again after the server's Retry-After.
@@ -80,11 +80,12 @@ def in_prefix_order(requests: Sequence[BatchRequest], done: Collection[str]
                   key=BatchRequest.prefix_key)
 
 
-async def run(requests: Sequence[BatchRequest], client: httpx.AsyncClient, out: TextIO,
-              concurrency: int, progress: tqdm | None = None) -> Summary:  # type: ignore[type-arg]
+async def run(requests: Sequence[BatchRequest], client: httpx.AsyncClient,
+              write: Callable[[dict[str, Any]], None], concurrency: int,
+              progress: tqdm | None = None) -> Summary:  # type: ignore[type-arg]
     """Send ``requests`` in their order, ``concurrency`` at a time, through ``client`` (whose
-    base URL is the server's, without ``/v1``); write each answer's line to ``out`` as it
-    arrives (so in the order they finish)."""
+    base URL is the server's, without ``/v1``); ``write`` each answer's line as it arrives
+    (so in the order they finish)."""
     summary = Summary()
     pending = iter(requests)
     start = time.perf_counter()
@@ -92,7 +93,7 @@ async def run(requests: Sequence[BatchRequest], client: httpx.AsyncClient, out: 
     async def worker() -> None:
         for request in pending:  # one iterator shared by the workers: each takes the next
             line = await answer(client, request)
-            write_line(out, line)
+            write(line)
             summary.add(line)
             if progress is not None:
                 progress.update()
