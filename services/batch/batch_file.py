@@ -10,8 +10,10 @@ Output, one line per request, in the order requests finish::
     {"id": "batch_req_...", "custom_id": "q1",
      "response": {"status_code": 200, "request_id": "chatcmpl-...", "body": {...}}, "error": null}
 
-Every line holds the server's answer (any status, a 400 included) in ``response``; ``error``
-is always null: a request that got no answer has no line yet (the next run sends it).
+A line holds the server's answer (any status, a 400 included) in ``response`` and a null
+``error``; or, for a request that got no answer after its retries (a 5xx or 429, a timeout, a
+lost connection), an ``error`` (``code``, ``message``; ``response`` holds the last 5xx, or is
+null). A request that got neither yet has no line (the next run sends it).
 """
 
 from __future__ import annotations
@@ -148,6 +150,17 @@ def response_line(custom_id: str, status_code: int, body: Any) -> dict[str, Any]
                          "request_id": request_id if isinstance(request_id, str) else line_id,
                          "body": body},
             "error": None}
+
+
+def error_line(custom_id: str, code: str, message: str, status_code: int | None = None,
+               body: Any = None) -> dict[str, Any]:
+    """The output line of a request that got no answer after its retries: the last 5xx (its
+    ``status_code`` and ``body``) or none (a timeout, a lost connection), and the ``error``."""
+    line_id = _line_id()
+    response = (None if status_code is None else
+                {"status_code": status_code, "request_id": line_id, "body": body})
+    return {"id": line_id, "custom_id": custom_id, "response": response,
+            "error": {"code": code, "message": message}}
 
 
 def _line_id() -> str:

@@ -1,6 +1,7 @@
-"""`tandem batch`'s output file: a second run on the same output refused while the first holds
-it (real processes, against tests/batch/flaky_server.py, a real HTTP server process answering
-on each request's plan); the lines fsynced."""
+"""`tandem batch` against a server that fails (tests/batch/flaky_server.py, a real HTTP server
+process failing on each request's plan): server faults retried, then recorded as error lines;
+a server gone stops the run; a second run on the same output refused while the first holds
+it; the lines fsynced."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from tandem.services.batch import runner
 from tandem.services.batch.batch_file import FSYNC_INTERVAL_S, Output
+from tandem.services.cli import main as tandem
 from tests.batch.flaky_server import flaky_server
 from tests.batch.requests import read_jsonl, write_jsonl
 from tests.gateway.helpers import wait_until
@@ -28,6 +32,63 @@ def _planned(plans: dict[str, str]) -> list[dict[str, Any]]:
 
 def _tries(url: str) -> dict[str, int]:
     return {plan.split(":")[0]: n for plan, n in httpx.get(f"{url}/tries").json().items()}
+
+
+def test_server_faults_are_retried_then_recorded_as_error_lines(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plans = {"after-500": "500,200", "after-429": "429,429,200", "after-timeout": "hang,200",
+             "refused": "400", "server-error": "502,502,502,502,200",
+             "no-connection": "close,close,close,close,200"}
+    source = write_jsonl(tmp_path / "in.jsonl", _planned(plans))
+    output = tmp_path / "out.jsonl"
+    with flaky_server() as url:
+        command = ["batch", "--input", str(source), "--output", str(output), "--base-url", url,
+                   "--timeout", "2", "--no-progress"]
+
+        assert tandem(command) == 1
+        assert "6 requests (3 failed, 2 without an answer)" in capsys.readouterr().err
+        assert _tries(url) == {"after-500": 2, "after-429": 3, "after-timeout": 2, "refused": 1,
+                               "server-error": runner.FAULT_ATTEMPTS,
+                               "no-connection": runner.FAULT_ATTEMPTS}
+        lines = {line["custom_id"]: line for line in read_jsonl(output)}
+        assert len(lines) == 6
+        for name in ("after-500", "after-429", "after-timeout"):
+            assert lines[name]["error"] is None and lines[name]["response"]["status_code"] == 200
+        assert lines["refused"]["error"] is None  # the request is wrong: final at once
+        assert lines["refused"]["response"]["status_code"] == 400
+        server_error = lines["server-error"]
+        assert server_error["response"]["status_code"] == 502
+        assert server_error["error"]["code"] == "server_error"
+        assert server_error["error"]["message"].startswith("HTTP 502: ")
+        assert server_error["error"]["message"].endswith("(after 4 tries)")
+        no_connection = lines["no-connection"]
+        assert no_connection["response"] is None
+        assert no_connection["error"]["code"] == "connection_error"
+        assert no_connection["error"]["message"].startswith("RemoteProtocolError: ")
+
+
+        assert tandem(command) == 0  # a resume: the error lines are results too
+        assert "all 6 requests already answered in" in capsys.readouterr().err
+        assert _tries(url)["server-error"] == runner.FAULT_ATTEMPTS
+
+
+def test_a_server_gone_stops_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                     ) -> None:
+    count = 2 * runner.STOP_AFTER_ERRORS
+    source = write_jsonl(tmp_path / "in.jsonl", _planned({f"r{i:02d}": "close"
+                                                          for i in range(count)}))
+    output = tmp_path / "out.jsonl"
+    with flaky_server() as url:
+        code = tandem(["batch", "--input", str(source), "--output", str(output), "--base-url",
+                       url, "--concurrency", str(runner.STOP_AFTER_ERRORS), "--no-progress"])
+
+    assert code == 1
+    err = capsys.readouterr().err
+    assert (f"stopped, the server is gone: {runner.STOP_AFTER_ERRORS} requests in a row got no "
+            f"answer (the last: RemoteProtocolError: ") in err
+    lines = read_jsonl(output)  # the rest have no line: the next run sends them
+    assert len(lines) == runner.STOP_AFTER_ERRORS
+    assert all(line["error"]["code"] == "connection_error" for line in lines)
 
 
 def test_a_second_run_on_the_same_output_is_refused_while_the_first_holds_it(
