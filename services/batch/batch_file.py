@@ -13,7 +13,9 @@ Output, one line per request, in the order requests finish::
 A line holds the server's answer (any status, a 400 included) in ``response`` and a null
 ``error``; or, for a request that got no answer after its retries (a 5xx or 429, a timeout, a
 lost connection), an ``error`` (``code``, ``message``; ``response`` holds the last 5xx, or is
-null). A request that got neither yet has no line (the next run sends it).
+null). A request that got neither yet has no line (the next run sends it). With
+``--retry-failed`` a request whose line has an ``error`` is sent again and its new line
+appended: the last line of a ``custom_id`` is its result.
 """
 
 from __future__ import annotations
@@ -112,22 +114,27 @@ def _parse_request(path: Path, number: int, text: str) -> BatchRequest:
     return BatchRequest(number, custom_id, url, body)
 
 
-def read_done(path: Path, expected: set[str]) -> set[str]:
-    """The ``custom_id``s an output file already holds. A last line cut short (the run was
-    killed while writing it) is removed from the file, so appending goes on cleanly. A
-    complete line that does not parse, or names a ``custom_id`` not in ``expected`` (the
-    input's), is a ``BatchFileError``: the file is not this batch's output."""
+def read_done(path: Path, expected: set[str]) -> tuple[set[str], set[str]]:
+    """The ``custom_id``s an output file already holds: those answered, and those whose last
+    line is an ``error`` (sent again with ``--retry-failed``). The last line of a
+    ``custom_id`` is its result; the lines before it must be errors. A last line cut short
+    (the run was killed while writing it) is removed from the file, so appending goes on
+    cleanly. A complete line that does not parse, names a ``custom_id`` not in ``expected``
+    (the input's), or follows an answer of the same ``custom_id`` is a ``BatchFileError``: the
+    file is not this batch's output."""
     if not path.exists():
-        return set()
+        return set(), set()
     data = path.read_bytes()
     complete = data.rfind(b"\n") + 1
     if complete < len(data):
         with path.open("r+b") as out:
             out.truncate(complete)
-    done: set[str] = set()
+    answered: set[str] = set()
+    errors: set[str] = set()
     for number, text in enumerate(data[:complete].decode("utf-8").splitlines(), start=1):
         try:
-            custom_id = json.loads(text)["custom_id"]
+            line = json.loads(text)
+            custom_id, error = line["custom_id"], line.get("error")
         except (json.JSONDecodeError, TypeError, KeyError):
             raise BatchFileError(path, number, None, "not a batch output line; is it this "
                                                      "batch's output?") from None
@@ -135,10 +142,11 @@ def read_done(path: Path, expected: set[str]) -> set[str]:
             raise BatchFileError(path, number, "custom_id",
                                  f"{custom_id!r} is not in the input; is it this batch's "
                                  f"output? (--restart starts it over)")
-        if custom_id in done:
+        if custom_id in answered:
             raise BatchFileError(path, number, "custom_id", f"{custom_id!r} is answered twice")
-        done.add(custom_id)
-    return done
+        errors.discard(custom_id)
+        (answered if error is None else errors).add(custom_id)
+    return answered, errors
 
 
 def response_line(custom_id: str, status_code: int, body: Any) -> dict[str, Any]:

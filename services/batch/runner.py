@@ -40,7 +40,8 @@ class ServerUnusable(ValueError):
 
 class ServerGone(RuntimeError):
     """``STOP_AFTER_ERRORS`` requests in a row got no answer: the run stops; the requests
-    without an output line are sent by the next run."""
+    without an output line are sent by the next run (those with an error line too, with
+    ``--retry-failed``)."""
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Summary:
 
     requests: int = 0
     failed: int = 0  # answered with a status other than 200, or not answered (errors)
-    errors: int = 0  # not answered after their tries: an error line
+    errors: int = 0  # not answered after their tries: an error line, --retry-failed resends
     errors_in_a_row: int = 0  # the error lines since the last answer
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache

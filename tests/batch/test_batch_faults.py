@@ -1,7 +1,7 @@
 """`tandem batch` against a server that fails (tests/batch/flaky_server.py, a real HTTP server
-process failing on each request's plan): server faults retried, then recorded as error lines;
-a server gone stops the run; a second run on the same output refused while the first holds
-it; the lines fsynced."""
+process failing on each request's plan): server faults retried, then recorded as error lines
+that --retry-failed sends again; a server gone stops the run; a second run on the same output
+refused while the first holds it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tandem.services.batch import runner
-from tandem.services.batch.batch_file import FSYNC_INTERVAL_S, Output
+from tandem.services.batch.batch_file import FSYNC_INTERVAL_S, Output, read_done
 from tandem.services.cli import main as tandem
 from tests.batch.flaky_server import flaky_server
 from tests.batch.requests import read_jsonl, write_jsonl
@@ -34,7 +34,7 @@ def _tries(url: str) -> dict[str, int]:
     return {plan.split(":")[0]: n for plan, n in httpx.get(f"{url}/tries").json().items()}
 
 
-def test_server_faults_are_retried_then_recorded_as_error_lines(
+def test_faults_are_retried_then_recorded_and_retry_failed_sends_those_again(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plans = {"after-500": "500,200", "after-429": "429,429,200", "after-timeout": "hang,200",
              "refused": "400", "server-error": "502,502,502,502,200",
@@ -66,10 +66,24 @@ def test_server_faults_are_retried_then_recorded_as_error_lines(
         assert no_connection["error"]["code"] == "connection_error"
         assert no_connection["error"]["message"].startswith("RemoteProtocolError: ")
 
+        assert tandem(command) == 0  # a plain resume: the error lines are results too
+        assert ("all 6 requests already answered in" in (err := capsys.readouterr().err)
+                and "(2 with an error line: --retry-failed sends them again)" in err)
 
-        assert tandem(command) == 0  # a resume: the error lines are results too
+        assert tandem([*command, "--retry-failed"]) == 0
+        err = capsys.readouterr().err
+        assert "2 requests (0 failed)" in err and "; 4 answered before" in err
+        tries = _tries(url)
+        assert tries["server-error"] == tries["no-connection"] == runner.FAULT_ATTEMPTS + 1
+        assert tries["refused"] == 1 and tries["after-500"] == 2  # not sent again
+
+        assert tandem([*command, "--retry-failed"]) == 0
         assert "all 6 requests already answered in" in capsys.readouterr().err
-        assert _tries(url)["server-error"] == runner.FAULT_ATTEMPTS
+    results = read_jsonl(output)  # the new lines appended: the last of a custom_id holds
+    assert [r["custom_id"] for r in results[6:]] in (["server-error", "no-connection"],
+                                                     ["no-connection", "server-error"])
+    assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in results[6:])
+    assert read_done(output, set(plans)) == (set(plans), set())
 
 
 def test_a_server_gone_stops_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
