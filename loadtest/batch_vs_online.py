@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import re
 import statistics
@@ -72,7 +71,7 @@ def online_round(requests: list[batch_file.BatchRequest], workdir: Path, threads
     try:
         async def send_all() -> runner.Summary:
             async with httpx.AsyncClient(base_url=cluster.http_url, timeout=None) as client:
-                return await runner.run(requests, client, io.StringIO(), ENGINE_BATCH)
+                return await runner.run(requests, client, lambda line: None, ENGINE_BATCH)
 
         summary = asyncio.run(send_all())
     finally:

@@ -45,8 +45,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, type=Path, metavar="JSONL",
                         help="results, one line per request in the order they finish; lines "
                              "already there are kept and their requests not sent again")
-    parser.add_argument("--restart", action="store_true",
-                        help="empty the output first and answer every request")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--restart", action="store_true",
+                       help="empty the output first and answer every request")
+    again.add_argument("--retry-failed", action="store_true",
+                       help="send again the requests whose line records an error (no answer "
+                            "after the retries: a 5xx, a timeout, a lost connection); the new "
+                            "line, appended, is the request's result")
     parser.add_argument("--concurrency", type=int, default=None, metavar="N",
                         help=f"requests in flight (default: {LOCAL_CONCURRENCY_PER_SEQ} x "
                              f"--max-num-seqs in-process, {DEFAULT_REMOTE_CONCURRENCY} with "
@@ -70,22 +75,33 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 once every request has its output line and none failed in this run; 1 if some
-    failed (their lines are written: not sent again on resume) or the server went away (run
-    it again to go on); 2 for a bad input or output file, or a server that does not answer
-    or refuses the key (before any request); 130 when interrupted (run it again to go on)."""
+    failed (their lines are written: a 4xx is not sent again on resume, an error only with
+    --retry-failed) or the server went away (run it again to go on); 2 for a bad input or
+    output file, an output another run holds, or a server that does not answer or refuses
+    the key (before any request); 130 when interrupted (run it again to go on)."""
     if args.concurrency is not None and args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout:g}")
     requests = batch_file.read_requests(args.input)
-    done = (set() if args.restart
-            else batch_file.read_done(args.output, {r.custom_id for r in requests}))
-    todo = runner.in_prefix_order(requests, done)
-    if not todo:  # nothing to send: no engine to load
-        print(f"tandem batch: all {len(requests)} requests already answered in {args.output}",
-              file=sys.stderr)
-        return 0
+    if args.base_url is not None:
+        asyncio.run(runner.check_server(_remote_client(args)))
     with contextlib.ExitStack() as stack:
+        out = stack.enter_context(batch_file.Output(args.output))  # locked until the end
+        answered: set[str] = set()
+        errors: set[str] = set()
+        if args.restart:
+            out.empty()
+        else:
+            answered, errors = batch_file.read_done(args.output,
+                                                    {r.custom_id for r in requests})
+        done = answered if args.retry_failed else answered | errors
+        todo = runner.in_prefix_order(requests, done)
+        if not todo:  # nothing to send: no engine to load
+            print(f"tandem batch: all {len(requests)} requests already answered in "
+                  f"{args.output}" + (f" ({len(errors)} with an error line: --retry-failed "
+                                      f"sends them again)" if errors else ""), file=sys.stderr)
+            return 0
         engine: AsyncEngine | None = None
         if args.base_url is None:
             engine = _local_engine(args)
@@ -93,10 +109,8 @@ def run(args: argparse.Namespace) -> int:
             client = _local_client(engine)
             concurrency = args.concurrency or LOCAL_CONCURRENCY_PER_SEQ * args.max_num_seqs
         else:
-            asyncio.run(runner.check_server(_remote_client(args)))
             client = _remote_client(args)
             concurrency = args.concurrency or DEFAULT_REMOTE_CONCURRENCY
-        out = stack.enter_context(batch_file.open_output(args.output, args.restart))
         progress = stack.enter_context(tqdm(total=len(requests), initial=len(done), unit="req",
                                             desc="batch", file=sys.stderr,
                                             disable=args.no_progress))
@@ -104,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         async def answer_all() -> runner.Summary:
             try:
                 async with client:
-                    return await runner.run(todo, client, out, concurrency, progress)
+                    return await runner.run(todo, client, out.write, concurrency, progress)
             finally:  # interrupted too: the engine's last callbacks still find this loop open
                 if engine is not None:
                     engine.shutdown()
@@ -119,10 +133,13 @@ def run(args: argparse.Namespace) -> int:
         except runner.ServerGone as exc:
             progress.close()
             print(f"tandem batch: stopped, the server is gone: {exc}; the answered requests "
-                  f"are in {args.output}: run the same command again to go on",
+                  f"are in {args.output}: run the same command again to go on (with "
+                  f"--retry-failed, those that got no answer are sent again too)",
                   file=sys.stderr)
             return 1
-    print(f"tandem batch: {summary.line()}; {len(done)} answered before", file=sys.stderr)
+    retry = (f"; --retry-failed sends the {summary.errors} without an answer again"
+             if summary.errors else "")
+    print(f"tandem batch: {summary.line()}; {len(done)} answered before{retry}", file=sys.stderr)
     return 1 if summary.failed else 0
 
 

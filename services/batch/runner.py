@@ -11,22 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 import httpx
 from tqdm import tqdm
 
-from tandem.services.batch.batch_file import BatchRequest, response_line, write_line
+from tandem.services.batch.batch_file import BatchRequest, error_line, response_line
 
 # Answers that mean "not now" (the server is full, or a worker is being replaced): the
-# request is sent again after the server's Retry-After.
-RETRY_STATUSES = frozenset({429, 503})
-# Tries of one request that got no answer or only "not now", waiting between them up to
-# MAX_RETRY_WAIT_S (~3 minutes in all); then the run stops.
-MAX_ATTEMPTS = 10
+# request is sent again after the server's Retry-After, up to NOT_NOW_ATTEMPTS tries.
+NOT_NOW_STATUSES = frozenset({429, 503})
+NOT_NOW_ATTEMPTS = 10
+# Another 5xx, a timeout or a lost connection: the server failed, not the request; tried
+# FAULT_ATTEMPTS times, backing off 1, 2, 4 s (or after the server's Retry-After).
+FAULT_ATTEMPTS = 4
 MAX_RETRY_WAIT_S = 30.0
+# Requests in a row that got no answer after their tries (an error line each): the server is
+# gone, the run stops rather than write an error line for every request left.
+STOP_AFTER_ERRORS = 10
 
 
 class ServerUnusable(ValueError):
@@ -35,8 +39,9 @@ class ServerUnusable(ValueError):
 
 
 class ServerGone(RuntimeError):
-    """A request got no answer, or only "not now", ``MAX_ATTEMPTS`` times: the run stops;
-    the requests without an output line are sent by the next run."""
+    """``STOP_AFTER_ERRORS`` requests in a row got no answer: the run stops; the requests
+    without an output line are sent by the next run (those with an error line too, with
+    ``--retry-failed``)."""
 
 
 @dataclass
@@ -44,7 +49,9 @@ class Summary:
     """What one run did (requests already answered by an earlier run not counted)."""
 
     requests: int = 0
-    failed: int = 0  # answered with a status other than 200
+    failed: int = 0  # answered with a status other than 200, or not answered (errors)
+    errors: int = 0  # not answered after their tries: an error line, --retry-failed resends
+    errors_in_a_row: int = 0  # the error lines since the last answer
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
     completion_tokens: int = 0
@@ -52,11 +59,13 @@ class Summary:
 
     def add(self, line: dict[str, Any]) -> None:
         self.requests += 1
-        response = line["response"]
-        if response["status_code"] != 200:
+        error = line["error"] is not None
+        self.errors += error
+        self.errors_in_a_row = self.errors_in_a_row + 1 if error else 0
+        if error or line["response"]["status_code"] != 200:
             self.failed += 1
             return
-        body = response["body"]
+        body = line["response"]["body"]
         usage = (body.get("usage") if isinstance(body, dict) else None) or {}
         self.prompt_tokens += usage.get("prompt_tokens", 0)
         self.completion_tokens += usage.get("completion_tokens", 0)
@@ -67,8 +76,10 @@ class Summary:
         return self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def line(self) -> str:
-        return (f"{self.requests} requests ({self.failed} failed), {self.prompt_tokens} prompt "
-                f"({self.cached_tokens} cached) + {self.completion_tokens} completion tokens in "
+        errors = f", {self.errors} without an answer" if self.errors else ""
+        return (f"{self.requests} requests ({self.failed} failed{errors}), "
+                f"{self.prompt_tokens} prompt ({self.cached_tokens} cached) + "
+                f"{self.completion_tokens} completion tokens in "
                 f"{self.elapsed_s:.1f} s: {self.output_tokens_per_s:.1f} output tokens/s")
 
 
@@ -80,11 +91,13 @@ def in_prefix_order(requests: Sequence[BatchRequest], done: Collection[str]
                   key=BatchRequest.prefix_key)
 
 
-async def run(requests: Sequence[BatchRequest], client: httpx.AsyncClient, out: TextIO,
-              concurrency: int, progress: tqdm | None = None) -> Summary:  # type: ignore[type-arg]
+async def run(requests: Sequence[BatchRequest], client: httpx.AsyncClient,
+              write: Callable[[dict[str, Any]], None], concurrency: int,
+              progress: tqdm | None = None) -> Summary:  # type: ignore[type-arg]
     """Send ``requests`` in their order, ``concurrency`` at a time, through ``client`` (whose
-    base URL is the server's, without ``/v1``); write each answer's line to ``out`` as it
-    arrives (so in the order they finish)."""
+    base URL is the server's, without ``/v1``); ``write`` each request's line as it comes
+    (so in the order they finish). ``ServerGone`` after ``STOP_AFTER_ERRORS`` error lines in
+    a row."""
     summary = Summary()
     pending = iter(requests)
     start = time.perf_counter()
@@ -92,10 +105,13 @@ async def run(requests: Sequence[BatchRequest], client: httpx.AsyncClient, out: 
     async def worker() -> None:
         for request in pending:  # one iterator shared by the workers: each takes the next
             line = await answer(client, request)
-            write_line(out, line)
+            write(line)
             summary.add(line)
             if progress is not None:
                 progress.update()
+            if summary.errors_in_a_row >= STOP_AFTER_ERRORS:
+                raise ServerGone(f"{summary.errors_in_a_row} requests in a row got no answer "
+                                 f"(the last: {line['error']['message']})")
 
     try:
         async with asyncio.TaskGroup() as workers:  # one fails: the others are cancelled
@@ -122,38 +138,57 @@ async def check_server(client: httpx.AsyncClient) -> None:
 
 
 async def answer(client: httpx.AsyncClient, request: BatchRequest) -> dict[str, Any]:
-    """The output line of one request: the server's answer, whatever its status, except a
-    "not now" (429, 503: sent again after Retry-After). ``ServerGone`` after
-    ``MAX_ATTEMPTS`` tries without an answer."""
-    problem = ""
-    for attempt in range(1, MAX_ATTEMPTS + 1):
+    """The output line of one request: the server's answer (a 200, or a 4xx: the request is
+    wrong, final at once), after retries of "not now" (429, 503: ``NOT_NOW_ATTEMPTS`` tries)
+    and of server faults (another 5xx, a timeout, a lost connection: ``FAULT_ATTEMPTS``); or,
+    when the tries are spent, an error line recording the last."""
+    not_now = faults = 0
+    while True:
+        outcome: httpx.Response | httpx.TransportError
         try:
-            response = await client.post(request.url, json=request.body)
+            outcome = await client.post(request.url, json=request.body)
         except httpx.TransportError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-            await _wait_before_retry(attempt, None)
-            continue
-        if response.status_code in RETRY_STATUSES:
-            problem = f"{response.status_code}: {response.text[:300]}"
-            await _wait_before_retry(attempt, response)
-            continue
-        try:
-            body: Any = response.json()
-        except ValueError:  # not JSON (a proxy's error page): kept as text
-            body = response.text
-        return response_line(request.custom_id, response.status_code, body)
-    raise ServerGone(f"{request.custom_id} got no answer in {MAX_ATTEMPTS} tries (the last: "
-                     f"{problem})")
+            outcome = exc
+        if isinstance(outcome, httpx.Response) and outcome.status_code in NOT_NOW_STATUSES:
+            not_now += 1
+            spent = not_now == NOT_NOW_ATTEMPTS
+        elif isinstance(outcome, httpx.TransportError) or outcome.status_code >= 500:
+            faults += 1
+            spent = faults == FAULT_ATTEMPTS
+        else:  # a 200, or a 4xx: the request itself is wrong, sending it again changes nothing
+            return response_line(request.custom_id, outcome.status_code, _body(outcome))
+        if spent:
+            return _error_line(request.custom_id, outcome, not_now + faults)
+        await _wait_before_retry(not_now + faults, outcome)
 
 
-async def _wait_before_retry(attempt: int, response: httpx.Response | None) -> None:
-    """The server's Retry-After if it gave one, else exponential backoff; not after the last
-    attempt."""
-    if attempt == MAX_ATTEMPTS:
-        return
-    retry_after = response.headers.get("retry-after") if response is not None else None
+def _body(response: httpx.Response) -> Any:
     try:
-        wait = float(retry_after) if retry_after else 2.0 ** attempt
+        return response.json()
+    except ValueError:  # not JSON (a proxy's error page): kept as text
+        return response.text
+
+
+def _error_line(custom_id: str, outcome: httpx.Response | httpx.TransportError,
+                tries: int) -> dict[str, Any]:
+    if isinstance(outcome, httpx.TransportError):
+        code = "timeout" if isinstance(outcome, httpx.TimeoutException) else "connection_error"
+        return error_line(custom_id, code, f"{type(outcome).__name__}: {outcome} (after "
+                                           f"{tries} tries)")
+    status = outcome.status_code
+    return error_line(custom_id, "rate_limit_exceeded" if status == 429 else "server_error",
+                      f"HTTP {status}: {outcome.text[:300]} (after {tries} tries)", status,
+                      _body(outcome))
+
+
+async def _wait_before_retry(tries: int, outcome: httpx.Response | httpx.TransportError
+                             ) -> None:
+    """The server's Retry-After if it gave one, else backing off: 1 s after the first try,
+    doubling after each; MAX_RETRY_WAIT_S at most."""
+    retry_after = (outcome.headers.get("retry-after")
+                   if isinstance(outcome, httpx.Response) else None)
+    try:
+        wait = float(retry_after) if retry_after else 2.0 ** (tries - 1)
     except ValueError:
-        wait = 2.0 ** attempt
+        wait = 2.0 ** (tries - 1)
     await asyncio.sleep(min(max(wait, 0.1), MAX_RETRY_WAIT_S))

@@ -65,5 +65,27 @@ def test_a_torn_last_line_is_cut_off(tmp_path: Path) -> None:
     whole = json.dumps({"custom_id": "a", "response": None}) + "\n"
     output.write_text(whole + '{"custom_id": "b", "resp')
 
-    assert read_done(output, {"a", "b"}) == {"a"}
+    assert read_done(output, {"a", "b"}) == ({"a"}, set())
     assert output.read_text() == whole
+
+
+def _output_line(custom_id: str, error: bool) -> str:
+    return json.dumps({"custom_id": custom_id, "response": None,
+                       "error": {"code": "timeout", "message": "m"} if error else None}) + "\n"
+
+
+def test_the_last_line_of_a_custom_id_holds_after_errors_only(tmp_path: Path) -> None:
+    output = tmp_path / "out.jsonl"
+    output.write_text(_output_line("a", True) + _output_line("b", True) + _output_line("c", False)
+                      + _output_line("a", True) + _output_line("a", False))
+
+    assert read_done(output, {"a", "b", "c"}) == ({"a", "c"}, {"b"})
+
+
+@pytest.mark.parametrize("error", [False, True])
+def test_a_line_after_an_answer_is_refused(tmp_path: Path, error: bool) -> None:
+    output = tmp_path / "out.jsonl"
+    output.write_text(_output_line("a", False) + _output_line("a", error))
+
+    with pytest.raises(ValueError, match=f"{output}:2: custom_id: 'a' is answered twice"):
+        read_done(output, {"a"})
