@@ -24,6 +24,14 @@ class GatewayConfig:
     # A streaming client that reads nothing for this long (its connection's buffers full) is
     # cut: its request aborted, its connection dropped. None: never.
     client_read_timeout_s: float | None = 60.0
+    # Connections (HTTP): a request's headers must arrive within header_timeout_s of the
+    # connection's opening or of its first byte, its body within body_timeout_s of its headers
+    # (else 408 and the connection closed); beyond max_connections, 503. gRPC: at most
+    # max_grpc_streams calls at once (beyond: RESOURCE_EXHAUSTED).
+    header_timeout_s: float = 20.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 1024
+    max_grpc_streams: int = 1024
     # A non-streaming response is built whole in memory: at most this many token entries
     # (choices x max_tokens x (1 + logprobs), plus the prompt's logprobs); beyond, 400 (stream it)
     max_buffered_tokens: int = 1 << 18
@@ -32,6 +40,12 @@ class GatewayConfig:
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_connections", "max_grpc_streams"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:

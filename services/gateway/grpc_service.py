@@ -211,7 +211,8 @@ def create_grpc_server(gateway: Gateway, address: str = "127.0.0.1:50051",
     """Build (not start) the gRPC front end; messages over the body limit get RESOURCE_EXHAUSTED.
     With ``tls`` the port serves TLS only."""
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", gateway.config.max_body_bytes)])
+        options=[("grpc.max_receive_message_length", gateway.config.max_body_bytes)],
+        maximum_concurrent_rpcs=gateway.config.max_grpc_streams)
     _add_generation_servicer(GenerationServicer(gateway), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -193,3 +193,67 @@ async def _drain(receive: Receive, limit: int) -> None:
         if message["type"] != "http.request" or not message.get("more_body", False):
             return
         drained += len(message.get("body", b""))
+
+
+# -- Connection deadlines ----------------------------------------------------------------------
+# uvicorn times out only an idle keep-alive connection: one that never finishes its headers,
+# or announces a body and trickles it, would hold its connection (and its buffered bytes) for
+# ever. These deadlines close it, with 408 when no response started.
+
+_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\n"
+                     b"content-length: 28\r\nconnection: close\r\n\r\n"
+                     b"request not received in time")
+
+
+def deadline_protocol(header_timeout_s: float, body_timeout_s: float,
+                      on_cut: Callable[[str], None]) -> type:
+    """uvicorn's httptools protocol with a deadline on each request's headers (from the
+    connection's opening, then from each request's first byte) and on its body (from the end
+    of its headers); ``on_cut(reason)`` counts each connection cut (header_timeout,
+    body_timeout)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class DeadlineProtocol(HttpToolsProtocol):  # type: ignore[misc]
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # noqa: ANN401
+            super().connection_made(transport)
+            self._arm(header_timeout_s, "header_timeout")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm(header_timeout_s, "header_timeout")
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            self._arm(body_timeout_s, "body_timeout")
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def _arm(self, timeout_s: float, reason: str) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(timeout_s, self._cut, reason)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _cut(self, reason: str) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            cycle = getattr(self, "cycle", None)
+            if cycle is None or not cycle.response_started:
+                self.transport.write(_TIMEOUT_RESPONSE)
+            log.info("connection from %s cut: %s", self.client, reason.replace("_", " "))
+            on_cut(reason)
+            self.transport.close()
+
+    return DeadlineProtocol

@@ -98,6 +98,12 @@ class GatewayMetrics:
                                 "(no healthy worker, 503), slow_client (read nothing for "
                                 "client_read_timeout_s: cut), error (internal).",
                                 [*labels, "reason"], registry=self.registry)
+        self.connections_cut = Counter("tandem_http_connections_cut",
+                                       "HTTP connections closed for not sending a request's "
+                                       "headers (header_timeout) or body (body_timeout) in "
+                                       "time.", [*gauges, "reason"], registry=self.registry)
+        for reason in ("header_timeout", "body_timeout"):
+            self.connections_cut.labels(model_name, reason)
         self.in_flight = Gauge("tandem_requests_in_flight",
                                "Requests the gateway admitted that have not ended.", gauges,
                                registry=self.registry)

@@ -17,6 +17,7 @@ from starlette.types import Scope
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.grpc_service import create_grpc_server
 from tandem.services.gateway.http_app import create_http_app
+from tandem.services.gateway.http_io import deadline_protocol
 from tandem.services.gateway.tls import ServerTLS
 
 
@@ -54,7 +55,12 @@ class FrontEnds:
         self._tls = tls
         self._http_socket = _bind(host, http_port)
         app = create_http_app(gateway, self._abort_connection)
-        config = uvicorn.Config(app, log_level=log_level, lifespan="off",
+        limits = gateway.config
+        cut = gateway.metrics.connections_cut
+        protocol = deadline_protocol(limits.header_timeout_s, limits.body_timeout_s,
+                                     lambda reason: cut.labels(gateway.model_name, reason).inc())
+        config = uvicorn.Config(app, log_level=log_level, lifespan="off", http=protocol,
+                                limit_concurrency=limits.max_connections,
                                 timeout_graceful_shutdown=int(graceful_shutdown_s) or None,
                                 **({} if configure_logging else {"log_config": None}),
                                 **({} if tls is None else {"ssl_certfile": tls.cert_file,

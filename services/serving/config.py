@@ -125,6 +125,12 @@ class AppConfig:
     # error, its health check fails and Serve replaces it).
     step_timeout_s: float = 120.0
     client_read_timeout_s: float = 60.0  # a streaming client that reads nothing this long: cut
+    # A request's headers must arrive within this of its connection's opening (or of its first
+    # byte on a reused connection); else 408 and the connection closed
+    http_header_timeout_s: float = 20.0
+    http_body_timeout_s: float = 60.0  # its body within this of its headers; else 408, closed
+    max_connections: int = 1024  # open HTTP connections at once; beyond them 503
+    max_grpc_streams: int = 1024  # gRPC calls at once; beyond them RESOURCE_EXHAUSTED
     max_migrations: int = 3  # decode worker failures a stream survives (it moves on, exactly)
     # A worker Serve stops (scale-down, upgrade, a draining node) finishes its calls for this
     # long; then it is stopped and its streams migrate.
@@ -184,7 +190,7 @@ class AppConfig:
                               f"got {self.kv_transport!r}")
         for name in ("block_size", "prefill_replicas", "decode_replicas",
                      "max_num_batched_tokens", "max_num_seqs", "max_waiting",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "max_connections", "max_grpc_streams"):
             _at_least(name, getattr(self, name), 1)
         for name in ("num_kv_blocks", "max_model_len", "threads_per_worker"):
             if getattr(self, name) is not None:
@@ -219,7 +225,8 @@ class AppConfig:
         for name in ("lease_ttl_s", "poll_interval_s",
                      "idle_poll_interval_s", "request_timeout_s", "prefill_timeout_s",
                      "control_timeout_s", "kv_transfer_timeout_s", "stream_idle_timeout_s",
-                     "step_timeout_s", "client_read_timeout_s", "drain_timeout_s"):
+                     "step_timeout_s", "client_read_timeout_s", "drain_timeout_s",
+                     "http_header_timeout_s", "http_body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.spec not in SPEC_METHODS:

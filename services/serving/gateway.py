@@ -100,6 +100,10 @@ class GatewayIngress:
                                        request_timeout_s=config.request_timeout_s,
                                        max_in_flight=config.in_flight_limit(),
                                        client_read_timeout_s=config.client_read_timeout_s,
+                                       header_timeout_s=config.http_header_timeout_s,
+                                       body_timeout_s=config.http_body_timeout_s,
+                                       max_connections=config.max_connections,
+                                       max_grpc_streams=config.max_grpc_streams,
                                        sampling_defaults=defaults,
                                        metrics_require_key=config.metrics_require_key)
         tenants = tenants_of(config)
