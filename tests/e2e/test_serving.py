@@ -500,6 +500,21 @@ def _status(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60, env=env)
 
 
+def test_the_ready_line_states_the_kv_capacity_the_workers_report(cluster: UpProcess) -> None:
+    """Each engine's KV cache in tokens (blocks x block size) is a gauge; the ready line names
+    the smallest and how many sequences of the served context it holds."""
+    capacity = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_capacity_tokens"))
+    blocks = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_blocks"))
+    assert capacity and all(capacity[w] == 16 * blocks[w] for w in blocks)
+    context = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0][
+        "max_model_len"]
+    tokens = int(min(capacity.values()))
+    assert (f"; KV cache {tokens} tokens per engine: {tokens // context} sequence(s) of "
+            f"max_model_len {context}") in cluster.ready_line
+    sequences = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_max_len_sequences"))
+    assert sequences == {w: v // context for w, v in capacity.items()}
+
+
 def test_status_shows_both_workers(cluster: UpProcess) -> None:
     """`tandem status` (before the hung-prefill test below, which marks a worker down for a
     while): one prefill and one decode row matching /metrics, exit 0; a dead URL exits 2."""
@@ -563,18 +578,3 @@ def test_up_exits_cleanly_on_sigterm(cluster: UpProcess) -> None:
     assert cluster.ready_s > 0
     assert cluster.stop() == 0
     assert cluster.leftovers() == []
-
-
-def test_the_ready_line_states_the_kv_capacity_the_workers_report(cluster: UpProcess) -> None:
-    """Each engine's KV cache in tokens (blocks x block size) is a gauge; the ready line names
-    the smallest and how many sequences of the served context it holds."""
-    capacity = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_capacity_tokens"))
-    blocks = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_blocks"))
-    assert capacity and all(capacity[w] == 16 * blocks[w] for w in blocks)
-    context = httpx.get(f"{cluster.http_url}/v1/models", timeout=30).json()["data"][0][
-        "max_model_len"]
-    tokens = int(min(capacity.values()))
-    assert (f"; KV cache {tokens} tokens per engine: {tokens // context} sequence(s) of "
-            f"max_model_len {context}") in cluster.ready_line
-    sequences = per_worker(metric_values(cluster.http_url, "tandem_kv_cache_max_len_sequences"))
-    assert sequences == {w: v // context for w, v in capacity.items()}
