@@ -81,7 +81,7 @@ def test_a_failed_build_is_one_warning_and_the_engine_names_its_backend(tmp_path
     code = ("import logging; logging.basicConfig(level=logging.WARNING); "
             "from tandem.services.engine.llm_engine import LLMEngine; "
             "from tandem.services.engine.config import EngineConfig; "
-            "e = LLMEngine(EngineConfig(dtype='bfloat16', num_kv_blocks=16)); "
+            "e = LLMEngine(EngineConfig(dtype='bfloat16', num_kv_blocks=16, max_model_len=256)); "
             "print('BACKEND', e.attention_backend)")
     (tmp_path / "none").mkdir()
     env = {**os.environ, "CC": "/bin/false", "XDG_CACHE_HOME": str(tmp_path),
