@@ -147,6 +147,8 @@ class Gateway:
         <key>``) holds a known key (without keys configured: the default tenant)."""
         if self._tenants is None:
             return DEFAULT_TENANT
+        if self._tenants.reload_keys() and self._slots is not None:
+            self._slots.weights = dict(self._tenants.weights)
         return self._tenants.authenticate(authorization)
 
     @contextlib.contextmanager

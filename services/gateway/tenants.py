@@ -3,7 +3,9 @@ and per-tenant rate limits.
 
 - Keys come from a file (``api_keys_file``) of ``tenant:key`` lines (a bare ``key`` belongs to
   tenant ``default``); blank lines and ``#`` comments are skipped. No keys: no authentication,
-  and every request is tenant ``default``.
+  and every request is tenant ``default``. The file is looked at again every
+  ``KEYS_RELOAD_S`` while running: a key taken out is refused from then on, one added works; a
+  file that no longer parses is logged and the keys in force kept.
 - The cache salt a request's blocks are hashed with is derived on the server: an HMAC, keyed by
   the cluster secret, of the tenant and the client's own ``cache_salt``. A client's salt only
   subdivides its tenant's cache, so one tenant can neither hit another's cached prompts nor learn
@@ -11,7 +13,8 @@ and per-tenant rate limits.
 - Rate limits (``tenant_requests_per_minute``, ``tenant_tokens_per_minute``) are token buckets
   per tenant that refill continuously. A request is charged its prompt plus its ``max_tokens``
   when it is admitted and refunded what it did not generate when it ends; one over either limit
-  gets 429 with Retry-After and never reaches a worker.
+  gets 429 with Retry-After and never reaches a worker. A request larger than the whole token
+  bucket can never fit and is refused at once, naming both figures.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -29,6 +34,10 @@ from pathlib import Path
 
 from tandem.services.gateway.errors import GatewayError, overloaded, unauthorized
 from tandem.services.protocol.request import DEFAULT_TENANT, UNKNOWN_TENANT
+
+log = logging.getLogger(__name__)
+
+KEYS_RELOAD_S = 2.0  # how often a running gateway looks at its keys file again
 
 
 class TenantConfigError(ValueError):
@@ -101,6 +110,15 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
     return keys
 
 
+def _stamp(path: Path) -> tuple[float, int, int] | None:
+    """What tells a changed keys file (a Secret's update swaps a symlink: a new inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime, st.st_size, st.st_ino
+
+
 def rate_limited(tenant: str, what: str, retry_after_s: int) -> GatewayError:
     return GatewayError(429, f"Rate limit reached for tenant {tenant!r}: {what}. Retry after "
                              f"{retry_after_s} s.", type="rate_limit_error",
@@ -121,8 +139,8 @@ class _Bucket:
         self.updated = now
 
     def wait_s(self, amount: float) -> float:
-        """Seconds until ``amount`` fits (it is capped at a full bucket)."""
-        missing = min(amount, self.per_minute) - self.level
+        """Seconds until ``amount`` (at most a full bucket) fits."""
+        missing = amount - self.level
         return 0.0 if missing <= 0 else missing * 60.0 / self.per_minute
 
 
@@ -137,6 +155,9 @@ class Tenants:
     clock: Callable[[], float] = time.monotonic
     # Admission weights under contention (FairSlots; the keys file's weight=N; 1 if unset)
     weights: Mapping[str, float] = field(default_factory=dict)
+    keys_file: Path | None = None  # where ``keys`` and ``weights`` came from: reread on change
+    _keys_seen: tuple[float, int, int] | None = field(default=None, repr=False)
+    _keys_checked: float = field(default=0.0, repr=False)
     _buckets: dict[tuple[str, str], _Bucket] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -148,6 +169,33 @@ class Tenants:
         if self.keys and not self.secret:
             raise TenantConfigError("API keys need a cluster secret (it keys the tenants' "
                                     "cache salts)")
+        if self.keys_file is not None:
+            self._keys_seen = _stamp(self.keys_file)
+            self._keys_checked = self.clock()
+
+    def reload_keys(self) -> bool:
+        """Read ``keys_file`` again if it changed since last read (looked at most every
+        KEYS_RELOAD_S; the gateway calls this as it authenticates). True when the keys in force
+        changed."""
+        now = self.clock()
+        if self.keys_file is None or now - self._keys_checked < KEYS_RELOAD_S:
+            return False
+        self._keys_checked = now
+        stamp = _stamp(self.keys_file)
+        if stamp == self._keys_seen:
+            return False
+        self._keys_seen = stamp
+        try:
+            keys = read_api_keys(self.keys_file)
+            weights = read_tenant_weights(self.keys_file)
+        except TenantConfigError as exc:
+            log.error("api_keys_file changed but cannot be used, keeping the %d key(s) in "
+                      "force: %s", len(self.keys), exc)
+            return False
+        self.keys, self.weights = keys, weights
+        log.info("api_keys_file reloaded: %d key(s) for tenants %s", len(keys),
+                 ", ".join(self.tenant_names))
+        return True
 
     @property
     def in_use(self) -> bool:
@@ -191,6 +239,12 @@ class Tenants:
                   if per_minute is not None]
         if not limits:
             return 0
+        if self.tokens_per_minute is not None and tokens > self.tokens_per_minute:
+            raise GatewayError(429, f"Request too large for tenant {tenant!r}: its prompt and "
+                                    f"max_tokens come to {tokens} tokens, over the tenant's "
+                                    f"{self.tokens_per_minute} tokens per minute; send a "
+                                    f"shorter prompt or a smaller max_tokens.",
+                               type="rate_limit_error", code="request_too_large")
         now = self.clock()
         with self._lock:
             buckets = [(what, self._bucket(tenant, what, per_minute, now), amount)
@@ -201,8 +255,8 @@ class Tenants:
                     raise rate_limited(tenant, f"{bucket.per_minute:g} {what} per minute",
                                        max(1, math.ceil(wait)))
             for _, bucket, amount in buckets:
-                bucket.level -= min(amount, bucket.per_minute)
-        return min(tokens, self.tokens_per_minute) if self.tokens_per_minute else 0
+                bucket.level -= amount
+        return tokens if self.tokens_per_minute else 0
 
     def settle(self, tenant: str, charged: int, used: int) -> None:
         """A request charged ``charged`` tokens ended having used ``used``: refund the rest."""

@@ -67,7 +67,8 @@ def tenants_of(config: AppConfig) -> Tenants:
     secret = read_secret(config.cluster_secret_file) if config.cluster_secret_file else b""
     weights = read_tenant_weights(config.api_keys_file) if config.api_keys_file else {}
     tenants = Tenants(keys, secret, config.tenant_requests_per_minute,
-                      config.tenant_tokens_per_minute, weights=weights)
+                      config.tenant_tokens_per_minute, weights=weights,
+                      keys_file=Path(config.api_keys_file) if config.api_keys_file else None)
     if keys:  # the tenants, never the keys
         log.info("API keys on: %d key(s) for tenants %s", len(keys),
                  ", ".join(tenants.tenant_names))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -19,7 +20,13 @@ from tandem.services.gateway.errors import GatewayError
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import ServeAddresses
-from tandem.services.gateway.tenants import TenantConfigError, Tenants, parse_api_keys
+from tandem.services.gateway.tenants import (
+    KEYS_RELOAD_S,
+    TenantConfigError,
+    Tenants,
+    parse_api_keys,
+    read_api_keys,
+)
 from tests.gateway.helpers import cached_tokens, serving, wait_engine_idle
 
 SECRET = b"s" * 32
@@ -51,6 +58,44 @@ def test_rate_limit_buckets_refill_and_refund() -> None:
     assert tenants.admit("acme", 600) == 600
     with pytest.raises(GatewayError, match="per minute"):
         tenants.admit("acme", 1)
+
+
+def test_a_request_larger_than_the_bucket_is_refused_not_overdrawn() -> None:
+    tenants = Tenants(KEYS, SECRET, tokens_per_minute=600, clock=lambda: 0.0)
+    with pytest.raises(GatewayError) as info:
+        tenants.admit("acme", 601)
+    assert info.value.status == 429 and info.value.code == "request_too_large"
+    assert "601" in info.value.message and "600" in info.value.message
+    assert tenants.admit("acme", 600) == 600  # nothing was charged for the refused one
+
+
+def test_keys_file_changes_take_effect_while_running(
+        tmp_path: Path, async_engine: AsyncEngine, loaded_model: LoadedModel,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A key taken out of the file is refused once the gateway looks again (every
+    KEYS_RELOAD_S), one added works, and a broken file keeps the keys in force."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("acme:key-old\nbolt:key-b\n")
+    now = [0.0]
+    tenants = Tenants(read_api_keys(keys_file), SECRET, keys_file=keys_file,
+                      clock=lambda: now[0])
+    gateway = Gateway(EngineBackend(async_engine), loaded_model.tokenizer, tenants=tenants)
+    with serving(gateway) as served:
+        def status(key: str) -> int:
+            return httpx.get(f"{served.http_url}/v1/models",
+                             headers={"authorization": f"Bearer {key}"}).status_code
+
+        assert (status("key-old"), status("key-new")) == (200, 401)
+        keys_file.write_text("acme:key-new\nbolt:key-b\n")
+        now[0] += KEYS_RELOAD_S / 2
+        assert status("key-old") == 200  # not looked at yet
+        now[0] += KEYS_RELOAD_S
+        assert (status("key-old"), status("key-new"), status("key-b")) == (401, 200, 200)
+        keys_file.write_text("acme:\n")  # broken: logged, the keys in force kept
+        now[0] += KEYS_RELOAD_S
+        assert (status("key-new"), status("key-b")) == (200, 200)
+        assert "cannot be used, keeping the 2 key(s)" in caplog.text
+        assert "key-new" not in caplog.text  # keys are never logged
 
 
 def test_salts_are_the_servers() -> None:
