@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -141,9 +142,50 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[dict[str, Any]],
                     tools: Sequence[dict[str, Any]] | None = None,
                     extra: Mapping[str, Any] | None = None) -> list[int]:
-        # The template writes BOS itself where the model wants one.
+        """The chat's tokens. Special tokens come only from the template: a special token's
+        text inside a message's content is plain text (a user cannot forge a turn), tokenized
+        as it would be were it not special. (The template writes BOS where the model wants one.)
+        """
+        specials = self._special_texts
+        if specials and any(_has_special(m.get("content"), specials) for m in messages):
+            marked = [{**m, "content": _mark_specials(m.get("content"), specials)}
+                      for m in messages]
+            return self._encode_marked(self.apply_chat_template(marked, tools=tools,
+                                                                extra=extra))
         return self.encode(self.apply_chat_template(messages, tools=tools, extra=extra),
                            add_special_tokens=False)
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        """The special tokens' texts, longest first (the order the tokenizer matches them)."""
+        texts = {t.content for t in self.backend.get_added_tokens_decoder().values()
+                 if t.special}
+        return tuple(sorted(texts, key=len, reverse=True))
+
+    @functools.cached_property
+    def _plain(self) -> HFTokenizer:
+        """This tokenizer with special tokens' texts split as any text (its own copy: the
+        setting is the object's, and the gateway tokenizes on two threads)."""
+        plain = HFTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def _encode_marked(self, text: str) -> list[int]:
+        """``text`` rendered from content whose special texts were marked: the template's own
+        special texts become their tokens; each stretch between them, with the marked ones put
+        back as text, is tokenized as a stretch between special tokens always is."""
+        specials = self._special_texts
+        template_special = re.compile("|".join(map(re.escape, specials)))
+        ids: list[int] = []
+        stretch_start = 0
+        for match in template_special.finditer(text):
+            ids += self._encode_plain(_unmark(text[stretch_start:match.start()], specials))
+            ids.append(self.backend.token_to_id(match.group()))
+            stretch_start = match.end()
+        return ids + self._encode_plain(_unmark(text[stretch_start:], specials))
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> Tokenizer:
@@ -206,6 +248,36 @@ class Tokenizer:
             template = template_file.read_text()
         add_bos = bool(config.get("add_bos_token", False))
         return cls(backend, eos_token_ids, bos_token_id, add_bos, template)
+
+
+# Marks a special token's text in message content while the template renders it (private-use
+# code points: kept as they are by the template, and never a special token's text).
+_MARK = "\ue000tandem-special-{}\ue001"
+_MARKED = re.compile("\ue000tandem-special-([0-9]+)\ue001")
+
+
+def _has_special(content: Any, specials: Sequence[str]) -> bool:
+    if isinstance(content, str):
+        return any(text in content for text in specials)
+    if isinstance(content, list):
+        return any(_has_special(part.get("text") if isinstance(part, dict) else None, specials)
+                   for part in content)
+    return False
+
+
+def _mark_specials(content: Any, specials: Sequence[str]) -> Any:
+    if isinstance(content, str):
+        pattern = "|".join(map(re.escape, specials))
+        return re.sub(pattern, lambda m: _MARK.format(specials.index(m.group())), content)
+    if isinstance(content, list):
+        return [{**part, "text": _mark_specials(part["text"], specials)}
+                if isinstance(part, dict) and isinstance(part.get("text"), str) else part
+                for part in content]
+    return content
+
+
+def _unmark(text: str, specials: Sequence[str]) -> str:
+    return _MARKED.sub(lambda m: specials[int(m.group(1))], text)
 
 
 def _byte_level_backend(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
