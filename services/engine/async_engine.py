@@ -124,10 +124,18 @@ class AsyncEngine:
         elapsed = time.monotonic() - started
         if elapsed <= limit:
             return
-        self.health_error = (f"a step has run for {elapsed:.0f} s (step_timeout_s {limit:g}): "
-                             f"the engine is hung")
-        log.error("%s; failing its requests", self.health_error)
-        error = EngineDeadError(f"the engine stopped: {self.health_error}")
+        self.stop(f"a step has run for {elapsed:.0f} s (step_timeout_s {limit:g}): the engine "
+                  f"is hung")
+
+    def stop(self, reason: str) -> None:
+        """Stop for good from outside the engine thread (a hung step; a KV transfer into the
+        cache that could not be stopped): fail its streams now, refuse new requests and fail
+        the health check; the engine thread stops after its current step, if any."""
+        if self.health_error is not None:
+            return
+        self.health_error = reason
+        log.error("%s; failing its requests", reason)
+        error = EngineDeadError(f"the engine stopped: {reason}")
         for stream in list(self._streams.values()):  # one C-level copy: no race with it
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
 
@@ -223,7 +231,7 @@ class AsyncEngine:
                         return
                 finally:
                     self._step_started = None
-                if self.health_error is not None:  # the health check found this step hung
+                if self.health_error is not None:  # stopped from outside (``stop``)
                     self._die(self.health_error)
                     self._serve_dead()
                     return

@@ -32,12 +32,18 @@ from tandem.services.handoff.pairing import PairingError, PairingInfo, check_pai
 from tandem.services.handoff.staging import TransferArea
 from tandem.services.handoff.trace import DecodeTrace
 from tandem.services.kv_transfer.checksum import block_checksums
-from tandem.services.kv_transfer.transport import KVChecksumError, KVTransferError, KVTransport
+from tandem.services.kv_transfer.transport import (
+    KVChecksumError,
+    KVTransferError,
+    KVTransferStuckError,
+    KVTransport,
+)
 from tandem.services.protocol.handoff import KVHandle
 from tandem.services.protocol.kv_events import KVEvent
 from tandem.services.protocol.messages import TRANSFER_SECONDS_BUCKETS
 from tandem.services.protocol.outputs import (
     DecodeRejectedError,
+    EngineDeadError,
     EngineOverloadedError,
     KVTransferFailedError,
     RequestError,
@@ -417,6 +423,13 @@ class DecodeWorker:
                                          "tandem.kv.bytes": nbytes})
                 if self.config.verify_checksums and kv.checksums is not None:
                     self._verify(kv, transfer_ids, skip)
+        except KVTransferStuckError as exc:
+            # Its blocks may still be written: stop the engine (the worker is replaced); the
+            # gateway sends its requests on.
+            self.metrics.transfer_failures += 1
+            self.engine.stop(f"request {request_id}: {exc}")
+            await self._reject(link, kv, "transfer_failed")
+            raise EngineDeadError(f"the engine stopped: {exc}") from None
         except KVTransferError as exc:
             self.metrics.transfer_failures += 1
             self.metrics.checksum_failures += isinstance(exc, KVChecksumError)

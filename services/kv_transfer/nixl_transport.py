@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
+from tandem.services.kv_transfer.transport import (
+    KVTransferError,
+    KVTransferStuckError,
+    KVTransport,
+    TransferFaults,
+)
 from tandem.services.protocol.auth import ClusterKey
 
 
@@ -56,9 +61,12 @@ class NixlTransport(KVTransport):
 
     def __init__(self, name: str, faults: TransferFaults | None = None,
                  key: ClusterKey | None = None, progress_interval_s: float = 0.002,
-                 poll_interval_s: float = 0.0005, idle_progress_interval_s: float = 0.25
-                 ) -> None:
+                 poll_interval_s: float = 0.0005, idle_progress_interval_s: float = 0.25,
+                 settle_timeout_s: float = 10.0) -> None:
         super().__init__(name, faults, key)
+        # How long a failed or timed-out read may take to stop writing locally; then
+        # KVTransferStuckError (the worker stops).
+        self.settle_timeout_s = settle_timeout_s
         self.progress_interval_s = progress_interval_s
         self.idle_progress_interval_s = idle_progress_interval_s
         self._brisk_until = 0.0  # time.monotonic() until which reads are expected
@@ -167,19 +175,33 @@ class NixlTransport(KVTransport):
             raise KVTransferError(f"NIXL read from {peer_id!r} ended in state {state}")
 
     async def _settle(self, posted: asyncio.Future[str], handle: Any) -> None:
-        """Wait until the transfer can no longer write locally, then free its handle."""
+        """Wait until the transfer can no longer write locally, then free its handle; at most
+        ``settle_timeout_s``, then ``KVTransferStuckError``."""
+        deadline = time.monotonic() + self.settle_timeout_s
+        stuck = KVTransferStuckError(f"a NIXL read could not be stopped within "
+                                     f"{self.settle_timeout_s:g} s; it may still write into "
+                                     f"this worker's KV cache")
+        unstoppable = self.faults.unstoppable_reads > 0
+        if unstoppable:
+            self.faults.unstoppable_reads -= 1
         cancelled = False
         while not posted.done():
+            if time.monotonic() >= deadline:
+                raise stuck
             try:
-                await asyncio.wait([posted])
+                await asyncio.wait([posted], timeout=deadline - time.monotonic())
             except asyncio.CancelledError:
                 cancelled = True
         try:
+            if unstoppable:
+                raise RuntimeError("injected: the read cannot be cancelled")
             self._agent.release_xfer_handle(handle)  # cancels a transfer still in progress
         except Exception:
             # NIXL could not cancel it: wait for the transfer to end before the caller reuses
             # the destination blocks.
-            while self._state(handle) == "PROC":
+            while unstoppable or self._state(handle) == "PROC":
+                if time.monotonic() >= deadline:
+                    raise stuck from None
                 await asyncio.sleep(self.poll_interval_s)
             with contextlib.suppress(Exception):
                 self._agent.release_xfer_handle(handle)

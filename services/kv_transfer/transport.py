@@ -35,6 +35,12 @@ class KVTransferTimeout(KVTransferError):
     """A block transfer did not finish in time."""
 
 
+class KVTransferStuckError(KVTransferError):
+    """A failed transfer could not be stopped within its settle deadline: it may still write
+    into the destination blocks, so this worker's KV cache can no longer be trusted (the
+    worker stops its engine and is replaced)."""
+
+
 class KVChecksumError(KVTransferError):
     """Pulled blocks do not match the checksums the prefill worker computed."""
 
@@ -46,6 +52,9 @@ class TransferFaults:
     corrupt_reads: int = 0  # flip a byte of the first pulled block after the read
     bad_descriptor_reads: int = 0  # address blocks past the end of the peer's registered cache
     delay_reads_s: float = 0.0  # stall every read this long first (inside its timeout)
+    # NIXL: the read cannot be cancelled and never ends (a stuck NIC or peer), as seen by the
+    # settle step after the read's timeout
+    unstoppable_reads: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,8 @@ class KVTransport(ABC):
         returns the bytes moved.
 
         Raises ``KVTransferError`` (``KVTransferTimeout`` after ``timeout_s``). When this
-        returns or raises, nothing is writing into the local blocks any more.
+        returns or raises, nothing is writing into the local blocks any more, except after
+        ``KVTransferStuckError``: the cache is then unsafe to use at all.
         """
         blocks = self._registered()
         region = self._peers.get(peer_id)

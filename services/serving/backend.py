@@ -12,6 +12,10 @@ tokens it already produced (``GenerationRequest.output_token_ids``); that worker
 them with the prompt (or finds them in its prefix cache) and continues. Sampling draws depend
 only on the request's seed and the token's position (engine/sampler.py), so the caller sees one
 stream, exactly as an undisturbed worker would have produced it.
+
+A stream survives ``max_migrations`` such failures. The next worker that fails while running it
+fails it instead (500 ``engine_error``): a request that every worker it reaches dies on (a poison
+request: a kernel fault, a hang) would otherwise take each worker down in turn.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from tandem.services.protocol.messages import ReplicaGoneError
 from tandem.services.protocol.outputs import (
     DeadlineExceededError,
     EngineDeadError,
+    EngineError,
     EngineStats,
     FinishReason,
     RequestOutput,
@@ -79,7 +84,8 @@ class BackendTimeouts:
 
     prefill_s: float = 60.0  # a prefill call; then the router's next choice (or D) prefills
     stream_idle_s: float = 60.0  # the longest a request may wait for D's next output
-    max_migrations: int = 3  # decode worker failures one request survives; then its error
+    # Decode worker failures one stream survives; the next one fails it (a poison request).
+    max_migrations: int = 1
 
 
 class DisaggBackend:
@@ -213,7 +219,7 @@ class DisaggBackend:
         cached = None if request.prefill is None else request.prefill.num_cached_tokens
         emitted = [] if request.prefill is None else [request.prefill.first_token]
         failed_at: float | None = None  # when the stream being migrated failed
-        failovers = migrations = 0
+        failovers = migrations = ran_on = 0
         while True:
             assert worker is not None  # _route raises without a decode worker
             started = False
@@ -235,6 +241,13 @@ class DisaggBackend:
                 reason = _failover_reason(exc)
                 self.router.mark_down(worker, reason)
                 migrate = started or request.output_token_ids != ()
+                if started or isinstance(exc, EngineDeadError | StreamStalledError):
+                    ran_on += 1  # the worker failed with the request in its steps
+                    if ran_on > max(1, self.timeouts.max_migrations):
+                        raise EngineError(
+                            f"the {ran_on} decode workers that ran this request all failed while "
+                            f"running it (the last: {exc}); it is not sent to another, in case "
+                            f"it is what makes them fail") from exc
                 if (migrations if migrate else failovers) >= (
                         self.timeouts.max_migrations if migrate else MAX_FAILOVERS):
                     raise

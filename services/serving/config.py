@@ -131,7 +131,9 @@ class AppConfig:
     http_body_timeout_s: float = 60.0  # its body within this of its headers; else 408, closed
     max_connections: int = 1024  # open HTTP connections at once; beyond them 503
     max_grpc_streams: int = 1024  # gRPC calls at once; beyond them RESOURCE_EXHAUSTED
-    max_migrations: int = 3  # decode worker failures a stream survives (it moves on, exactly)
+    # Decode worker failures a stream survives (it moves on, exactly); the next worker that
+    # fails while running it fails it (500: it may be a poison request)
+    max_migrations: int = 1
     # A worker Serve stops (scale-down, upgrade, a draining node) finishes its calls for this
     # long; then it is stopped and its streams migrate.
     drain_timeout_s: float = 30.0

@@ -9,7 +9,11 @@ import pytest
 
 from tandem.services.handoff.decode import DecodeConfig, DecodeWorker, KVSource
 from tandem.services.handoff.prefill import PrefillConfig, PrefillWorker
-from tandem.services.protocol.outputs import DecodeRejectedError, KVTransferFailedError
+from tandem.services.protocol.outputs import (
+    DecodeRejectedError,
+    EngineDeadError,
+    KVTransferFailedError,
+)
 from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.disagg.cluster import (
     TRANSPORTS,
@@ -85,6 +89,27 @@ def test_timeout_recomputes(loaded_model, prompts, references):
             assert result.kv_source is KVSource.RECOMPUTE
             compare_prefix(result.output_token_ids, references[PROMPT], "timeout")
             await all_free(p, d)
+
+    asyncio.run(scenario())
+
+
+def test_a_read_that_cannot_be_stopped_stops_the_decode_engine(loaded_model, prompts):
+    """A NIXL read whose transfer cannot be released or seen to end within the settle deadline
+    may still write into D's cache: D's engine stops (its health check fails, so Serve replaces
+    it) and the request fails with EngineDeadError (the gateway sends it on); P's lease is
+    rejected, so P frees its blocks."""
+    async def scenario() -> None:
+        async with local_pair(loaded_model, "nixl") as (p, d):
+            d.transport.faults.unstoppable_reads = 1
+            d.transport.settle_timeout_s = 0.5
+            with pytest.raises(EngineDeadError, match="could not be stopped within 0.5 s"):
+                await run_request(p, d, "r", prompts[PROMPT], SHORT)
+            with pytest.raises(EngineDeadError, match="could not be stopped"):
+                d.engine.check_health()
+            assert d.metrics.transfer_failures == 1
+            assert p.metrics.reject_reasons == {"transfer_failed": 1}
+            assert await free_blocks(p) == p.engine.llm.block_manager.num_blocks
+            assert len(p.leases) == 0
 
     asyncio.run(scenario())
 

@@ -35,6 +35,7 @@ from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, per_wor
 SETTINGS = {"prefill_replicas": 1, "decode_replicas": 2, "kv_transport": "tcp",
             "stream_idle_timeout_s": 8}
 SIGKILL_SEED = 669  # the prefill worker kills itself when D comes for this request's KV
+POISON_SEED = 4242  # a decode engine's step that runs this request fails fatally (as a device)
 PROMPTS = ["Write one sentence about the sea.", "Name three rivers in Europe.",
            "Describe a lighthouse at night.", "What is a prime number?",
            "Give advice to a new gardener.", "Tell a short story about a cat.",
@@ -48,7 +49,8 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     up = UpProcess.from_settings(Path(tmp_path_factory.mktemp("migration")), SETTINGS,
-                                 {"TANDEM_TEST_FAULTS": f"prefill:sigkill={SIGKILL_SEED}"}).start()
+                                 {"TANDEM_TEST_FAULTS": f"prefill:sigkill={SIGKILL_SEED},"
+                                                        f"decode:fatal={POISON_SEED}"}).start()
     try:
         yield up
     finally:
@@ -245,3 +247,30 @@ def test_a_prefill_worker_killed_before_the_pull_costs_a_recompute(
                          .values()) > recomputes, 30, "the decode worker's recompute counted")
     # Serve replaces the prefill replica; then every block is free on all three workers.
     wait_for(lambda: all_blocks_free(cluster, 3), 240, "every KV block free")
+
+
+def test_a_poison_request_fails_instead_of_killing_every_decode_worker(
+        cluster: UpProcess) -> None:
+    """A request whose step brings down each decode engine it reaches: the first failure sends
+    it on (it may have been a bystander), the second fails it with a clear 500 instead of
+    moving it to the next replacement; then both workers are back, every block free, and the
+    next request is served. (Last in the module: it stops both decode engines.)"""
+    failures = sum(metric_values(cluster.http_url, "tandem_request_failures_total").values())
+    response = httpx.post(f"{cluster.http_url}/v1/completions", timeout=120, json={
+        "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0.8, "seed": POISON_SEED})
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "engine_error"
+    assert "the 2 decode workers that ran this request all failed" in error["message"]
+    assert sum(metric_values(cluster.http_url, "tandem_request_failures_total").values()) == \
+        failures + 1
+
+    def replaced() -> bool:  # two healthy decode workers (new ones), every block free
+        healthy = metric_values(cluster.http_url, "tandem_worker_healthy")
+        decode = [v for labels, v in healthy.items() if dict(labels)["role"] == "decode"]
+        return decode == [1.0, 1.0] and all_blocks_free(cluster, 3)
+
+    wait_for(replaced, 240, "both decode workers replaced and every KV block free")
+    served = httpx.post(f"{cluster.http_url}/v1/completions", timeout=120, json={
+        "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0})
+    assert served.status_code == 200, served.text
