@@ -254,7 +254,12 @@ class AsyncEngine:
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, delivered in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, delivered)
+            try:
+                loop.call_soon_threadsafe(_deliver, delivered)
+            except RuntimeError:  # that event loop has closed: no one reads these streams
+                for stream, _ in delivered:
+                    self._streams.pop(stream.request_id, None)
+                    self.llm.abort_request(stream.request_id)
 
     def _apply(self, command: _Start | _Call | _Abort) -> None:
         if isinstance(command, _Abort):
@@ -268,12 +273,14 @@ class AsyncEngine:
             except Exception as exc:
                 error = exc
             self._hand_out_events()  # before the caller hears back, as for step outputs
-            command.loop.call_soon_threadsafe(_resolve, command.future, result, error)
+            with contextlib.suppress(RuntimeError):  # its event loop has closed
+                command.loop.call_soon_threadsafe(_resolve, command.future, result, error)
         else:
             try:
                 command.start(self.llm)
             except Exception as exc:  # invalid request: hand the error to its caller
-                command.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
+                with contextlib.suppress(RuntimeError):  # its event loop has closed
+                    command.loop.call_soon_threadsafe(command.outputs.put_nowait, exc)
                 return
             self._hand_out_events()
             self._streams[command.request_id] = command

@@ -112,3 +112,35 @@ def test_async_streams_match_sync_and_cancel_frees_blocks(make_engine, prompts):
     finally:
         async_engine.shutdown()
     assert not engine.has_unfinished_requests() and all_free(engine)
+
+
+def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(make_engine, prompts):
+    """A stream left open when its caller's event loop closed: the engine aborts it (no one
+    can read it) and goes on serving others, its blocks freed."""
+    engine = make_engine()
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def first_output() -> None:
+        stream = async_engine.generate(GenerationRequest("orphan", prompts[0], params))
+        await anext(stream)  # running now; the stream is never closed
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(first_output())
+    finally:
+        loop.close()  # without closing the stream: its outputs have nowhere to go
+
+    async def collect() -> list[int]:
+        tokens: list[int] = []
+        async for out in async_engine.generate(GenerationRequest("next", prompts[1], GREEDY)):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    try:
+        assert asyncio.run(asyncio.wait_for(collect(), timeout=300)) == \
+            make_engine().generate(prompts[1:2], GREEDY)[0]
+        async_engine.check_health()
+    finally:
+        async_engine.shutdown()
+    assert not engine.has_unfinished_requests() and all_free(engine)
