@@ -21,6 +21,9 @@ class GatewayConfig:
     worker_name: str = "colocated"  # the `worker` label of a single-engine backend's stats
     request_timeout_s: float | None = 600.0  # the longest a request may take (504 after)
     max_in_flight: int | None = None  # requests admitted at once; beyond: 429. None: no bound
+    # One tenant's requests in flight, at most (tenants.FairSlots.cap); None: with several
+    # tenants, max_in_flight less a quarter
+    tenant_max_in_flight: int | None = None
     # A streaming client that reads nothing for this long (its connection's buffers full) is
     # cut: its request aborted, its connection dropped. None: never.
     client_read_timeout_s: float | None = 60.0
@@ -54,7 +57,8 @@ class GatewayConfig:
             raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.max_in_flight is not None and self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        for name in ("max_in_flight", "tenant_max_in_flight"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.client_read_timeout_s is not None and not self.client_read_timeout_s > 0:
             raise ValueError(f"client_read_timeout_s must be > 0, got {self.client_read_timeout_s}")

@@ -82,7 +82,8 @@ class Gateway:
         self.tenants = tenants or Tenants()
         self._tenants = self.tenants if self.tenants.in_use else None  # None: nothing to do
         self._slots = (None if self.config.max_in_flight is None else FairSlots(
-            self.config.max_in_flight, self.tenants.weights, self.config.retry_after_s))
+            self.config.max_in_flight, self.tenants.weights, self.config.retry_after_s,
+            self.config.tenant_max_in_flight, len(self.tenants.tenant_names)))
         self.model_names = self.config.served_model_names or (backend.model_id,)
         self.model_name = self.model_names[0]
         # Seeds for sampled requests that bring none: drawn from the server's seed (the same
@@ -149,6 +150,7 @@ class Gateway:
             return DEFAULT_TENANT
         if self._tenants.reload_keys() and self._slots is not None:
             self._slots.weights = dict(self._tenants.weights)
+            self._slots.tenants = len(self._tenants.tenant_names)
         return self._tenants.authenticate(authorization)
 
     @contextlib.contextmanager

@@ -282,18 +282,29 @@ class FairSlots:
     A request takes any free slot. When none is free, a tenant below its share (the limit split
     by weight among the tenants with requests in flight or waiting) waits for the next slot
     that frees (the tenant with the fewest in flight per weight first), and one at or over its
-    share is refused at once (429). One tenant alone may use every slot; a flooding tenant keeps
-    getting 429s while another's requests wait only for the next slot to free. Runs on the
-    gateway's event loop."""
+    share is refused at once (429). No tenant holds more than its cap (``tenant_cap``; by
+    default, with several tenants configured, the limit less a quarter): the rest stays free
+    for the others, whose requests are then admitted at once however hard one tenant floods
+    (it keeps getting 429s). Runs on the gateway's event loop."""
 
     def __init__(self, limit: int, weights: Mapping[str, float] | None = None,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1, tenant_cap: int | None = None,
+                 tenants: int = 1) -> None:
+        """``tenants``: how many the keys file names (one: no default cap)."""
         self.limit = limit
         self.weights = dict(weights or {})
         self.retry_after_s = retry_after_s
+        self.tenant_cap = tenant_cap
+        self.tenants = tenants
         self.in_flight: dict[str, int] = {}
         self.total = 0
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+
+    def cap(self) -> int:
+        """The most requests one tenant may have in flight."""
+        if self.tenant_cap is not None:
+            return self.tenant_cap
+        return self.limit if self.tenants < 2 else max(1, self.limit - max(1, self.limit // 4))
 
     def share(self, tenant: str) -> float:
         """``tenant``'s slots under contention."""
@@ -304,10 +315,15 @@ class FairSlots:
     async def acquire(self, tenant: str, timeout_s: float | None = None) -> None:
         """A slot for one request of ``tenant``: at once, after waiting its turn (at most
         ``timeout_s``), or 429."""
+        queued = self._waiting.setdefault(tenant, deque())
+        held, cap = self.in_flight.get(tenant, 0) + len(queued), self.cap()
+        if held >= cap:
+            raise overloaded(f"tenant {tenant!r} has {held} requests in flight or waiting, its "
+                             f"cap ({cap} of the {self.limit} slots: the rest are kept for "
+                             f"other tenants)", self.retry_after_s)
         if self.total < self.limit and not any(self._waiting.values()):
             self._take(tenant)
             return
-        queued = self._waiting.setdefault(tenant, deque())
         if self.in_flight.get(tenant, 0) + len(queued) >= self.share(tenant):
             raise overloaded(f"{self.total} requests are in flight, the limit is {self.limit}, "
                              f"and tenant {tenant!r} holds its share of them",
@@ -348,7 +364,9 @@ class FairSlots:
 
     def _hand_out(self) -> None:
         while self.total < self.limit:
-            waiting = [t for t, q in self._waiting.items() if q]
+            cap = self.cap()
+            waiting = [t for t, q in self._waiting.items()
+                       if q and self.in_flight.get(t, 0) < cap]
             if not waiting:
                 return
             nxt = min(waiting, key=lambda t: self.in_flight.get(t, 0) / self._weight(t))

@@ -142,6 +142,10 @@ class AppConfig:
     # come and go; colocated: max_num_seqs), so an admitted request waits for its prefill, not
     # for a decode slot (loadtest/overload.py).
     max_in_flight: int | None = None
+    # One tenant's requests in flight at the gateway, at most; beyond it 429. None: with
+    # several tenants in api_keys_file, the admission bound less a quarter (kept free for the
+    # other tenants, so a flooding one cannot hold every slot); one tenant: no cap.
+    tenant_max_in_flight: int | None = None
     # Tenants and keys (services/gateway/tenants.py, docs/operations.md "Security").
     api_keys_file: str | None = None  # `tenant:key` lines; None: no authentication
     # >= 32 characters; keys the tenants' prefix-cache salts and authenticates the workers'
@@ -206,6 +210,8 @@ class AppConfig:
             raise ConfigError(f"kernel_threads must be 1 or 2, got {self.kernel_threads}")
         if self.max_in_flight is not None:
             _at_least("max_in_flight", self.max_in_flight, 1)
+        if self.tenant_max_in_flight is not None:
+            _at_least("tenant_max_in_flight", self.tenant_max_in_flight, 1)
         for name in ("tenant_requests_per_minute", "tenant_tokens_per_minute"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)

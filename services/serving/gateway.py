@@ -100,6 +100,7 @@ class GatewayIngress:
                                        max_body_bytes=config.max_body_bytes,
                                        request_timeout_s=config.request_timeout_s,
                                        max_in_flight=config.in_flight_limit(),
+                                       tenant_max_in_flight=config.tenant_max_in_flight,
                                        client_read_timeout_s=config.client_read_timeout_s,
                                        header_timeout_s=config.http_header_timeout_s,
                                        body_timeout_s=config.http_body_timeout_s,

@@ -59,6 +59,27 @@ def test_a_flooding_tenant_is_refused_while_another_waits_for_the_next_slot() ->
     asyncio.run(scenario())
 
 
+def test_with_several_tenants_a_flood_is_capped_and_another_is_admitted_at_once() -> None:
+    """By default a tenant holds at most the limit less a quarter: the rest stays free, so
+    another tenant's request starts without waiting for a flood's request to end."""
+    async def scenario() -> None:
+        slots = FairSlots(8, tenants=2)
+        for _ in range(6):
+            await slots.acquire("flood")
+        with pytest.raises(GatewayError) as capped:
+            await slots.acquire("flood")
+        assert capped.value.status == 429 and "its cap (6 of the 8 slots" in capped.value.message
+        await asyncio.wait_for(slots.acquire("quiet"), 1)  # at once: a free slot
+        assert slots.in_flight == {"flood": 6, "quiet": 1}
+        slots.resize(16)  # the default cap follows the limit
+        await slots.acquire("flood")
+        assert slots.cap() == 12
+        assert FairSlots(8, tenants=1).cap() == 8  # one tenant: every slot
+        assert FairSlots(8, tenant_cap=3, tenants=2).cap() == 3  # tenant_max_in_flight
+
+    asyncio.run(scenario())
+
+
 def test_weights_split_the_slots_under_contention() -> None:
     async def scenario() -> None:
         slots = FairSlots(8, {"big": 3.0})
@@ -110,7 +131,8 @@ def test_over_http_a_flooding_tenant_does_not_lock_out_another(
         async_engine: AsyncEngine, loaded_model: LoadedModel) -> None:
     keys = {"key-flood": "flood", "key-quiet": "quiet"}
     gateway = Gateway(EngineBackend(async_engine), loaded_model.tokenizer,
-                      GatewayConfig(max_in_flight=2), Tenants(keys, SECRET))
+                      GatewayConfig(max_in_flight=2, tenant_max_in_flight=3),  # share only
+                      Tenants(keys, SECRET))
     with serving(gateway) as addresses:
         def client(key: str) -> openai.OpenAI:
             return openai.OpenAI(api_key=key, base_url=f"{addresses.http_url}/v1",
