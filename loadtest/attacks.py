@@ -164,10 +164,10 @@ def run(url: str, name: str, duration_s: float, clients: int, slots: int) -> Sce
 
     async def scenario() -> None:
         calm = [calm_client(url, until, ttfts, gaps) for _ in range(clients)]
-        attack = {"quiet": None, "big_prompts": big_prompts(url, until, outcome),
-                  "slow_connections": slow_connections(url, until, outcome),
-                  "tenant_flood": tenant_flood(url, until, outcome, slots)}[name]
-        await asyncio.gather(*calm, *([attack] if attack is not None else []))
+        attacks = {"big_prompts": lambda: big_prompts(url, until, outcome),
+                   "slow_connections": lambda: slow_connections(url, until, outcome),
+                   "tenant_flood": lambda: tenant_flood(url, until, outcome, slots)}
+        await asyncio.gather(*calm, *([attacks[name]()] if name in attacks else []))
 
     asyncio.run(scenario())
     free, served = whole(url)

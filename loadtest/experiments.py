@@ -20,7 +20,9 @@ of the figures the experiment is about (each against the first configuration) on
   and prefix; the multi-tenant shared-prefix workload; prefix-cache hit rate and TTFT.
 - ``tandem-vs-vllm``: vLLM's CPU backend (``--vllm``: its own venv), and llama.cpp's
   ``llama-server`` with ``--llama-server``, against ``tandem up`` in the shapes ``--tandem``
-  names (1P+1D and colocated; ``default``: no shape, ``tandem up``'s own choice), on the same
+  names (``default``: plain ``tandem up`` with no settings but the model, as users get it;
+  1P+1D; colocated), each peer at its best documented CPU setting (vLLM bfloat16 with its
+  threads bound to every CPU, llama.cpp with every thread), on the same
   weights (``tandem.loadtest.export_hf``; llama.cpp: the GGUF itself) and prompts; output
   tok/s, TTFT and ITL at concurrency 1, 8 and 32.
 - ``tandem-vs-vllm-prefix``: the same servers on the multi-tenant shared-prefix workload
@@ -148,7 +150,8 @@ def disagg_vs_colocated(args: argparse.Namespace) -> list[Configuration]:
 
 # `--tandem` shapes of the peer experiments: AppConfig settings beyond the common ones.
 TANDEM_SHAPES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "default": lambda args: {},  # no shape, no threads: what `tandem up` picks on this machine
+    # plain `tandem up` as users get it: none of the bench's settings (the model only)
+    "default": lambda args: {},
     "1p1d": lambda args: {"prefill_replicas": 1, "decode_replicas": 1,
                           "threads_per_worker": 1, "kv_transport": args.kv_transport},
     "colocated": lambda args: {"colocated": True, "threads_per_worker": 2},
@@ -169,19 +172,27 @@ def tandem_shapes(text: str) -> list[str]:
 
 def _tandem(shape: str, common: dict[str, Any], args: argparse.Namespace) -> Configuration:
     base = shape.removesuffix(":int4")
-    settings = {**common, **TANDEM_SHAPES[base](args)}
+    if base == "default":  # plain `tandem up`: the model, nothing else
+        settings = {k: v for k, v in common.items() if k == "model"}
+    else:
+        settings = {**common, **TANDEM_SHAPES[base](args)}
     if shape != base:
         settings["weight_format"] = "int4"
+        settings.setdefault("dtype", "bfloat16")
     return Configuration(f"tandem-{base}" + ("-int4" if shape != base else ""), settings)
 
 
 def tandem_vs_vllm(args: argparse.Namespace) -> list[Configuration]:
     common = _common(args)
-    vllm = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens}
+    # Each peer at its best documented setting for a CPU: vLLM's CPU backend in bfloat16
+    # (--vllm-dtype) with its OpenMP threads bound to every CPU; llama.cpp with every thread.
+    vllm = {"dtype": args.vllm_dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "VLLM_CPU_OMP_THREADS_BIND": "auto (every CPU)"}
     peers = [Configuration("vllm-cpu", vllm, peer="vllm")]
     if args.llama_server is not None:
-        peers.append(Configuration("llama.cpp", {"max_num_seqs": args.max_num_seqs},
+        peers.append(Configuration("llama.cpp", {"max_num_seqs": args.max_num_seqs,
+                                                 "threads": args.llama_threads},
                                    peer="llama.cpp"))
     return peers + [_tandem(shape, common, args) for shape in args.tandem]
 
@@ -291,17 +302,21 @@ def build_parser() -> argparse.ArgumentParser:
             servers.add_argument("--llama-server", type=Path, default=None,
                                  help="llama.cpp's llama-server binary: a peer too, on the "
                                       "GGUF file itself (docs/loadtest.md)")
+            servers.add_argument("--vllm-dtype", choices=("bfloat16", "float32", "auto"),
+                                 default="bfloat16",
+                                 help="vLLM's --dtype (default bfloat16, its CPU backend's "
+                                      "documented setting)")
             servers.add_argument("--llama-threads", type=int,
-                                 default=max(1, len(os.sched_getaffinity(0)) - 1),
-                                 help="llama-server's threads (default: the CPUs less one, "
-                                      "as many as `tandem up` gives one engine; with all of "
-                                      "them its spinning thread pool collapsed whenever "
-                                      "anything else ran: 4.5 tok/s at c=1)")
-            servers.add_argument("--tandem", type=tandem_shapes, default=["1p1d", "colocated"],
+                                 default=len(os.sched_getaffinity(0)),
+                                 help="llama-server's threads (default: every CPU, its "
+                                      "documented setting; the bench client shares them)")
+            servers.add_argument("--tandem", type=tandem_shapes,
+                                 default=["default", "1p1d", "colocated"],
                                  help="Tandem's shapes, comma-separated, among "
-                                      f"{', '.join(TANDEM_SHAPES)}, each optionally with "
-                                      ":int4 (int4 weights; --dtype bfloat16) (default: "
-                                      "1p1d,colocated)")
+                                      f"{', '.join(TANDEM_SHAPES)} (default: plain `tandem "
+                                      "up`, none of the bench's settings), each optionally "
+                                      "with :int4 (int4 weights, bfloat16) (default: "
+                                      "default,1p1d,colocated)")
         servers.add_argument("--ready-timeout", type=float, default=600.0,
                              help="seconds to wait for each `tandem up` ready line")
         servers.add_argument("--metrics-settle", type=float, default=1.0, metavar="S",
@@ -412,10 +427,9 @@ def launch_tandem_up(conf: Configuration, out: Path, args: argparse.Namespace) -
     if conf.peer == "vllm":
         model_dir = out / "hf-model"
         if not (model_dir / "config.json").exists():  # the same weights, as vLLM reads them
-            export(load_model(args.model, conf.settings["dtype"], progress=False), model_dir,
-                   conf.settings["dtype"])
+            export(load_model(args.model, "float32", progress=False), model_dir, "float32")
         return VllmServer(Path(args.vllm), model_dir, log, served_model_name=conf.label,
-                          dtype=conf.settings["dtype"],
+                          dtype=conf.settings["dtype"], threads="auto",
                           max_num_seqs=conf.settings["max_num_seqs"],
                           max_num_batched_tokens=conf.settings["max_num_batched_tokens"],
                           cpus=args.cpus, ready_timeout_s=args.ready_timeout).start()

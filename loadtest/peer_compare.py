@@ -6,7 +6,7 @@
 
 Runs two experiments of ``tandem.loadtest.experiments`` one after the other, each starting vLLM's
 CPU backend, llama.cpp's ``llama-server`` (optional) and ``tandem up`` in the ``--tandem``
-shapes (``default``: what ``tandem up`` picks on this machine), and measuring them in
+shapes (``default``: plain ``tandem up``, no settings but the model), and measuring them in
 interleaved rounds on the same prompts:
 
 - ``OUT/random``: 200 prompt tokens, 64 output tokens (greedy, ignore_eos) at concurrency 1, 8
@@ -16,8 +16,10 @@ interleaved rounds on the same prompts:
 Each has its own report.md (with plots) and results.json; ``OUT/report.md`` puts issue 16's
 targets on top, each Tandem shape against the peers measured in the same rounds: output tok/s
 >= 1.5x vLLM's at c=32, >= 1.0x the better peer's at c=1, shared-prefix TTFT p50 <= 0.5x
-vLLM's. Every server runs ``--dtype`` (bfloat16 by default; llama.cpp runs the GGUF's own
-weights). The idle-CPU target is ``python -m tandem.loadtest.idle_cpu``'s.
+vLLM's. Each peer runs its best documented CPU setting (vLLM: ``--vllm-dtype`` bfloat16, its
+OpenMP threads bound to every CPU; llama.cpp: the GGUF's own weights, every thread); Tandem's
+shapes other than ``default`` run ``--dtype``. The idle-CPU target is
+``python -m tandem.loadtest.idle_cpu``'s.
 """
 
 from __future__ import annotations
@@ -134,12 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llama-server", type=Path, default=None,
                         help="llama.cpp's llama-server binary (optional; docs/loadtest.md)")
     parser.add_argument("--llama-threads", type=int, default=None,
-                        help="llama-server's threads (default: the CPUs less one)")
+                        help="llama-server's threads (default: every CPU)")
     parser.add_argument("--tandem", type=experiments.tandem_shapes, default=["default"],
                         help="Tandem's shapes, comma-separated, among "
                              f"{', '.join(experiments.TANDEM_SHAPES)}, each optionally "
                              "with :int4 (int4 weights) (default: default)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                        help="Tandem's shapes other than default (bfloat16)")
+    parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32", "auto"),
+                        default="bfloat16", help="vLLM's --dtype (bfloat16)")
     parser.add_argument("--num-requests", type=int, default=16,
                         help="requests per run of the random workload (16)")
     parser.add_argument("--rounds", type=int, default=2)
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None, launch: experiments.Launcher | None = No
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     servers = ["--vllm", str(args.vllm), "--tandem", ",".join(args.tandem),
-               "--dtype", args.dtype, "--rounds", str(args.rounds), "--no-progress"]
+               "--dtype", args.dtype, "--vllm-dtype", args.vllm_dtype, "--rounds",
+               str(args.rounds), "--no-progress"]
     if args.llama_server is not None:
         servers += ["--llama-server", str(args.llama_server)]
         if args.llama_threads is not None:

@@ -247,8 +247,11 @@ def test_tandem_vs_vllm_puts_the_peer_first_and_checks_its_python(
     args = parse(["tandem-vs-vllm", "--vllm", "/bin/true", "--max-num-seqs", "16"])
     confs = experiments.tandem_vs_vllm(args)
     assert [(c.label, c.peer) for c in confs] == [
-        ("vllm-cpu", "vllm"), ("tandem-1p1d", None), ("tandem-colocated", None)]
+        ("vllm-cpu", "vllm"), ("tandem-default", None), ("tandem-1p1d", None),
+        ("tandem-colocated", None)]
     assert confs[0].settings["max_num_seqs"] == 16
+    assert confs[0].settings["dtype"] == "bfloat16"  # vLLM's CPU setting, not Tandem's --dtype
+    assert confs[1].settings == {}  # plain `tandem up`
     for conf in confs[1:]:
         AppConfig.from_dict(conf.settings, conf.label)
     code = experiments.main(["tandem-vs-vllm", "--vllm", str(tmp_path / "missing"),

@@ -4,6 +4,7 @@ issue 16's targets computed from their results (ratios against the peers of the 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,8 @@ def test_the_peer_experiments_take_llama_cpp_and_tandems_default_shape() -> None
     assert AppConfig.from_dict(confs[4].settings, "int4").weight_format == "int4"
     assert "weight_format" not in confs[2].settings
     default = confs[2].settings
-    assert not {"colocated", "prefill_replicas", "decode_replicas",
-                "threads_per_worker"} & set(default)  # `tandem up` chooses
+    assert default == {}  # plain `tandem up`: none of the bench's settings, --dtype included
+    assert confs[1].settings["threads"] == len(os.sched_getaffinity(0))  # llama.cpp: every CPU
     AppConfig.from_dict(default, "tandem-default")
     with pytest.raises(SystemExit):
         parse(["tandem-vs-vllm", "--vllm", "/bin/true", "--tandem", "biggest"])
