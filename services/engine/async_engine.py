@@ -32,6 +32,7 @@ import torch
 
 from tandem.services.engine.faults import FatalEngineFault
 from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.sequence import SequenceFault
 from tandem.services.engine.tensor_parallel import TensorParallelError
 from tandem.services.protocol.kv_events import KVEvent
 from tandem.services.protocol.outputs import (
@@ -287,7 +288,18 @@ class AsyncEngine:
         self._stats = self.llm.stats
 
     def _step_failed(self, exc: Exception) -> bool:
-        """Fail the step's requests; True when the engine must stop instead."""
+        """Fail the step's requests (only the one a ``SequenceFault`` names); True when the
+        engine must stop instead."""
+        if isinstance(exc, SequenceFault):
+            failed = self.llm.fail_step(only=exc.request_id)
+            log.error("engine step failed in request %s; failing it, the step's others run "
+                      "on", exc.request_id, exc_info=exc)
+            for request_id in failed:
+                self._fail(request_id, EngineError(
+                    f"the engine failed while running request {request_id}: {exc}"))
+            self._stats = self.llm.stats
+            self._hand_out_events()
+            return False
         self._step_failures += 1
         fatal = isinstance(exc, _FATAL) or self._step_failures >= MAX_STEP_FAILURES
         if fatal:

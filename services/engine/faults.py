@@ -4,8 +4,10 @@ The fault tests need real faults at exact points inside real worker processes. T
 holds ``[role:]kind=seed`` items, comma-separated; a request sampled with that seed triggers
 the fault, on workers of that role (prefill, decode, colocated) or, without a role, on all:
 
-- ``step``: the engine step that runs the request raises (the engine fails that step's
-  requests and goes on);
+- ``step``: the engine step that runs the request raises, naming it (the engine fails that
+  request only; the step's others run on);
+- ``batch``: the step raises without naming a request (the engine fails every request of that
+  step and goes on);
 - ``fatal``: the step raises ``FatalEngineFault``, which the engine treats as a device error
   (it stops and its worker reports unhealthy);
 - ``hang``: the step blocks, as a kernel that never returns would (until the process ends, or
@@ -25,17 +27,21 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 
-from tandem.services.engine.sequence import Sequence
+from tandem.services.engine.sequence import Sequence, SequenceFault
 
 ENV = "TANDEM_TEST_FAULTS"
-KINDS = ("step", "fatal", "hang", "sigstop", "sigkill")
+KINDS = ("step", "batch", "fatal", "hang", "sigstop", "sigkill")
 _RELEASE = threading.Event()  # what a hung step waits for
 
 FaultHook = Callable[[Iterable[Sequence]], None]
 
 
-class InjectedFault(RuntimeError):
-    """An injected failure of one engine step."""
+class InjectedFault(SequenceFault):
+    """An injected failure of one request in an engine step."""
+
+
+class InjectedStepFault(RuntimeError):
+    """An injected failure of an engine step as a whole."""
 
 
 class FatalEngineFault(RuntimeError):
@@ -62,7 +68,7 @@ def fault_hook_from_env(role: str | None = None, environ: Mapping[str, str] | No
                         ) -> FaultHook | None:
     """The step hook for a worker of ``role``, or None when no step fault is planned."""
     seeds = {seed: kind for seed, kind in planned_faults(role, environ).items()
-             if kind in ("step", "fatal", "hang")}
+             if kind in ("step", "batch", "fatal", "hang")}
     if not seeds:
         return None
 
@@ -72,10 +78,13 @@ def fault_hook_from_env(role: str | None = None, environ: Mapping[str, str] | No
             if kind == "fatal":
                 raise FatalEngineFault(f"injected fatal fault (request {seq.request_id})")
             if kind == "step":
-                raise InjectedFault(f"injected step fault (request {seq.request_id})")
+                raise InjectedFault(seq.request_id,
+                                    f"injected step fault (request {seq.request_id})")
+            if kind == "batch":
+                raise InjectedStepFault(f"injected batch fault (request {seq.request_id})")
             if kind == "hang":
                 _RELEASE.wait()
-                raise InjectedFault(f"injected hang released (request {seq.request_id})")
+                raise InjectedStepFault(f"injected hang released (request {seq.request_id})")
 
     return hook
 

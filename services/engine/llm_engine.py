@@ -345,12 +345,13 @@ class LLMEngine:
 
     # -- stepping -------------------------------------------------------------------------
 
-    def fail_step(self) -> list[str]:
+    def fail_step(self, only: str | None = None) -> list[str]:
         """After ``step`` raised: abort the requests of that step (freeing their blocks) and
         return their ids. If it failed before scheduling anything, every running and waiting
-        request is failed, so a fault that repeats cannot hold them forever."""
-        ids = self._stepping or [s.request_id for s in (*self.scheduler.running,
-                                                        *self.scheduler.waiting)]
+        request is failed, so a fault that repeats cannot hold them forever. ``only``: the one
+        request a ``SequenceFault`` named (the step's others are left to run again)."""
+        ids = [only] if only is not None else self._stepping or [
+            s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)]
         self._stepping = []
         failed = [i for i in ids if self.abort_request(i)]
         return failed

@@ -13,6 +13,16 @@ from tandem.services.protocol.outputs import FinishReason, TokenLogprobs
 from tandem.services.protocol.request import SamplingParams
 
 
+class SequenceFault(RuntimeError):
+    """A step failed in one sequence's own work, before any sequence's state changed (an
+    injected fault naming it; see services/engine/faults.py): only that request fails, and the
+    step's other requests run again in the next step, exactly."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class SequenceStatus(enum.Enum):
     """Where a request is; only the scheduler changes it (see ``Scheduler``).
 

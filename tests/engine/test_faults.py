@@ -1,4 +1,5 @@
-"""Engine-loop faults: a failed step fails its own requests and the engine goes on; a fatal
+"""Engine-loop faults: a failed step fails its own requests (only the one it names, when it
+names one) and the engine goes on; a fatal
 fault stops the engine, fails every request, refuses new ones and fails the health check; so
 does a step that never returns, once it has run ``step_timeout_s`` (the health check finds it:
 the engine thread is stuck).
@@ -24,7 +25,7 @@ from tandem.services.engine.faults import (
 from tandem.services.protocol.outputs import EngineDeadError, EngineError, RequestOutput
 from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
-STEP_SEED, FATAL_SEED, HANG_SEED = 666, 667, 668
+STEP_SEED, FATAL_SEED, HANG_SEED, BATCH_SEED = 666, 667, 668, 669
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
@@ -39,7 +40,7 @@ async def _collect(engine: AsyncEngine, request_id: str, prompt: list[int],
 
 @pytest.fixture
 def faulty_engine(make_engine, monkeypatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setenv(ENV, f"step={STEP_SEED},fatal={FATAL_SEED}")
+    monkeypatch.setenv(ENV, f"step={STEP_SEED},fatal={FATAL_SEED},batch={BATCH_SEED}")
     engine = AsyncEngine(make_engine())
     yield engine
     engine.shutdown()
@@ -53,6 +54,28 @@ def test_the_hook_is_off_by_default_and_checks_its_setting() -> None:
     assert planned_faults("decode", planned) == {1: "fatal", 2: "step"}
     assert planned_faults("prefill", planned) == {2: "step", 3: "sigstop"}
     assert planned_faults(None, planned) == {2: "step"}
+
+
+def test_a_step_fault_in_one_request_fails_it_alone(faulty_engine) -> None:  # type: ignore[no-untyped-def]
+    """A fault that names its request (raised before any sequence's state changed) fails that
+    request only: a bystander decoding in the same steps finishes with exactly its tokens."""
+    llm = faulty_engine.llm
+    prompt = llm.tokenizer.encode("Once upon a time")
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([prompt], long)[0]
+
+    async def run() -> None:
+        bystander = asyncio.ensure_future(_collect(faulty_engine, "bystander", prompt, long))
+        while "bystander" not in llm.requests:  # running before the faulty one arrives
+            await asyncio.sleep(0.01)
+        bad = SamplingParams(max_tokens=8, temperature=0.5, seed=STEP_SEED)
+        with pytest.raises(EngineError, match="injected step fault"):
+            await _collect(faulty_engine, "bad", prompt, bad)
+        assert await bystander == expected
+
+    asyncio.run(run())
+    assert faulty_engine.healthy
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(faulty_engine) -> None:  # type: ignore[no-untyped-def]
@@ -75,9 +98,10 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(faulty_engine) 
 
 
 def test_repeated_step_failures_stop_the_engine(faulty_engine) -> None:  # type: ignore[no-untyped-def]
+    """Steps that fail as a whole (no request named), several in a row: the engine stops."""
     llm = faulty_engine.llm
     prompt = llm.tokenizer.encode("Hello")
-    bad = SamplingParams(max_tokens=8, temperature=0.5, seed=STEP_SEED)
+    bad = SamplingParams(max_tokens=8, temperature=0.5, seed=BATCH_SEED)
 
     async def run() -> None:
         for i in range(MAX_STEP_FAILURES - 1):
