@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import select
+import socket
 import struct
 import subprocess
 import sys
@@ -217,9 +218,13 @@ class TensorParallelGroup:
         self._group_timeout = datetime.timedelta(seconds=self.timeout_s)
         self.kv_heads = [slice(s.kv_heads.start, s.kv_heads.stop) for s in shards]
         self._broken: str | None = None
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, True,
+        # The ranks' rendezvous, on loopback only: a TCPStore told to listen itself does so
+        # on every interface, so it is handed a socket bound to 127.0.0.1 (the store owns it).
+        listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore("127.0.0.1", port, self.world_size, True,
                                     timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-                                    wait_for_workers=False)
+                                    wait_for_workers=False, master_listen_fd=listener.detach())
         settings = dataclasses.replace(settings, store_port=self._store.port)
         self.followers = [
             subprocess.Popen([sys.executable, "-m", __name__, str(rank),

@@ -153,6 +153,15 @@ class Gateway:
             self._slots.tenants = len(self._tenants.tenant_names)
         return self._tenants.authenticate(authorization)
 
+    def caller(self, authorization: str | None) -> str:
+        """A generation request's tenant, refused (401; 429 when the tenant could not be
+        admitted now) before its body is parsed or tokenized: a tenant flooding with requests
+        it is refused costs the gateway next to nothing."""
+        tenant = self.authenticate(authorization)
+        if self._slots is not None:
+            self._slots.check(tenant)
+        return tenant
+
     @contextlib.contextmanager
     def refusals(self, operation: str, authorization: str | None,
                  gone: tuple[type[Exception], ...] = ()) -> Iterator[None]:

@@ -79,7 +79,7 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
     with trace.guard():
         with gateway.refusals(_OPERATION, authorization):
             with trace.phase("gateway.parse"):
-                tenant = gateway.authenticate(authorization)
+                tenant = gateway.caller(authorization)
                 gateway.check_model(request.model)
                 options = dataclasses.replace(_sampling_options(request),
                                               timeout_s=None if timeout_s is None

@@ -339,7 +339,7 @@ async def _checked(gateway: Gateway, request: Request, model: type[G], trace: Re
                    ) -> tuple[str, G]:
     """A generation request's tenant and body, checked (its parse phase)."""
     with trace.phase("gateway.parse"):
-        tenant = gateway.authenticate(request.headers.get("authorization"))
+        tenant = gateway.caller(request.headers.get("authorization"))
         body = await _parse(request, model)
         gateway.check_model(body.model)
         if error := body.unsupported_fields():

@@ -315,19 +315,11 @@ class FairSlots:
     async def acquire(self, tenant: str, timeout_s: float | None = None) -> None:
         """A slot for one request of ``tenant``: at once, after waiting its turn (at most
         ``timeout_s``), or 429."""
-        queued = self._waiting.setdefault(tenant, deque())
-        held, cap = self.in_flight.get(tenant, 0) + len(queued), self.cap()
-        if held >= cap:
-            raise overloaded(f"tenant {tenant!r} has {held} requests in flight or waiting, its "
-                             f"cap ({cap} of the {self.limit} slots: the rest are kept for "
-                             f"other tenants)", self.retry_after_s)
+        self.check(tenant)
         if self.total < self.limit and not any(self._waiting.values()):
             self._take(tenant)
             return
-        if self.in_flight.get(tenant, 0) + len(queued) >= self.share(tenant):
-            raise overloaded(f"{self.total} requests are in flight, the limit is {self.limit}, "
-                             f"and tenant {tenant!r} holds its share of them",
-                             self.retry_after_s)
+        queued = self._waiting.setdefault(tenant, deque())
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         queued.append(turn)
         try:
@@ -341,6 +333,21 @@ class FairSlots:
             if not self._withdraw(tenant, turn):
                 self.release(tenant)  # a slot came as it left: pass it on
             raise
+
+    def check(self, tenant: str) -> None:
+        """429 if ``acquire`` would refuse ``tenant`` now (at its cap, or over its share with
+        no slot free): the gateway asks before it parses or tokenizes a request."""
+        held = self.in_flight.get(tenant, 0) + len(self._waiting.get(tenant, ()))
+        cap = self.cap()
+        if held >= cap:
+            raise overloaded(f"tenant {tenant!r} has {held} requests in flight or waiting, its "
+                             f"cap ({cap} of the {self.limit} slots: the rest are kept for "
+                             f"other tenants)", self.retry_after_s)
+        contended = self.total >= self.limit or any(self._waiting.values())
+        if contended and held >= self.share(tenant):
+            raise overloaded(f"{self.total} requests are in flight, the limit is {self.limit}, "
+                             f"and tenant {tenant!r} holds its share of them",
+                             self.retry_after_s)
 
     def _withdraw(self, tenant: str, turn: asyncio.Future[None]) -> bool:
         """Take ``turn`` out of the queue; False when it was handed a slot already."""

@@ -12,6 +12,7 @@ import signal
 import time
 from collections.abc import Iterator
 
+import psutil
 import pytest
 from torch._C._distributed_c10d import PythonCallbackWork
 
@@ -39,6 +40,14 @@ def two_ranks(loaded_model: LoadedModel) -> Iterator[LLMEngine]:
     engine.close()
     assert engine.tp is not None
     assert [p.returncode for p in engine.tp.followers] == [0]  # stopped, cleanly
+
+
+def test_the_ranks_rendezvous_listens_on_loopback_only(two_ranks: LLMEngine) -> None:
+    assert two_ranks.tp is not None
+    port = two_ranks.tp._store.port
+    listening = [c.laddr for c in psutil.Process().net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert [address.ip for address in listening] == ["127.0.0.1"]
 
 
 def test_uneven_split() -> None:

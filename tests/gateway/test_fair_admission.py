@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import httpx
 import openai
 import pytest
 
@@ -147,6 +148,10 @@ def test_over_http_a_flooding_tenant_does_not_lock_out_another(
             next(iter(stream))  # both admitted: every slot is flood's
         with pytest.raises(openai.RateLimitError):  # alone, flood gets 429 at the limit
             flood.completions.create(model="", prompt="One more", max_tokens=1)
+        # ... before its body is even parsed: a refused request costs next to nothing
+        unparsed = httpx.post(f"{addresses.http_url}/v1/completions", content=b"{not json",
+                              headers={"authorization": "Bearer key-flood"})
+        assert unparsed.status_code == 429, unparsed.text
         answer: dict[str, object] = {}
         quiet = threading.Thread(target=lambda: answer.update(reply=client(
             "key-quiet").completions.create(model="", prompt="Hi", max_tokens=2)))
