@@ -16,9 +16,11 @@ gap between two tokens. Scenarios, in order:
 - ``tenant_flood``: tenant flood keeps 3x the admission slots' worth of long requests in flight.
 
 After each scenario it checks the cluster is whole: every KV block free, the next request
-served. Prints a table (per scenario: requests of the calm clients, TTFT p50 and the largest
-inter-token gap, both also as a ratio to quiet, and what the attack got: answers by status,
-connections cut) and writes attacks.json to ``--out``. All traffic is on 127.0.0.1.
+served, and the gateway process' resident memory (``process_resident_memory_bytes``) against
+its value after the quiet run. Prints a table (per scenario: requests of the calm clients, TTFT
+p50 and the largest inter-token gap, both also as a ratio to quiet, what the attack got:
+answers by status, connections cut; and the checks after) and writes attacks.json to
+``--out``. All traffic is on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Scenario:
     attack: dict[str, int] = field(default_factory=dict)  # outcome -> count
     blocks_free_after: bool = False
     served_after: bool = False
+    gateway_rss_mib_after: float = 0.0  # the gateway process' resident memory, after
 
 
 async def calm_client(url: str, until: float, ttfts: list[float], gaps: list[float]) -> None:
@@ -180,8 +183,9 @@ def run(url: str, name: str, duration_s: float, clients: int, slots: int) -> Sce
 
     asyncio.run(scenario())
     free, served = whole(url)
+    rss = max(metric(url, "process_resident_memory_bytes"), default=0.0) / (1 << 20)
     return Scenario(name, len(ttfts), 1000 * statistics.median(ttfts) if ttfts else 0.0,
-                    1000 * max(gaps, default=0.0), dict(outcome), free, served)
+                    1000 * max(gaps, default=0.0), dict(outcome), free, served, rss)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,14 +218,14 @@ def main(argv: list[str] | None = None) -> int:
             up.stop()
     quiet = results[0]
     print("| scenario | calm requests | TTFT p50 ms (x quiet) | largest gap ms (x quiet) | "
-          "attack got | KV free after | served after |")
-    print("|---|---|---|---|---|---|---|")
+          "attack got | KV free after | served after | gateway RSS MiB after |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r.name} | {r.calm_requests} | {r.ttft_p50_ms:.0f} "
               f"({r.ttft_p50_ms / max(quiet.ttft_p50_ms, 1e-9):.2f}) | {r.max_gap_ms:.0f} "
               f"({r.max_gap_ms / max(quiet.max_gap_ms, 1e-9):.2f}) | "
               f"{', '.join(f'{k}: {v}' for k, v in sorted(r.attack.items())) or '-'} | "
-              f"{r.blocks_free_after} | {r.served_after} |")
+              f"{r.blocks_free_after} | {r.served_after} | {r.gateway_rss_mib_after:.0f} |")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "attacks.json").write_text(json.dumps([asdict(r) for r in results],

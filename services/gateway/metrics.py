@@ -10,7 +10,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -64,6 +71,9 @@ class GatewayMetrics:
         ``authenticates``: API keys are checked, so refusals may count for ``UNKNOWN_TENANT``."""
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
+        # The gateway process' own: process_resident_memory_bytes, process_cpu_seconds_total,
+        # process_open_fds, ... (Prometheus' standard names)
+        ProcessCollector(registry=self.registry)
         gauges = ["model_name"]
         labels = ["model_name", "tenant"]  # per request: whose API key sent it
         self.ttft = Histogram("tandem_time_to_first_token_seconds",
