@@ -39,19 +39,33 @@ HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
 
 
+# How much of a role's placement resource (``AppConfig.prefill_resource``, ...) a replica takes:
+# enough to need a node that declares it, little enough that any number fit there.
+PLACEMENT_SHARE = 0.001
+
+
+def actor_options(resource: str | None) -> dict[str, Any]:
+    """A replica's Ray options: no CPU from Ray's bookkeeping (the engine's threads take what
+    they use), and on a node that declares ``resource`` if one is named."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if resource is not None:
+        options["resources"] = {resource: PLACEMENT_SHARE}
+    return options
+
+
 def build_app(config: AppConfig) -> Application:
-    # Workers take CPU from the engine's threads, not from Ray's bookkeeping.
-    options = {"num_cpus": 0}
     max_ongoing = config.in_flight_limit() + PROBE_ROOM
-    gateway = serve.deployment(GatewayIngress, name="gateway", ray_actor_options=options,
+    gateway = serve.deployment(GatewayIngress, name="gateway",
+                               ray_actor_options=actor_options(config.gateway_resource),
                                health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
     if config.colocated:
         return gateway.bind(config)
     router = RequestRouterConfig(
         request_router_class="tandem.services.serving.request_router:TandemRequestRouter")
-    def worker(cls: type, role: str, replicas: int):  # type: ignore[no-untyped-def]
-        return serve.deployment(cls, name=role, num_replicas=replicas, ray_actor_options=options,
+    def worker(cls: type, role: str, replicas: int, resource: str | None):  # type: ignore[no-untyped-def]
+        return serve.deployment(cls, name=role, num_replicas=replicas,
+                                ray_actor_options=actor_options(resource),
                                 # a prefill replica also answers D's lease calls
                                 max_ongoing_requests=2 * max_ongoing,
                                 request_router_config=router,
@@ -61,9 +75,11 @@ def build_app(config: AppConfig) -> Application:
                                 health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                 health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
 
-    prefill = worker(PrefillReplica, "prefill", config.prefill_replicas).bind(config)
+    prefill = worker(PrefillReplica, "prefill", config.prefill_replicas,
+                     config.prefill_resource).bind(config)
     # Decode replicas call the prefill replicas themselves (pair, release, reject).
-    decode = worker(DecodeReplica, "decode", config.decode_replicas).bind(config, prefill)
+    decode = worker(DecodeReplica, "decode", config.decode_replicas,
+                    config.decode_resource).bind(config, prefill)
     return gateway.bind(config, prefill, decode)
 
 

@@ -117,7 +117,9 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "seed": "seed", "chat_template": "chat_template",
              "gpu_memory_utilization": "gpu_memory_utilization",
              "kv_cache_memory_gb": "kv_cache_memory_gb",
-             "generation_config": "generation_config"}
+             "generation_config": "generation_config", "address": "ray_address",
+             "gateway_resource": "gateway_resource", "prefill_resource": "prefill_resource",
+             "decode_resource": "decode_resource"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -185,6 +187,14 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                     help="one engine in the gateway does prefill and decode (the default on "
                          "a CPU machine of fewer than 5 CPUs, where a prefill and a decode "
                          "engine cannot get 2 threads each; --prefill/--decode split anyway)")
+    up.add_argument("--address", metavar="ADDR",
+                    help="deploy into this running Ray cluster (`ray start --head`'s "
+                         "host:port, or auto) instead of starting a private one; on exit only "
+                         "Tandem's application is deleted")
+    for role in ("gateway", "prefill", "decode"):
+        up.add_argument(f"--{role}-resource", metavar="NAME",
+                        help=f"run the {role} replicas only on Ray nodes that declare this "
+                             f"custom resource (ray start --resources='{{\"NAME\": 1}}')")
     up.add_argument("--host", help="HTTP and gRPC listen address (127.0.0.1)")
     up.add_argument("--port", type=int, help="HTTP port (8000)")
     up.add_argument("--grpc-port", type=int, help="gRPC port (50051)")

@@ -88,6 +88,16 @@ class AppConfig:
     # transfers move canonical blocks, gathered from / scattered to the ranks, so a prefill
     # and a decode engine need not agree on it.
     tensor_parallel_size: int = 1
+    # An existing Ray cluster for `tandem up` to deploy into (`ray start --head`'s address,
+    # host:port, or "auto"); None: `tandem up` starts a private one on this machine. On the way
+    # out it deletes only its application; the cluster stays up.
+    ray_address: str | None = None
+    # Where each role's replicas run on a cluster of several nodes: the name of a Ray custom
+    # resource the node must declare (`ray start --resources='{"NAME": 1}'`); each replica needs
+    # 0.001 of it, so it only places it. None: any node.
+    gateway_resource: str | None = None
+    prefill_resource: str | None = None  # the same for prefill replicas
+    decode_resource: str | None = None  # the same for decode replicas
     host: str = "127.0.0.1"  # HTTP and gRPC listen address
     port: int = 8000  # HTTP (OpenAI API, /health, /metrics)
     grpc_port: int = 50051  # gRPC streaming API

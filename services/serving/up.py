@@ -200,16 +200,24 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
     # The replicas' stderr comes here (Ray deduplicates repeated lines across them), where
     # setup_replica_logging sends Tandem's logs; Ray's and Serve's own stay at WARNING, and
     # Serve's per-call access log off, unless debug.
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=True, logging_level=ray_level,
-             runtime_env={"worker_process_setup_hook":
-                          "tandem.services.serving.up.setup_replica_logging"},
-             object_store_memory=128 * 1024 * 1024)
+    runtime_env = {"worker_process_setup_hook":
+                   "tandem.services.serving.up.setup_replica_logging"}
+    external = config.ray_address is not None
+    if external:  # someone else's cluster: joined, never stopped from here
+        ray.init(address=config.ray_address, log_to_driver=True, logging_level=ray_level,
+                 runtime_env=runtime_env)
+    else:
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=True, logging_level=ray_level, runtime_env=runtime_env,
+                 object_store_memory=128 * 1024 * 1024)
     _on_signals(stop)  # again: ray.init installs its own SIGTERM handler (it aborts)
     serve_logging = {"log_level": ray_level, "enable_access_log": log_level == "debug"}
     try:
-        log.info("Ray is up in %.1f s (a private local cluster, %d CPUs)",
-                 time.monotonic() - started, int(ray.cluster_resources().get("CPU", 0)))
+        resources = ray.cluster_resources()
+        log.info("Ray is up in %.1f s (%s, %d node(s), %d CPUs)", time.monotonic() - started,
+                 f"the cluster at {config.ray_address}" if external else
+                 "a private local cluster", len(ray.nodes()), int(resources.get("CPU", 0)))
+        _check_placement(config, resources)
         # No Serve HTTP proxy: the gateway replica serves HTTP and gRPC itself.
         serve.start(proxy_location="Disabled", logging_config=serve_logging)
         monitor = StatusMonitor(config)
@@ -224,15 +232,38 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
             print(ready_line(config, _capacity(config, stop)), file=out, flush=True)
         _serve(config, stop, monitor, stats_interval_s)
     except StartupError:
+        if external:
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME)
         ray.shutdown()  # nothing to drain: stop every process now
         raise
     finally:
         if ray.is_initialized():
             try:
-                serve.shutdown()
+                if external:  # only what this command deployed
+                    serve.delete(APP_NAME)
+                else:
+                    serve.shutdown()
             finally:
                 ray.shutdown()
     return 0
+
+
+def _check_placement(config: AppConfig, resources: dict[str, float]) -> None:
+    """A role's placement resource that no node declares would leave its replicas pending
+    forever: refused now, naming it."""
+    roles = [("gateway", config.gateway_resource)]
+    if not config.colocated:
+        roles += [("prefill", config.prefill_resource), ("decode", config.decode_resource)]
+    for role, resource in roles:
+        if resource is not None and resources.get(resource, 0) <= 0:
+            declared = sorted(k for k in resources
+                              if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                              and not k.startswith("node:"))
+            raise StartupError(f"{role}_resource {resource!r}: no node of the Ray cluster "
+                               f"declares it (custom resources: {', '.join(declared) or 'none'}"
+                               f"); start the {role} nodes with ray start --resources="
+                               f"'{{\"{resource}\": 1}}'")
 
 
 # Ray's and Serve's clocks and extras that a private one-machine cluster does not need, set

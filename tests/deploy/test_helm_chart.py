@@ -46,7 +46,8 @@ CRD_KINDS = {"RayService", "ServiceMonitor", "PrometheusRule"}
 ROLES = ("prefill", "decode")
 # AppConfig settings the chart sets itself, from its own keys (the rest come from `app:`).
 CHART_OWNED = {"model", "host", "port", "grpc_port", "worker_host", "redis_url",
-               "prefill_replicas", "decode_replicas", "colocated"}
+               "prefill_replicas", "decode_replicas", "colocated", "ray_address",
+               "gateway_resource", "prefill_resource", "decode_resource"}
 # Set by the chart from `auth:` and `tls:` (the Secrets it mounts), and only when configured:
 # the cluster secret always, the API keys, metrics_require_key and the TLS files when given
 # (test_chart_security.py).

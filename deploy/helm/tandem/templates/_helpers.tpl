@@ -163,6 +163,12 @@ settings `tandem up --config` reads from its YAML file.
 {{- $_ = set $args "worker_host" "0.0.0.0" }}
 {{- $_ = set $args "redis_url" (include "tandem.redisUrl" . | default nil) }}
 {{- $_ = set $args "colocated" false }}
+{{- /* The RayService is the cluster; each role on its group's pods (the Ray resources the
+groups declare, which the deployments below also ask for). */}}
+{{- $_ = set $args "ray_address" nil }}
+{{- range $role := list "gateway" "prefill" "decode" }}
+{{- $_ = set $args (printf "%s_resource" $role) (include "tandem.rayResource" $role) }}
+{{- end }}
 {{- $_ = set $args "prefill_replicas" (include "tandem.initialReplicas" .Values.prefill | int) }}
 {{- $_ = set $args "decode_replicas" (include "tandem.initialReplicas" .Values.decode | int) }}
 {{- if include "tandem.apiKeysSecret" . }}
