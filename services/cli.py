@@ -119,7 +119,7 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "kv_cache_memory_gb": "kv_cache_memory_gb",
              "generation_config": "generation_config", "address": "ray_address",
              "gateway_resource": "gateway_resource", "prefill_resource": "prefill_resource",
-             "decode_resource": "decode_resource"}
+             "decode_resource": "decode_resource", "worker_host": "worker_host"}
 
 
 def _add_up_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -196,6 +196,8 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                         help=f"run the {role} replicas only on Ray nodes that declare this "
                              f"custom resource (ray start --resources='{{\"NAME\": 1}}')")
     up.add_argument("--host", help="HTTP and gRPC listen address (127.0.0.1)")
+    up.add_argument("--worker-host", help="where workers' control and KV ports listen "
+                                          "(127.0.0.1; 0.0.0.0: each node's own address)")
     up.add_argument("--port", type=int, help="HTTP port (8000)")
     up.add_argument("--grpc-port", type=int, help="gRPC port (50051)")
     up.add_argument("--redis-url", help="prefix index over Redis Streams (default: in-process)")
