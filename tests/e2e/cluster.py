@@ -30,6 +30,7 @@ class UpProcess:
     log_path: Path
     ready_timeout_s: float = 240.0
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    launcher: list[str] = field(default_factory=list)  # before `tandem up` (e.g. ip netns exec)
     http_url: str = ""
     grpc_target: str = ""
     ready_s: float = 0.0
@@ -54,7 +55,8 @@ class UpProcess:
         # transformers' float32 ones (plain `tandem up` would pick bfloat16 on this machine).
         named = "--dtype" in self.args or "--config" in self.args
         self.process = subprocess.Popen(
-            [str(TANDEM), "up", "--port", str(port), "--grpc-port", str(grpc_port),
+            [*self.launcher, str(TANDEM), "up", "--port", str(port), "--grpc-port",
+             str(grpc_port),
              *([] if named else ["--dtype", "float32"]), *self.args],
             stdout=subprocess.PIPE, stderr=self.log_path.open("w"), text=True, env=env)
         line = _read_line(self.process, self.ready_timeout_s)
