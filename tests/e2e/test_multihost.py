@@ -1,12 +1,15 @@
 """Tandem across hosts: two Linux network namespaces joined by a bridge (tests/e2e/netns.py),
 a Ray node in each (`ray start --block`), `tandem up --address` on the head host.
 
-Host 0 runs Ray's head, the gateway and the prefill worker; host 1 the decode worker. The
-prompt's KV blocks go from host 0 to host 1 over a real network path (veth links and a bridge),
-over TCP and over NIXL (UCX over TCP); the output is the engine's, token for token. With the
-decode host's link cut while it streams, the request ends with a clear error within its
-deadlines, and once the link is back the next request is served and every block is free.
-Needs root (the namespaces); everything made is removed at the end."""
+Host 0 runs Ray's head, the gateway and the prefill worker; host 1 the decode worker, each
+placed by the Ray resource its node declares (a resource no node declares is refused at
+start-up, naming it). The prompt's KV blocks go from host 0 to host 1 over a real network path
+(veth links and a bridge), over TCP and over NIXL (UCX over TCP); the output is the engine's,
+token for token. On exit `tandem up` removes only its application: the Ray nodes stay up (the
+next test deploys into them). With the decode host's link cut while it streams, the request
+ends with a clear error within its deadlines, and once the link is back the next request is
+served and every block is free. Needs root (the namespaces); everything made is removed at the
+end."""
 
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tandem.services.protocol.request import SamplingParams
-from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
+from tests.e2e.cluster import TANDEM, UpProcess, all_blocks_free, metric_values, wait_for
 from tests.e2e.netns import Host, hosts
 
 RAY = Path(sys.executable).with_name("ray")
@@ -102,6 +106,29 @@ def _complete(url: str) -> httpx.Response:
         "return_token_ids": True})
 
 
+def _replicas(host: Host, role: str) -> int:
+    """Serve replicas of ``role`` running in ``host``'s namespace."""
+    count = 0
+    for pid in host.pids():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            command = " ".join(psutil.Process(pid).cmdline())
+            count += "ServeReplica" in command and f":{role}" in command
+    return count
+
+
+def test_a_resource_no_node_declares_is_refused_at_start(
+        two_hosts: tuple[Host, Host, Path]) -> None:
+    head, _, _ = two_hosts
+    result = subprocess.run(head.command(
+        str(TANDEM), "up", "--address", f"{head.address}:{RAY_PORT}", "--prefill", "1",
+        "--decode", "1", "--decode-resource", "tandem_test_nowhere"),
+        env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "decode_resource 'tandem_test_nowhere': no node of the Ray cluster declares it" in \
+        result.stderr
+    assert "tandem_test_decode" in result.stderr  # what the cluster does declare
+
+
 def _bytes_moved(url: str) -> float:
     return sum(metric_values(url, "tandem_kv_transfer_bytes_total").values())
 
@@ -109,9 +136,11 @@ def _bytes_moved(url: str) -> float:
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_kv_moved_across_hosts_gives_the_engines_tokens(
         two_hosts: tuple[Host, Host, Path], expected: list[int], transport: str) -> None:
-    head, _, root = two_hosts
+    head, other, root = two_hosts
     up = _up(head, root, transport)
     try:
+        assert [_replicas(head, r) for r in ("gateway", "prefill", "decode")] == [1, 1, 0]
+        assert [_replicas(other, r) for r in ("gateway", "prefill", "decode")] == [0, 0, 1]
         moved = _bytes_moved(up.http_url)
         reply = _complete(up.http_url)
         assert reply.status_code == 200, reply.text
@@ -121,6 +150,11 @@ def test_kv_moved_across_hosts_gives_the_engines_tokens(
         assert sum(metric_values(up.http_url, "tandem_decode_recomputes_total").values()) == 0
     finally:
         assert up.stop() == 0
+    # Only Tandem's application went: its replicas, not the nodes.
+    wait_for(lambda: not any(_replicas(h, r) for h in (head, other)
+                             for r in ("gateway", "prefill", "decode")), 120,
+             "Tandem's replicas gone")
+    assert _nodes_alive(head) == 2
 
 
 def test_a_cut_link_ends_the_request_clearly_and_the_next_one_is_served(
