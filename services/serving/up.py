@@ -6,11 +6,11 @@ import contextlib
 import logging
 import os
 import secrets
+import select
 import signal
 import ssl
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -94,7 +94,7 @@ def _kernels_run(config: AppConfig, dtype: str) -> bool:
     return cpu_kernels.unavailable_reason() is None
 
 
-def _capacity(config: AppConfig, stop: threading.Event, wait_s: float = 10.0
+def _capacity(config: AppConfig, stop: Stop, wait_s: float = 10.0
               ) -> tuple[int, int] | None:
     """``kv_capacity`` once the gateway's stats hold every engine's cache (a status poll
     after /health turned 200); None if they do not within ``wait_s``."""
@@ -164,7 +164,7 @@ def run(config: AppConfig, out: TextIO = sys.stdout, log_level: str = "info",
     """Serve until SIGINT/SIGTERM; every Ray process started here is stopped on the way out.
     The ready line goes to ``out``; progress, the replicas' logs and stats go to stderr.
     ``shape_reason``: why the shape (``default_shape``), logged first."""
-    stop = threading.Event()
+    stop = Stop()
     _on_signals(stop)
     configure_logging(log_level)
     if shape_reason is not None:
@@ -317,12 +317,39 @@ def _quiet_ray_when_idle() -> None:
         os.environ.setdefault(name, value)
 
 
-def _on_signals(stop: threading.Event) -> None:
+class Stop:
+    """`tandem up`'s stop flag, set by SIGINT/SIGTERM: ``set`` takes no lock, so a signal
+    handler may call it. (``threading.Event.set`` from a handler deadlocks when the handler runs
+    on the main thread while that thread holds the Event's lock: a second signal during the
+    first one's ``set``, e.g. Ctrl-C forwarded by a supervisor as well as sent to the group.)
+    Waiters sleep in ``select`` on a pipe that ``set`` makes readable for good."""
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        self._flag = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._write, b"!")
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once set; False after ``timeout`` seconds."""
+        if not self._flag:
+            select.select([self._read], [], [], timeout)
+        return self._flag
+
+
+def _on_signals(stop: Stop) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
 
-def _wait_healthy(config: AppConfig, stop: threading.Event,
+def _wait_healthy(config: AppConfig, stop: Stop,
                   monitor: StatusMonitor | None = None) -> None:
     """Until /health answers 200 and (with a ``monitor``) Serve reports every replica running;
     a replica that fails to start raises ``StartupError`` (Serve's status, polled on the way)
@@ -361,7 +388,7 @@ def _answers(url: str, context: ssl.SSLContext | None) -> bool:
     return False
 
 
-def _serve(config: AppConfig, stop: threading.Event, monitor: StatusMonitor,
+def _serve(config: AppConfig, stop: Stop, monitor: StatusMonitor,
            stats_interval_s: float) -> None:
     """Until stopped: Serve's status every SERVING_STATUS_POLL_S (replicas lost and back) and a
     stats line every ``stats_interval_s`` that something changed in (0: none)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import GatewayServer, ServeAddresses
 from tandem.services.gateway.tls import TLSConfigError
 from tandem.services.serving.config import AppConfig, ConfigError
-from tandem.services.serving.up import _wait_healthy, ready_line
+from tandem.services.serving.up import Stop, _wait_healthy, ready_line
 from tests.gateway.helpers import engine_tokens
 
 MAX_TOKENS = 4
@@ -215,9 +214,9 @@ def test_tandem_up_polls_health_trusting_the_served_certificate(
                            http_port=0, grpc_port=0, tls=tls)
     addresses = server.start()
     try:
-        _wait_healthy(service.config(port=addresses.http_port), threading.Event())
+        _wait_healthy(service.config(port=addresses.http_port), Stop())
         stranger = _issue(certs, "stranger", "127.0.0.1", [])[0]
         with pytest.raises(RuntimeError, match=r"certificate \(tls_cert_file\) does not verify"):
-            _wait_healthy(stranger.config(port=addresses.http_port), threading.Event())
+            _wait_healthy(stranger.config(port=addresses.http_port), Stop())
     finally:
         server.stop()
