@@ -39,6 +39,12 @@ class RouterConfig:
     inflight_max_age_s: float = 30.0
     # A lapsed worker's index entries are dropped after this long without a heartbeat.
     forget_lapsed_after_s: float = 60.0
+    # Sessions (router/sessions.py): a session stays on its decode worker while that worker's
+    # decode score is within session_slack of the lowest; idle sessions are forgotten after
+    # session_ttl_s; at most max_sessions are kept.
+    session_slack: float = 0.25
+    session_ttl_s: float = 600.0
+    max_sessions: int = 100_000
     # Seeds the decode power-of-two sampling.
     seed: int = 0
     memo_blocks: int = 1 << 17
@@ -51,5 +57,7 @@ class RouterConfig:
             raise ValueError("weights must be >= 0")
         if not 0 <= self.host_hit_cost <= 1:
             raise ValueError(f"host_hit_cost must be in [0, 1], got {self.host_hit_cost}")
+        if self.session_slack < 0 or not self.session_ttl_s > 0 or self.max_sessions < 1:
+            raise ValueError("session_slack must be >= 0, session_ttl_s > 0, max_sessions >= 1")
         if self.fallback_prefix_blocks < 1:
             raise ValueError("fallback_prefix_blocks must be >= 1")

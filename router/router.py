@@ -44,6 +44,7 @@ from tandem.router.scoring import (
     rendezvous_key,
     rendezvous_weight,
 )
+from tandem.router.sessions import SessionKey, Sessions
 from tandem.services.protocol.block_hash import BlockHash, PromptHasher
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class RouterStatus:
     event_gaps: int = 0  # times a worker's numbered KV events skipped ahead (then resynced)
     # Calls that found the chosen worker gone, per (role, reason): see ``mark_down``.
     failovers: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Decisions for requests of a session, per outcome (router/sessions.py: kept, moved, new),
+    # and the sessions remembered now.
+    session_routes: dict[str, int] = field(default_factory=dict)
+    sessions: int = 0
     decisions: int = 0
     fallback_decisions: int = 0
     # Decisions per (reason, detail), as on RoutingDecision.
@@ -99,6 +104,7 @@ class Router:
         self._inflight = InFlight(config.inflight_max_age_s)
         self._rng = random.Random(config.seed)
         self._round_robin = RoundRobin()
+        self._sessions = Sessions(config.session_ttl_s, config.max_sessions, config.session_slack)
         self._lock = threading.RLock()
 
         self._subscription: EventSubscription | None = (
@@ -279,15 +285,18 @@ class Router:
         *,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        session: SessionKey | None = None,
     ) -> RoutingDecision:
-        """Choose workers for a tokenized prompt. Raises NoHealthyWorkers only when no worker
-        of either role is known."""
+        """Choose workers for a tokenized prompt (``session``: the request's, which keeps its
+        decode worker while it can). Raises NoHealthyWorkers only when no worker of either
+        role is known."""
         hashes = self.hasher.hashes(token_ids, cache_salt)
         key = rendezvous_key(
             hashes, self.config.fallback_prefix_blocks, token_ids,
             self.config.settings.extra_keys(cache_salt),
         )
-        return self.route_hashes(hashes, len(token_ids), fallback_key=key, request_id=request_id)
+        return self.route_hashes(hashes, len(token_ids), fallback_key=key, request_id=request_id,
+                                 session=session)
 
     def route_hashes(
         self,
@@ -296,6 +305,7 @@ class Router:
         *,
         fallback_key: bytes | None = None,
         request_id: str | None = None,
+        session: SessionKey | None = None,
     ) -> RoutingDecision:
         """``route`` for a caller that already has the prompt's block hashes."""
         if fallback_key is None:
@@ -303,7 +313,7 @@ class Router:
                                           (num_tokens,))
         with self._lock:
             return self._decide(hashes, num_tokens, fallback_key,
-                                request_id or uuid.uuid4().hex)
+                                request_id or uuid.uuid4().hex, session)
 
     def mark_down(self, worker_id: str, reason: str) -> None:
         """A call to the worker this router chose found it gone (e.g. its Serve replica was
@@ -325,7 +335,8 @@ class Router:
             self._inflight.release(request_id)
 
     def _decide(
-        self, hashes: Sequence[BlockHash], num_tokens: int, key: bytes, request_id: str
+        self, hashes: Sequence[BlockHash], num_tokens: int, key: bytes, request_id: str,
+        session: SessionKey | None,
     ) -> RoutingDecision:
         now = self._clock()
         cfg = self.config
@@ -359,7 +370,7 @@ class Router:
                 decode_choice = lowest(holders, key)
         if skip_detail is not None:
             if decode_choice is None:
-                decode_choice = power_of_two(decode_scores, self._rng)
+                decode_choice = self._decode_choice(decode_scores, session, now)
             cached = lengths.get(decode_choice, 0)
             self._inflight.add(request_id, decode_choice, prompt_blocks, now)
             return self._decision(request_id, None, decode_choice, d.SKIP_PREFILL, skip_detail,
@@ -387,7 +398,7 @@ class Router:
             # (its worker still queueing the first request) stays put while traffic keeps coming.
             self._index.add_provisional(chosen, hashes, now)
         self._inflight.add(request_id, chosen, prompt_blocks - cached, now)
-        decode_choice = power_of_two(decode_scores, self._rng) if decode else None
+        decode_choice = self._decode_choice(decode_scores, session, now) if decode else None
         if decode_choice is not None:
             self._inflight.add(request_id, decode_choice, prompt_blocks, now)
         return self._decision(request_id, chosen, decode_choice, reason, detail, num_tokens,
@@ -417,6 +428,12 @@ class Router:
         self._inflight.add(request_id, chosen, prompt_blocks, now)
         return self._decision(request_id, chosen, decode_choice, d.ROUND_ROBIN, "", num_tokens,
                               prompt_blocks, 0, {}, decode_scores)
+
+    def _decode_choice(self, scores: dict[str, float], session: SessionKey | None,
+                       now: float) -> str:
+        """By load (power of two choices), or the session's worker while it may keep it."""
+        usual = power_of_two(scores, self._rng)
+        return usual if session is None else self._sessions.choose(session, scores, usual, now)
 
     def _count_prefix(self, prompt: int, any_worker: int, chosen: int) -> None:
         self._prefix_blocks.update(prompt=prompt, any=any_worker, chosen=chosen)
@@ -494,6 +511,8 @@ class Router:
                 events_applied=self._events_applied,
                 event_gaps=self._order.gaps,
                 failovers=dict(self._failovers),
+                session_routes=dict(self._sessions.routes),
+                sessions=len(self._sessions),
                 decisions=self._decisions,
                 fallback_decisions=self._fallbacks,
                 decisions_by_reason=dict(self._by_reason),

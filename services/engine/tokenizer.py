@@ -141,19 +141,23 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[dict[str, Any]],
                     tools: Sequence[dict[str, Any]] | None = None,
-                    extra: Mapping[str, Any] | None = None) -> list[int]:
+                    extra: Mapping[str, Any] | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
         """The chat's tokens. Special tokens come only from the template: a special token's
         text inside a message's content is plain text (a user cannot forge a turn), tokenized
-        as it would be were it not special. (The template writes BOS where the model wants one.)
-        """
+        as it would be were it not special. (The template writes BOS where the model wants one;
+        ``add_special_tokens`` puts the tokenizer's BOS before it too, as vLLM's flag does.)"""
         specials = self._special_texts
         if specials and any(_has_special(m.get("content"), specials) for m in messages):
             marked = [{**m, "content": _mark_specials(m.get("content"), specials)}
                       for m in messages]
-            return self._encode_marked(self.apply_chat_template(marked, tools=tools,
-                                                                extra=extra))
-        return self.encode(self.apply_chat_template(messages, tools=tools, extra=extra),
-                           add_special_tokens=False)
+            ids = self._encode_marked(self.apply_chat_template(marked, tools=tools, extra=extra))
+        else:
+            ids = self.encode(self.apply_chat_template(messages, tools=tools, extra=extra),
+                              add_special_tokens=False)
+        if add_special_tokens and self.add_bos:
+            ids = [self.bos_token_id, *ids]  # type: ignore[list-item]
+        return ids
 
     @functools.cached_property
     def _special_texts(self) -> tuple[str, ...]:

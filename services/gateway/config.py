@@ -41,6 +41,8 @@ class GatewayConfig:
     # Sampling settings for requests that leave them unset (the model's generation_config.json:
     # ModelMetadata.sampling_defaults): SamplingOptions field -> value.
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
+    # Origins whose browser pages may call the HTTP API (CORS); empty: none ("*": any).
+    cors_allow_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):

@@ -210,19 +210,22 @@ class Gateway:
     def build_request(self, request_id: str, prompt_token_ids: list[int],
                       options: SamplingOptions, cache_salt: str | None = None,
                       arrival_time: float | None = None, prompt_param: str = "prompt",
-                      tenant: str = DEFAULT_TENANT) -> GenerationRequest:
-        """``cache_salt``: the client's; the request's own is derived from it and ``tenant``."""
+                      tenant: str = DEFAULT_TENANT, session: str | None = None
+                      ) -> GenerationRequest:
+        """``cache_salt``: the client's; the request's own is derived from it and ``tenant``.
+        ``session``: the client's session name, if it gave one."""
         unset = {k: v for k, v in self.config.sampling_defaults.items()
                  if getattr(options, k) is None}
         if unset:  # the model's own defaults (generation_config.json)
             options = dataclasses.replace(options, **unset)
         if self._seeds is not None and options.seed is None and options.temperature != 0:
             options = dataclasses.replace(options, seed=self._seeds.getrandbits(63))
-        return build_request(request_id, prompt_token_ids, options, self.max_model_len,
-                             (cache_salt or None) if self._tenants is None
-                             else self._tenants.cache_salt(tenant, cache_salt),
-                             self.config.default_max_tokens, arrival_time, prompt_param,
-                             self.config.request_timeout_s, self.tokenizer.vocab_size, tenant)
+        request = build_request(request_id, prompt_token_ids, options, self.max_model_len,
+                                (cache_salt or None) if self._tenants is None
+                                else self._tenants.cache_salt(tenant, cache_salt),
+                                self.config.default_max_tokens, arrival_time, prompt_param,
+                                self.config.request_timeout_s, self.tokenizer.vocab_size, tenant)
+        return request if session is None else dataclasses.replace(request, session=session)
 
     async def start(self, request: GenerationRequest, trace: RequestTrace | None = None
                     ) -> Generation:

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
@@ -26,7 +27,13 @@ from tandem.services.gateway.core import (
     total_usage,
 )
 from tandem.services.gateway.errors import GatewayError, bad_request
-from tandem.services.gateway.http_io import AbortConnection, BodyLimitMiddleware, EventStream, Scope
+from tandem.services.gateway.http_io import (
+    AbortConnection,
+    BodyLimitMiddleware,
+    EventStream,
+    RequestIdMiddleware,
+    Scope,
+)
 from tandem.services.gateway.inputs import (
     check_token_ids,
     new_request_id,
@@ -87,6 +94,11 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=gateway.config.max_body_bytes,
                        on_refusal=body_refused)
+    app.add_middleware(RequestIdMiddleware)  # outside the body limit: its 413s echo it too
+    if gateway.config.cors_allow_origins:  # browsers' cross-origin calls, opt-in
+        app.add_middleware(CORSMiddleware, allow_origins=list(gateway.config.cors_allow_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=["x-request-id", "retry-after"])
     token_text = TokenText(gateway.tokenizer)
 
     def event_stream(choices: Choices, events: AsyncGenerator[bytes, None]) -> EventStream:
@@ -193,11 +205,12 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                     specs = [f.spec() for f in functions] if own else None
                     prompt = await gateway.tokenize("messages", text_chars(messages), partial(
                         tokenize_chat, gateway.tokenizer, rendered, specs,
-                        body.chat_template_kwargs))
+                        body.template_kwargs(), bool(body.add_special_tokens)))
                     span.set_attribute("tandem.prompt_tokens", len(prompt))
                 greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
                                              body.sampling_options(), body.salt(), arrival,
-                                             prompt_param="messages", tenant=tenant)
+                                             prompt_param="messages", tenant=tenant,
+                                             session=body.session())
                 if not body.stream:
                     gateway.check_buffered(greq, body.n)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
@@ -225,13 +238,14 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 with trace.phase("gateway.tokenize") as span:
                     prompt_in = body.single_prompt()
                     prompt = (await gateway.tokenize("prompt", len(prompt_in), partial(
-                                  tokenize_prompt, gateway.tokenizer, prompt_in))
+                                  tokenize_prompt, gateway.tokenizer, prompt_in,
+                                  body.add_special_tokens is not False))
                               if isinstance(prompt_in, str)
                               else check_token_ids(prompt_in, gateway.tokenizer.vocab_size))
                     span.set_attribute("tandem.prompt_tokens", len(prompt))
                 greq = gateway.build_request(new_request_id("cmpl"), prompt,
                                              body.sampling_options(), body.salt(), arrival,
-                                             tenant=tenant)
+                                             tenant=tenant, session=body.session())
                 if not body.stream:
                     gateway.check_buffered(greq, body.best_of or body.n)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,

@@ -151,6 +151,32 @@ class BodyLimitMiddleware:
         await _respond(send, error)
 
 
+# ASGI middleware: a request's ``X-Request-Id`` (visible ASCII, at most 128 characters) comes
+# back on its response, refusals and errors included, so a client or proxy can match them; the
+# server's own request ids stay its own (a client's id is never a key).
+_MAX_REQUEST_ID = 128
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = next((value for name, value in scope.get("headers", ())
+                      if name == b"x-request-id"), None) if scope["type"] == "http" else None
+        if not given or len(given) > _MAX_REQUEST_ID or not all(33 <= b < 127 for b in given):
+            await self.app(scope, receive, send)
+            return
+
+        async def echo(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", given)]}
+            await send(message)
+
+        await self.app(scope, receive, echo)
+
+
 def _content_length(scope: Scope) -> int | GatewayError | None:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":

@@ -63,9 +63,14 @@ class SamplingOptions:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def template_message(role: str, content: str) -> dict[str, str]:
-    """A message as the chat template reads it (templates know "system", not "developer")."""
-    return {"role": "system" if role == "developer" else role, "content": content}
+def template_message(role: str, content: str, reasoning: str | None = None
+                     ) -> dict[str, str]:
+    """A message as the chat template reads it (templates know "system", not "developer");
+    an assistant turn's reasoning as ``reasoning_content`` (what templates that show it read)."""
+    message = {"role": "system" if role == "developer" else role, "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def new_request_id(prefix: str) -> str:
@@ -95,15 +100,17 @@ def check_prompt_size(chars: int, max_model_len: int, max_token_chars: int, para
             f"{limit} in all)", param=param, code="context_length_exceeded")
 
 
-def tokenize_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+def tokenize_prompt(tokenizer: Tokenizer, prompt: str, add_special_tokens: bool = True
+                    ) -> list[int]:
     if not prompt:
         raise bad_request("prompt is empty", param="prompt")
-    return tokenizer.encode(prompt)
+    return tokenizer.encode(prompt, add_special_tokens)
 
 
 def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
                   tools: Sequence[dict[str, Any]] | None = None,
-                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                  template_kwargs: dict[str, Any] | None = None,
+                  add_special_tokens: bool = False) -> list[int]:
     if not messages:
         raise bad_request("messages is empty: send at least one message", param="messages")
     clash = sorted(set(template_kwargs or ()) & set(TEMPLATE_VARIABLES))
@@ -111,7 +118,7 @@ def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
         raise bad_request(f"chat_template_kwargs cannot set {clash[0]!r}: the server does",
                           param="chat_template_kwargs")
     try:
-        return tokenizer.encode_chat(messages, tools, template_kwargs)
+        return tokenizer.encode_chat(messages, tools, template_kwargs, add_special_tokens)
     except (ValueError, TemplateError) as exc:  # no template, or the template rejected them
         raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
 

@@ -27,6 +27,7 @@ def _integral(value: object) -> object:
 
 Int = Annotated[int, BeforeValidator(_integral)]
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM
+MAX_SESSION_CHARS = 256
 
 
 class _Body(BaseModel):
@@ -63,7 +64,6 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "bad_words": ("bad_words", (None, [])),
     "add_generation_prompt": ("add_generation_prompt=false", (None, True)),
     "continue_final_message": ("continue_final_message", (None, False)),
-    "add_special_tokens": ("add_special_tokens", _OFF),
     "documents": ("documents for the chat template", _OFF),
     "chat_template": ("a per-request chat template", _OFF),
     "media_io_kwargs": (_MULTIMODAL, _OFF),
@@ -76,7 +76,6 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "prediction": ("predicted outputs", _OFF),
     "priority": ("request priorities", (None, 0)),
     "request_id": ("a client request id over HTTP", _OFF),
-    "session_id": ("sessions", _OFF),
     "return_tokens_as_token_ids": ("tokens as token ids", (None, False)),
     "return_token_offsets": ("token offsets", (None, False)),
     "return_prompt_text": ("the prompt's text", (None, False)),
@@ -87,7 +86,6 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "repetition_detection": ("repetition detection", _OFF),
     "stream_interval": ("stream_interval", (None, 1)),
     "watermarking": ("watermarking", _OFF),
-    "reasoning_effort": (_REASONING, _OFF),
     "thinking_token_budget": (_REASONING, _OFF),
     "include_reasoning": (_REASONING, (None, True)),
     "verbosity": ("verbosity", (None, "medium")),
@@ -95,7 +93,6 @@ NOT_SUPPORTED: dict[str, tuple[str, tuple[object, ...]]] = {
     "store": (_STORED, (None, False)),
     "metadata": (_STORED, (None, {})),
     "service_tier": ("service tiers", (None, "auto", "default")),
-    "prompt_cache_key": ("prompt_cache_key (use cache_salt)", _OFF),
 }
 
 
@@ -157,6 +154,14 @@ class _CommonRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # extension: per-tenant prefix-cache isolation
+    # A session (OpenAI's prompt_cache_key, vLLM's session_id; one name, or both the same): the
+    # router keeps its requests on the same decode worker while that worker is healthy and not
+    # overloaded (router/sessions.py). Scoped by tenant; never a cache key of its own.
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_SESSION_CHARS)
+    session_id: str | None = Field(None, min_length=1, max_length=MAX_SESSION_CHARS)
+    # True: the tokenizer's BOS before the prompt where the model has one (completions'
+    # default); chat's default is false (the chat template writes the special tokens).
+    add_special_tokens: bool | None = None
     ignore_eos: bool = False  # extension
     # Extensions: speculative decoding (when the server runs it) per request.
     speculative: bool = True  # false: decode this request without drafts
@@ -190,6 +195,13 @@ class _CommonRequest(_Request):
 
     def salt(self) -> str | None:
         return self.cache_salt or None
+
+    def session(self) -> str | None:
+        if (self.prompt_cache_key and self.session_id
+                and self.prompt_cache_key != self.session_id):
+            raise bad_request("prompt_cache_key and session_id name different sessions; give "
+                              "one", param="session_id")
+        return self.prompt_cache_key or self.session_id
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -283,6 +295,8 @@ class _CommonRequest(_Request):
 class TextPart(_Body):
     type: Literal["text"]
     text: str
+    # Anthropic-style prompt-caching marker: accepted; every prefix is cached here anyway.
+    cache_control: dict[str, Any] | None = None
 
 
 class FunctionCall(_Body):
@@ -325,10 +339,18 @@ class ChatMessage(_Body):
     name: str | None = None  # accepted; the chat templates Tandem renders do not show it
     tool_calls: list[ToolCallMessage] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this result answers
+    # An earlier assistant turn as the API returned it: a refusal is what the model said (the
+    # text when there is no content); annotations are the client's (not shown to the model);
+    # its reasoning (vLLM's `reasoning`, or `reasoning_content`) goes to the template, which
+    # shows it where the model's format does (e.g. Qwen3's last turn).
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return self.content or self.refusal or ""
         parts = []
         for part in self.content:
             if not isinstance(part, TextPart):
@@ -346,7 +368,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_calls:
             calls = assistant_calls_text([c.model_dump() for c in m.tool_calls])
             text = f"{text}\n{calls}" if text else calls
-        rendered.append(template_message(m.role, text))
+        rendered.append(template_message(m.role, text, m.reasoning_content or m.reasoning))
     return rendered
 
 
@@ -358,6 +380,8 @@ class ChatCompletionRequest(_CommonRequest):
     echo: bool = False  # vLLM: the last message's text before the reply; only false
     # More variables for the chat template (e.g. enable_thinking); not the server's own.
     chat_template_kwargs: dict[str, Any] | None = None
+    # The template's `reasoning_effort` variable (templates that take it, e.g. gpt-oss's).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # Tool calling (gateway/tools.py).
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -378,6 +402,17 @@ class ChatCompletionRequest(_CommonRequest):
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``reasoning_effort`` (400 if they disagree)."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is None:
+            return kwargs
+        given = (kwargs or {}).get("reasoning_effort", self.reasoning_effort)
+        if given != self.reasoning_effort:
+            raise bad_request("reasoning_effort and chat_template_kwargs.reasoning_effort "
+                              "differ; give one", param="reasoning_effort")
+        return {**(kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     def functions(self) -> list[Function]:
         return [Function(t.function.name, t.function.description, t.function.parameters)

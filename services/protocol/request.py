@@ -146,6 +146,9 @@ class GenerationRequest:
     # worker recomputes them with the prompt (or finds them cached) and goes on from there.
     output_token_ids: tuple[int, ...] = ()
     tenant: str = DEFAULT_TENANT  # whose API key sent it; its cache_salt is derived from it
+    # The client's session name (prompt_cache_key / session_id): the router keeps a tenant's
+    # session on one decode worker while it can (router/sessions.py); None: no session.
+    session: str | None = None
 
     def remaining_s(self) -> float | None:
         """Seconds until the deadline (negative once past); None: no deadline."""

@@ -156,8 +156,10 @@ class DisaggBackend:
     def _route(self, request: GenerationRequest, parent: Context | None) -> RoutingDecision:
         span = tracing.start_span("router.decision", parent)
         try:
-            decision = self.router.route(request.prompt_token_ids, cache_salt=request.cache_salt,
-                                         request_id=request.request_id)
+            decision = self.router.route(
+                request.prompt_token_ids, cache_salt=request.cache_salt,
+                request_id=request.request_id,
+                session=None if request.session is None else (request.tenant, request.session))
             if decision.decode_worker is None:
                 self.router.release(request.request_id)
                 raise UnavailableError("no healthy decode worker; retry shortly")

@@ -163,6 +163,9 @@ class AppConfig:
     # mounts one from a Secret); needed with api_keys_file.
     cluster_secret_file: str | None = None
     metrics_require_key: bool = False  # /metrics needs an API key too (/health never does)
+    # Origins whose browser pages may call the HTTP API (CORS: e.g. https://app.example.com);
+    # None: none, the default ("*": any origin; API keys still apply).
+    cors_allow_origins: str | list[str] | None = None
     tenant_requests_per_minute: int | None = None  # per tenant; None: no limit
     tenant_tokens_per_minute: int | None = None  # prompt + max_tokens, per tenant; None: none
     # TLS for HTTP and gRPC (PEM files, read by the gateway at start; the chart mounts them
@@ -260,10 +263,11 @@ class AppConfig:
                 and not is_hub_id(self.model)):
             raise ConfigError(f"model: {self.model} does not exist (nor is it a Hugging Face "
                               f"id, org/name[@revision])")
-        if isinstance(self.served_model_name, list) and not all(
-                isinstance(n, str) and n for n in self.served_model_name or [""]):
-            raise ConfigError(f"served_model_name must be a name or a list of names, got "
-                              f"{self.served_model_name!r}")
+        for name in ("served_model_name", "cors_allow_origins"):
+            value = getattr(self, name)
+            if isinstance(value, list) and not all(isinstance(n, str) and n
+                                                   for n in value or [""]):
+                raise ConfigError(f"{name} must be a name or a list of names, got {value!r}")
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # neither a file nor a template: refused
         if self.generation_config not in ("auto", "vllm") and not (
@@ -317,6 +321,11 @@ class AppConfig:
         """The model's names in the API (empty: its own id)."""
         names = self.served_model_name
         return (names,) if isinstance(names, str) else tuple(names or ())
+
+    def cors_origins(self) -> tuple[str, ...]:
+        """The origins browsers may call from (empty: none)."""
+        origins = self.cors_allow_origins
+        return (origins,) if isinstance(origins, str) else tuple(origins or ())
 
     def http_url(self) -> str:
         """Where the gateway's HTTP front end answers (https with TLS)."""

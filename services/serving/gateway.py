@@ -107,7 +107,8 @@ class GatewayIngress:
                                        max_connections=config.max_connections,
                                        max_grpc_streams=config.max_grpc_streams,
                                        sampling_defaults=defaults,
-                                       metrics_require_key=config.metrics_require_key)
+                                       metrics_require_key=config.metrics_require_key,
+                                       cors_allow_origins=config.cors_origins())
         tenants = tenants_of(config)
         tls = config.server_tls()
         if defaults:

@@ -189,7 +189,19 @@ class RouterCollector(Collector):
             labels=["model_name", "on"])
         for where in ("any", "chosen"):
             cached.add_metric([*name, where], status.prefix_blocks.get(where, 0))
-        yield from (decisions, bus, blocks, rebuilds, failovers, gaps, prompt, cached)
+        sessions = CounterMetricFamily(
+            "tandem_router_session_routes",
+            "Decode choices for requests that named a session (prompt_cache_key or session_id): "
+            "kept on the session's decode worker, moved off it (gone, or loaded beyond the "
+            "slack), or a new session.", labels=["model_name", "outcome"])
+        for outcome in ("kept", "moved", "new"):
+            sessions.add_metric([*name, outcome], status.session_routes.get(outcome, 0))
+        live = GaugeMetricFamily("tandem_router_sessions",
+                                 "Sessions the router remembers a decode worker for.",
+                                 labels=["model_name"])
+        live.add_metric(name, status.sessions)
+        yield from (decisions, bus, blocks, rebuilds, failovers, gaps, prompt, cached, sessions,
+                    live)
 
 
 # AppConfig fields the doctor (services/doctor) reads from tandem_config_info: no secrets, no

@@ -147,6 +147,29 @@ def test_seeded_sampling_through_the_cluster_equals_the_engine(
     assert text.startswith('["') and len(text) > 40, text  # held to the schema
 
 
+def test_a_session_stays_on_its_decode_worker(cluster: UpProcess,
+                                              undisturbed: list[list[int]]) -> None:
+    """Six turns of a conversation named by prompt_cache_key: the router keeps them on one of
+    the two decode workers (the idle cluster's loads stay within the slack)."""
+    def routes() -> dict[str, float]:
+        return {dict(labels)["outcome"]: value for labels, value in metric_values(
+            cluster.http_url, "tandem_router_session_routes_total").items()}
+
+    before = routes()
+    messages: list[dict[str, str]] = []
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"Turn {turn}: name a colour."})
+        response = httpx.post(f"{cluster.http_url}/v1/chat/completions", timeout=120, json={
+            "messages": messages, "max_tokens": 8, "temperature": 0,
+            "prompt_cache_key": "e2e-session"})
+        assert response.status_code == 200, response.text
+        messages.append({"role": "assistant",
+                         "content": response.json()["choices"][0]["message"]["content"]})
+    after = routes()
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in ("new", "kept", "moved")} == {
+        "new": 1, "kept": 5, "moved": 0}
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP],
                          ids=["sigkill", "sigterm", "sigstop"])
 def test_a_lost_decode_worker_does_not_cut_a_stream(cluster: UpProcess,
