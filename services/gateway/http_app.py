@@ -53,7 +53,13 @@ from tandem.services.gateway.openai_protocol import (
 from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.token_text import TokenText
-from tandem.services.gateway.tools import CallStream, ToolCall, parse_reply, with_tools
+from tandem.services.gateway.tools import (
+    CallStream,
+    ReplyStream,
+    ToolCall,
+    parse_reply,
+    with_tools,
+)
 from tandem.services.protocol.request import GenerationRequest
 from tandem.services.version import version
 
@@ -458,12 +464,18 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
     usages: list[Usage | None] = [None] * body.n
     mode = body.tool_mode()
     if mode == "auto":
-        # The reply is a call or text, known only once it is whole: it streams as one delta at
-        # its end (content or tool calls; OpenAI's clients reassemble either).
-        for index, merged in enumerate(await choices.collect()):
-            usages[index] = merged.usage
-            yield event(ctx.chat_chunk(merged, body.logprobs, reply=_reply(merged, body),
-                                       index=index))
+        # Content streams until a call may be starting; the calls (and any content after
+        # them) come with the reply's last delta (tools.ReplyStream).
+        replies = [ReplyStream(body.functions()) for _ in range(body.n)]
+        async for index, delta in choices:
+            usages[index] = delta.usage or usages[index]
+            reply = replies[index]
+            content, calls = ((reply.feed(delta.text), []) if delta.finish_reason is None
+                              else _finished(reply, delta.text))
+            if (content or calls or delta.finish_reason or (body.logprobs and delta.logprobs)
+                    or (body.return_token_ids and delta.token_ids)):
+                yield event(ctx.chat_chunk(delta, body.logprobs, reply=(content, calls),
+                                           index=index))
     elif mode not in (None, "none"):  # held to one call: its arguments stream as they form
         calls = [CallStream(None if mode == "required" else mode) for _ in range(body.n)]
         async for index, delta in choices:
@@ -485,6 +497,12 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
     if include_usage:
         yield sse(ctx.usage_chunk("chat.completion.chunk", total_usage(usages)))
     yield SSE_DONE
+
+
+def _finished(reply: ReplyStream, text: str) -> tuple[str, list[ToolCall]]:
+    content = reply.feed(text)
+    rest, calls = reply.finish()
+    return content + rest, calls
 
 
 def _reply(merged: Delta, body: ChatCompletionRequest) -> tuple[str | None, list[ToolCall]]:

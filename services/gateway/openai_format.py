@@ -105,7 +105,7 @@ class ResponseContext:
                                   "finish_reason": None}
         if delta is not None:
             content, calls = reply if reply is not None else (delta.text, ())
-            text = content if calls else delta.text
+            text = content
             if text:
                 message["content"] = text
             if calls:

@@ -141,6 +141,55 @@ def parse_reply(text: str, functions: list[Function], choice: str | None
     return content or None, calls
 
 
+_OPEN = "<tool_call>"
+
+
+class ReplyStream:
+    """A reply under ``tool_choice`` auto, read as it streams: its text goes out as content
+    until a call may be starting (``<tool_call>``, or a reply that opens as a JSON object);
+    from there it is held, and at the end parsed as ``parse_reply`` does: the calls, and the
+    content not yet sent (or, if the calls are malformed, the held text as content)."""
+
+    def __init__(self, functions: list[Function]) -> None:
+        self._functions = functions
+        self._text = ""
+        self._sent = ""  # content already sent: a prefix of the text
+        self._held = False
+
+    def feed(self, text: str) -> str:
+        """The content to send now."""
+        self._text += text
+        if self._held:
+            return ""
+        opened = self._text.find(_OPEN)
+        if opened >= 0 or (not self._sent and self._text.lstrip().startswith("{")):
+            self._held = True
+            return self._send(self._text[:opened].rstrip() if opened >= 0 else "")
+        if not self._text.strip():
+            return ""  # whitespace so far: a JSON call may follow
+        # Hold a tail that may be the start of a call's tag, and whitespace before it.
+        safe = self._text
+        for size in range(min(len(_OPEN) - 1, len(safe)), 0, -1):
+            if _OPEN.startswith(safe[-size:]):
+                safe = safe[:-size]
+                break
+        return self._send(safe.rstrip())
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The content still to send and the reply's tool calls."""
+        content, calls = parse_reply(self._text, self._functions, "auto")
+        if not calls:
+            return self._text[len(self._sent):], []
+        sent = self._sent.strip()
+        rest = (content or "")[len(sent):] if (content or "").startswith(sent) else ""
+        return rest, calls
+
+    def _send(self, upto: str) -> str:
+        new = upto[len(self._sent):] if upto.startswith(self._sent) else ""
+        self._sent += new
+        return new
+
+
 class CallStream:
     """A reply held to one call (``tool_choice`` required, or a named function, whose reply is
     the arguments), read as it streams: the call's id and name as soon as they are known, then

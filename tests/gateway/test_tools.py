@@ -13,7 +13,13 @@ import pytest
 
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.runner import ServeAddresses
-from tandem.services.gateway.tools import CallStream, Function, parse_reply, with_tools
+from tandem.services.gateway.tools import (
+    CallStream,
+    Function,
+    ReplyStream,
+    parse_reply,
+    with_tools,
+)
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 20},
@@ -88,6 +94,31 @@ def test_a_call_streams_its_arguments_as_they_form() -> None:
     assert parse_reply('{"name": "get_ti', FUNCTIONS, "required") == ('{"name": "get_ti', [])
 
 
+def test_under_auto_content_streams_until_a_call_may_begin() -> None:
+    """ReplyStream, fed 3 characters at a time: text goes out as it comes (all but a tail that
+    may open a call); from a call on it is held; reassembled, what parse_reply gives whole."""
+    hermes = ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": '
+              '"CET"}}\n</tool_call>')
+    replies = [hermes, "It is sunny in Paris, about 21 C.", "A tag: <tool_ca is no call.",
+               '{"name": "get_time", "parameters": {"timezone": "UTC"}}',
+               '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+               '  {"not": "a call"}']
+    for reply in replies:
+        stream = ReplyStream(FUNCTIONS)
+        pieces = [stream.feed(reply[i:i + 3]) for i in range(0, len(reply), 3)]
+        rest, calls = stream.finish()
+        content, expected = parse_reply(reply, FUNCTIONS, "auto")
+        assert [(c.name, c.arguments) for c in calls] == [
+            (c.name, c.arguments) for c in expected], reply
+        streamed = "".join(pieces) + rest
+        assert (streamed.strip() if calls else streamed) == (content or ""), reply
+        if not reply.lstrip().startswith(("{", "<")):
+            assert len([p for p in pieces if p]) > 3, reply  # not all at the end
+    stream = ReplyStream(FUNCTIONS)
+    assert stream.feed("Let me check. <tool_") == "Let me check."  # the tag's start held
+    assert stream.feed("call>{") == ""
+
+
 def streamed_calls(stream: openai.Stream, pieces: list[str] | None = None  # type: ignore[type-arg]
                    ) -> tuple[list[dict], str | None]:
     """Tool calls reassembled from streamed deltas, as OpenAI's clients do, and the finish;
@@ -142,6 +173,20 @@ def test_required_and_named_calls_validate_and_stream_the_same(
                                            tools=TOOLS, tool_choice="none", max_tokens=8,  # type: ignore[arg-type]
                                            temperature=0)
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
+def test_an_auto_reply_streams_its_content_and_ends_as_the_whole_reply(
+        client: openai.OpenAI, gateway: Gateway) -> None:
+    request = {"model": gateway.model_name, "messages": [
+        {"role": "user", "content": "Say hello to Paris in one sentence, no tools needed."}],
+        "tools": TOOLS, "tool_choice": "auto", "max_tokens": 24, "temperature": 0}
+    whole = client.chat.completions.create(**request).choices[0]  # type: ignore[call-overload]
+    pieces = [chunk.choices[0].delta.content
+              for chunk in client.chat.completions.create(**request, stream=True)  # type: ignore[call-overload]
+              if chunk.choices and chunk.choices[0].delta.content]
+    assert whole.message.content and not whole.message.tool_calls  # this reply is text
+    assert "".join(pieces) == whole.message.content
+    assert len(pieces) > 3  # streamed as it formed, not one delta at its end
 
 
 @pytest.fixture(scope="module")
