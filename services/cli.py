@@ -113,7 +113,7 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "tenant_tokens_per_minute": "tenant_tokens_per_minute",
              "tls_cert_file": "tls_cert_file", "tls_key_file": "tls_key_file",
              "served_model_name": "served_model_name", "max_num_seqs": "max_num_seqs",
-             "cors_allow_origins": "cors_allow_origins",
+             "cors_allow_origins": "cors_allow_origins", "reasoning_parser": "reasoning_parser",
              "max_model_len": "max_model_len", "enable_prefix_caching": "enable_prefix_caching",
              "seed": "seed", "chat_template": "chat_template",
              "gpu_memory_utilization": "gpu_memory_utilization",
@@ -145,6 +145,10 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--served-model-name", metavar="NAME", nargs="+",
                     help="the model's name in the API, or several: a request may name any, "
                          "responses carry the first (default: the model's own id)")
+    up.add_argument("--reasoning-parser", metavar="PARSER",
+                    help="chat replies' <think>...</think> apart as reasoning_content: auto "
+                         "(default: where the model's vocabulary has the tags), think (or "
+                         "vLLM's deepseek_r1, qwen3), none")
     up.add_argument("--cors-allow-origins", metavar="ORIGIN", nargs="+",
                     help="origins whose browser pages may call the HTTP API (CORS), e.g. "
                          "https://app.example.com; '*': any (default: none)")

@@ -43,6 +43,9 @@ class GatewayConfig:
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
     # Origins whose browser pages may call the HTTP API (CORS); empty: none ("*": any).
     cors_allow_origins: tuple[str, ...] = ()
+    # Chat replies' reasoning apart (gateway/reasoning.py): auto, think (or vLLM's deepseek_r1,
+    # qwen3), none
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):

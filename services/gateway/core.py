@@ -51,6 +51,7 @@ from tandem.services.gateway.metrics import (
     failure_reason,
 )
 from tandem.services.gateway.pipeline import Delta, Usage, generate_deltas
+from tandem.services.gateway.reasoning import parser_enabled
 from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.tenants import FairSlots, Tenants
 from tandem.services.protocol.outputs import EngineStats
@@ -85,6 +86,8 @@ class Gateway:
             self.config.max_in_flight, self.tenants.weights, self.config.retry_after_s,
             self.config.tenant_max_in_flight, len(self.tenants.tenant_names)))
         self.model_names = self.config.served_model_names or (backend.model_id,)
+        # Chat replies' <think> text apart, as reasoning_content (gateway/reasoning.py).
+        self.reasoning = parser_enabled(self.config.reasoning_parser, tokenizer)
         self.model_name = self.model_names[0]
         # Seeds for sampled requests that bring none: drawn from the server's seed (the same
         # requests in the same order get the same ones), else random (inputs.build_request).

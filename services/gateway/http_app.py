@@ -51,6 +51,7 @@ from tandem.services.gateway.openai_protocol import (
     template_messages,
 )
 from tandem.services.gateway.pipeline import Delta, Usage
+from tandem.services.gateway.reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
 from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.token_text import TokenText
 from tandem.services.gateway.tools import (
@@ -213,6 +214,12 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                         tokenize_chat, gateway.tokenizer, rendered, specs,
                         body.template_kwargs(), bool(body.add_special_tokens)))
                     span.set_attribute("tandem.prompt_tokens", len(prompt))
+                # Reasoning apart (gateway/reasoning.py): None where it is not parsed (off, or
+                # the output held to a grammar from its first token); else whether the reply
+                # starts inside a <think> the template opened.
+                thinking = (starts_in_reasoning(prompt, gateway.tokenizer)
+                            if gateway.reasoning and body.structured_output_field() is None
+                            else None)
                 greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
                                              body.sampling_options(), body.salt(), arrival,
                                              prompt_param="messages", tenant=tenant,
@@ -224,10 +231,10 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
             if body.stream:
                 choices = await _unless_disconnected(
                     request, start_choices(gateway, greq, body.n, trace))
-                return event_stream(choices, _chat_events(choices, ctx, body))
+                return event_stream(choices, _chat_events(choices, ctx, body, thinking))
             merged = await _unless_disconnected(request, _run(gateway, greq, body.n, trace))
             return JSONResponse(ctx.chat_completion(
-                [ctx.chat_choice(delta, body.logprobs, i, _reply(delta, body))
+                [ctx.chat_choice(delta, body.logprobs, i, *_reply(delta, body, thinking))
                  for i, delta in enumerate(merged)],
                 total_usage([delta.usage for delta in merged]), prompt))
 
@@ -450,8 +457,9 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatCompletionRequest
-                       ) -> AsyncGenerator[bytes, None]:
+async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatCompletionRequest,
+                       thinking: bool | None = None) -> AsyncGenerator[bytes, None]:
+    """``thinking``: see chat_completions (None: no reasoning parsed)."""
     include_usage = body.include_usage()
 
     def event(chunk: dict[str, object]) -> bytes:
@@ -463,20 +471,24 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
         yield event(ctx.chat_chunk(None, False, first=True, index=index))
     usages: list[Usage | None] = [None] * body.n
     mode = body.tool_mode()
-    if mode == "auto":
-        # Content streams until a call may be starting; the calls (and any content after
-        # them) come with the reply's last delta (tools.ReplyStream).
-        replies = [ReplyStream(body.functions()) for _ in range(body.n)]
+    if mode in (None, "none", "auto"):
+        # Reasoning apart (reasoning.ReasoningStream); under auto, content streams until a
+        # call may be starting, and the calls (and any content after them) come with the
+        # reply's last delta (tools.ReplyStream).
+        thoughts = [None if thinking is None else ReasoningStream(thinking)
+                    for _ in range(body.n)]
+        replies = [ReplyStream(body.functions()) if mode == "auto" else None
+                   for _ in range(body.n)]
         async for index, delta in choices:
             usages[index] = delta.usage or usages[index]
-            reply = replies[index]
-            content, calls = ((reply.feed(delta.text), []) if delta.finish_reason is None
-                              else _finished(reply, delta.text))
-            if (content or calls or delta.finish_reason or (body.logprobs and delta.logprobs)
+            reasoning, text = _thought(thoughts[index], delta)
+            content, calls = _replied(replies[index], text, delta.finish_reason is not None)
+            if (reasoning or content or calls or delta.finish_reason
+                    or (body.logprobs and delta.logprobs)
                     or (body.return_token_ids and delta.token_ids)):
                 yield event(ctx.chat_chunk(delta, body.logprobs, reply=(content, calls),
-                                           index=index))
-    elif mode not in (None, "none"):  # held to one call: its arguments stream as they form
+                                           index=index, reasoning=reasoning))
+    else:  # held to one call: its arguments stream as they form
         calls = [CallStream(None if mode == "required" else mode) for _ in range(body.n)]
         async for index, delta in choices:
             usages[index] = delta.usage or usages[index]
@@ -488,26 +500,39 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
                     or (body.return_token_ids and delta.token_ids)):
                 yield event(ctx.call_chunk(delta, body.logprobs, index, call, started,
                                            arguments))
-    else:
-        async for index, delta in choices:
-            usages[index] = delta.usage or usages[index]
-            if (delta.text or delta.finish_reason or (body.logprobs and delta.logprobs)
-                    or (body.return_token_ids and delta.token_ids)):
-                yield event(ctx.chat_chunk(delta, body.logprobs, index=index))
     if include_usage:
         yield sse(ctx.usage_chunk("chat.completion.chunk", total_usage(usages)))
     yield SSE_DONE
 
 
-def _finished(reply: ReplyStream, text: str) -> tuple[str, list[ToolCall]]:
+def _thought(stream: ReasoningStream | None, delta: Delta) -> tuple[str, str]:
+    """A delta's reasoning and the rest of its text."""
+    if stream is None:
+        return "", delta.text
+    reasoning, text = stream.feed(delta.text)
+    if delta.finish_reason is not None:
+        more_reasoning, more_text = stream.finish()
+        reasoning, text = reasoning + more_reasoning, text + more_text
+    return reasoning, text
+
+
+def _replied(reply: ReplyStream | None, text: str, last: bool) -> tuple[str, list[ToolCall]]:
+    """The content to send now and, with the last delta, the reply's tool calls."""
+    if reply is None:
+        return text, []
     content = reply.feed(text)
+    if not last:
+        return content, []
     rest, calls = reply.finish()
     return content + rest, calls
 
 
-def _reply(merged: Delta, body: ChatCompletionRequest) -> tuple[str | None, list[ToolCall]]:
-    """The reply's content and tool calls (gateway/tools.py)."""
-    return parse_reply(merged.text, body.functions(), body.tool_mode())
+def _reply(merged: Delta, body: ChatCompletionRequest, thinking: bool | None
+           ) -> tuple[tuple[str | None, list[ToolCall]], str | None]:
+    """The reply's content and tool calls (gateway/tools.py), and its reasoning."""
+    reasoning, text = (None, merged.text) if thinking is None else split_reasoning(
+        merged.text, thinking)
+    return parse_reply(text, body.functions(), body.tool_mode()), reasoning
 
 
 def _after_echo(delta: Delta, echoed: str) -> None:

@@ -73,12 +73,14 @@ class ResponseContext:
                             for lp in logprobs]}
 
     def chat_choice(self, delta: Delta, want_logprobs: bool, index: int = 0,
-                    reply: tuple[str | None, Sequence[ToolCall]] | None = None
-                    ) -> dict[str, Any]:
-        """``reply``: the choice's text parsed for tool calls (none: its text)."""
+                    reply: tuple[str | None, Sequence[ToolCall]] | None = None,
+                    reasoning: str | None = None) -> dict[str, Any]:
+        """``reply``: the choice's text parsed for tool calls (none: its text); ``reasoning``:
+        its reasoning, apart (gateway/reasoning.py)."""
         content, calls = reply if reply is not None else (delta.text, ())
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": content if calls else delta.text}
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = [call.to_json() for call in calls]
         return self.with_token_ids({
@@ -97,15 +99,18 @@ class ResponseContext:
         return body
 
     def chat_chunk(self, delta: Delta | None, want_logprobs: bool, first: bool = False,
-                   reply: tuple[str | None, Sequence[ToolCall]] | None = None, index: int = 0
-                   ) -> dict[str, Any]:
-        """``reply``: the whole reply parsed for tool calls (``delta`` is all of it)."""
+                   reply: tuple[str | None, Sequence[ToolCall]] | None = None, index: int = 0,
+                   reasoning: str = "") -> dict[str, Any]:
+        """``reply``: the delta's content and the reply's tool calls (none: the delta's text);
+        ``reasoning``: the delta's reasoning text."""
         message: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         choice: dict[str, Any] = {"index": index, "delta": message, "logprobs": None,
                                   "finish_reason": None}
         if delta is not None:
             content, calls = reply if reply is not None else (delta.text, ())
             text = content
+            if reasoning:
+                message["reasoning_content"] = reasoning
             if text:
                 message["content"] = text
             if calls:

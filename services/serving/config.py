@@ -23,6 +23,9 @@ from tandem.services.engine.config import (
 from tandem.services.engine.tokenizer_loader import is_hub_id, read_chat_template
 from tandem.services.kv_transfer.factory import TRANSPORTS
 
+REASONING_PARSERS = ("auto", "think", "none")
+VLLM_REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names for what `think` does
+
 if TYPE_CHECKING:
     from tandem.services.gateway.tls import ServerTLS
 
@@ -117,6 +120,10 @@ class AppConfig:
     # Request defaults (temperature, top_p, ...): auto (the model's generation_config.json),
     # vllm (none: the API's defaults) or a folder holding a generation_config.json
     generation_config: str = "auto"
+    # Chat replies' <think>...</think> apart, as reasoning_content (gateway/reasoning.py):
+    # auto (where the vocabulary has both tags as tokens: Qwen3, DeepSeek-R1, ...), think
+    # (always), none; vLLM's parser names deepseek_r1 and qwen3 mean think.
+    reasoning_parser: str = "auto"
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 before parsing
     lease_ttl_s: float = 30.0  # a prefill's pinned KV is freed this long after its first token
     poll_interval_s: float = 0.5  # gateway polls workers' load, stats (and events) this often
@@ -270,6 +277,10 @@ class AppConfig:
                 raise ConfigError(f"{name} must be a name or a list of names, got {value!r}")
         if self.chat_template is not None:
             read_chat_template(self.chat_template)  # neither a file nor a template: refused
+        if self.reasoning_parser not in (*REASONING_PARSERS, *VLLM_REASONING_PARSERS):
+            raise ConfigError(f"reasoning_parser must be one of "
+                              f"{', '.join((*REASONING_PARSERS, *VLLM_REASONING_PARSERS))}, got "
+                              f"{self.reasoning_parser!r}")
         if self.generation_config not in ("auto", "vllm") and not (
                 Path(self.generation_config) / "generation_config.json").is_file():
             raise ConfigError(f"generation_config must be auto, vllm or a folder holding a "

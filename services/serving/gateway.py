@@ -108,7 +108,8 @@ class GatewayIngress:
                                        max_grpc_streams=config.max_grpc_streams,
                                        sampling_defaults=defaults,
                                        metrics_require_key=config.metrics_require_key,
-                                       cors_allow_origins=config.cors_origins())
+                                       cors_allow_origins=config.cors_origins(),
+                                       reasoning_parser=config.reasoning_parser)
         tenants = tenants_of(config)
         tls = config.server_tls()
         if defaults:
