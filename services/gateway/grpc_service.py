@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from functools import partial
 
 import grpc
+from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -63,6 +65,21 @@ _FINISH_REASONS = {
 
 def status_code(error: GatewayError) -> grpc.StatusCode:
     return _STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+def refusal_trailers(error: GatewayError) -> Sequence[tuple[str, str | bytes]]:
+    """When to try again, for each kind of client: ``retry-after`` (seconds, as HTTP's),
+    ``grpc-retry-pushback-ms`` (what gRPC's retry policies read) and a ``google.rpc.RetryInfo``
+    in the status details (``grpc-status-details-bin``, what Google's client libraries read).
+    None without a retry hint."""
+    if error.retry_after_s is None:
+        return ()
+    delay = Duration(seconds=error.retry_after_s)
+    details = status_pb2.Status(code=status_code(error).value[0], message=error.message)
+    details.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return (("retry-after", str(error.retry_after_s)),
+            ("grpc-retry-pushback-ms", str(error.retry_after_s * 1000)),
+            ("grpc-status-details-bin", details.SerializeToString()))
 
 
 async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
@@ -143,10 +160,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             finally:
                 await choices.aclose()
         except GatewayError as exc:
-            trailers: Sequence[tuple[str, str]] = ()
-            if exc.retry_after_s is not None:
-                trailers = (("retry-after", str(exc.retry_after_s)),)
-            await context.abort(status_code(exc), exc.message, trailing_metadata=trailers)
+            await context.abort(status_code(exc), exc.message,
+                                trailing_metadata=refusal_trailers(exc))
         except Exception as exc:
             if isinstance(exc, grpc.aio.AbortError):  # context.abort's own exception
                 raise
@@ -206,12 +221,23 @@ class GrpcFrontEnd:
             await self._refresh()
 
 
+# Keepalive: clients may ping every 5 s or more, with or without a call in flight (gRPC's
+# default server policy allows one ping per 5 minutes and answers more with GOAWAY
+# too_many_pings; Go and Java clients commonly ping every 10-30 s through idle load balancers).
+# The server pings an idle connection each minute and drops it if no answer comes in 20 s.
+KEEPALIVE_OPTIONS = (("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                     ("grpc.keepalive_time_ms", 60_000),
+                     ("grpc.keepalive_timeout_ms", 20_000))
+
+
 def create_grpc_server(gateway: Gateway, address: str = "127.0.0.1:50051",
                        tls: ServerTLS | None = None) -> GrpcFrontEnd:
     """Build (not start) the gRPC front end; messages over the body limit get RESOURCE_EXHAUSTED.
     With ``tls`` the port serves TLS only."""
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", gateway.config.max_body_bytes)],
+        options=[("grpc.max_receive_message_length", gateway.config.max_body_bytes),
+                 *KEEPALIVE_OPTIONS],
         maximum_concurrent_rpcs=gateway.config.max_grpc_streams)
     _add_generation_servicer(GenerationServicer(gateway), server)
     health_servicer = health.aio.HealthServicer()

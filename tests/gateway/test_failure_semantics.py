@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.services.engine.async_engine import AsyncEngine
@@ -64,6 +65,18 @@ def _failures(gateway: Gateway, reason: str) -> float:
     return float(value)
 
 
+def _refused(gateway: Gateway) -> float:
+    """Every failure counted, whatever its reason."""
+    return sum(sample.value for metric in gateway.metrics.failures.collect()
+               for sample in metric.samples if sample.name.endswith("_total"))
+
+
+RETRY_POLICY = json.dumps({"methodConfig": [{
+    "name": [{"service": "tandem.v1.Generation"}],
+    "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.1s", "maxBackoff": "1s",
+                    "backoffMultiplier": 2, "retryableStatusCodes": ["RESOURCE_EXHAUSTED"]}}]})
+
+
 def _served(server: ServeAddresses, engine: AsyncEngine) -> None:
     wait_engine_idle(engine)
     response = _post(server, {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
@@ -112,7 +125,22 @@ def test_requests_over_the_in_flight_bound_get_429_before_any_work(
         with pytest.raises(grpc.RpcError) as failed:
             list(call)
         assert failed.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert ("retry-after", "1") in tuple(failed.value.trailing_metadata() or ())
+        trailers = dict(failed.value.trailing_metadata() or ())
+        # When to retry, as HTTP, gRPC's retry policies and Google's client libraries read it.
+        assert (trailers["retry-after"], trailers["grpc-retry-pushback-ms"]) == ("1", "1000")
+        status = status_pb2.Status.FromString(trailers["grpc-status-details-bin"])
+        assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        retry = error_details_pb2.RetryInfo()
+        assert status.details[0].Unpack(retry) and retry.retry_delay.seconds == 1
+        # A client whose retry policy retries RESOURCE_EXHAUSTED tries again (after the
+        # pushback, which gRPC's retries wait): both of its attempts are refused here.
+        before = _refused(gateway)
+        with grpc.insecure_channel(server.grpc_target, options=[
+                ("grpc.service_config", RETRY_POLICY)]) as retrying, pytest.raises(
+                    grpc.RpcError) as again:
+            list(pb_grpc.GenerationStub(retrying).Generate(request, timeout=30))
+        assert again.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _refused(gateway) == before + 2
     finally:
         for stream in streams:
             stream.__exit__(None, None, None)

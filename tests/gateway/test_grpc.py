@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
@@ -191,3 +192,27 @@ def test_one_client_request_id_on_two_calls(stub: pb_grpc.GenerationStub, gatewa
         list(stub.Generate(pb.GenerateRequest(request_id="x" * 129, prompt="Hi"), timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "request_id" in info.value.details()
+
+
+def test_a_client_pinging_every_5_s_while_idle_keeps_its_connection(
+        server: ServeAddresses) -> None:
+    """gRPC's default server policy answers a client that pings more often than every 5 minutes
+    (or at all without a call) with GOAWAY too_many_pings, which drops its connection; ours
+    accepts pings every 5 s, with or without calls (KEEPALIVE_OPTIONS)."""
+    states: list[grpc.ChannelConnectivity] = []
+    options = [("grpc.keepalive_time_ms", 5_000), ("grpc.keepalive_timeout_ms", 5_000),
+               ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_pings_without_data", 0),
+               ("grpc.http2.min_time_between_pings_ms", 5_000)]
+    with grpc.insecure_channel(server.grpc_target, options=options) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        channel.subscribe(states.append)
+        idle = threading.Event()
+        # Pings at 5, 10, 15 and 20 s without a call: under the default policy the third too
+        # early one (20 s) gets GOAWAY, and the channel goes IDLE and reconnects.
+        idle.wait(23.0)
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        channel.unsubscribe(states.append)
+    assert set(states) == {grpc.ChannelConnectivity.READY}, states  # never dropped
