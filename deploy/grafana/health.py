@@ -127,7 +127,31 @@ def _routing() -> list[dict[str, Any]]:
     ]
 
 
+def _absence() -> list[dict[str, Any]]:
+    """What fires when what the other alerts watch is gone: every series comes through the
+    gateway's /metrics, so without it (its pod, or the Ray head it runs on) none of them can."""
+    info = "tandem_config_info"
+    groups = {"prefill": f'{info}{{colocated="false", prefill_replicas!="0"}}',
+              "decode": f'{info}{{colocated="false"}}'}
+    return [
+        _alert("TandemMetricsAbsent", f"absent({info})", "2m", CRITICAL,
+               "No Tandem gateway is being scraped",
+               "Prometheus has had no Tandem series for two minutes: the gateway (or the Ray "
+               "head it runs on) is down, or unreachable from Prometheus. No other Tandem alert "
+               "can fire meanwhile."),
+        *(_alert("TandemWorkerGroupAbsent",
+                 f"count by (model_name) ({selector})\nunless on (model_name)\n"
+                 f'count by (model_name) ({HEALTHY}{{role="{role}"}})', "2m", CRITICAL,
+                 f"No {role} worker at all ({MODEL})",
+                 f"The gateway of model {MODEL} has known no {role} worker for two minutes "
+                 f"(none registered: every {role} replica is gone, or none could start); "
+                 "requests that need one fail.", role=role)
+          for role, selector in groups.items()),
+    ]
+
+
 def rules() -> dict[str, Any]:
     """The rule file: one group."""
     return {"groups": [{"name": "tandem-health",
-                        "rules": [*_workers(), *_capacity(), *_failures(), *_routing()]}]}
+                        "rules": [*_absence(), *_workers(), *_capacity(), *_failures(),
+                                  *_routing()]}]}

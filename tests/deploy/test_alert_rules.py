@@ -75,11 +75,43 @@ def bus(model: str) -> str:
     return _series("tandem_router_bus_connected", model_name=model)
 
 
+def config_info(model: str, colocated: str = "false", prefill: str = "1") -> str:
+    return _series("tandem_config_info", model_name=model, colocated=colocated,
+                   prefill_replicas=prefill)
+
+
+def critical(**labels: str) -> dict[str, str]:
+    return {**labels, "severity": "critical"}
+
+
 def warning(**labels: str) -> dict[str, str]:
     return {**labels, "severity": "warning"}
 
 
 CASES = [
+    Case("TandemMetricsAbsent", {
+        # The only gateway's scrapes stop at minute 10: absent from 10, fires at 12.
+        config_info("gone"): "1x9 stale",
+    }, (Firing(critical(), 12),)),
+    Case("TandemWorkerGroupAbsent", {
+        # "no_decode": its decode worker's series stop at minute 10 -> fires at 12.
+        config_info("no_decode"): "1x40",
+        healthy("no_decode", "p0", "prefill"): "1x40",
+        healthy("no_decode", "d0", "decode"): "1x9 stale",
+        # "no_prefill": its prefill worker goes from minute 20 -> fires at 22.
+        config_info("no_prefill"): "1x40",
+        healthy("no_prefill", "p0", "prefill"): "1x19 stale",
+        healthy("no_prefill", "d0", "decode"): "1x40",
+        # Short of it: a colocated gateway has no workers of either role; a cluster without
+        # prefill replicas has no prefill worker; one replaced within a minute.
+        config_info("colocated", colocated="true"): "1x40",
+        config_info("decode_only", prefill="0"): "1x40",
+        healthy("decode_only", "d0", "decode"): "1x40",
+        config_info("replaced"): "1x40",
+        healthy("replaced", "p0", "prefill"): "1x40",
+        healthy("replaced", "d0", "decode"): "1x9 stale 1x29",
+    }, (Firing(critical(model_name="no_decode", role="decode"), 12),
+        Firing(critical(model_name="no_prefill", role="prefill"), 22))),
     Case("TandemWorkerDown", {
         # "down": its only decode worker faults at minute 10 -> fires a minute later.
         healthy("down", "p0", "prefill"): "1x40",
