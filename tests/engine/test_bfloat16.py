@@ -24,7 +24,7 @@ def test_bfloat16_engine_agrees_with_float32_at_the_start(prompts, references):
     packs = packing_available("cpu", torch.bfloat16)
     assert engine.runner.model.head.packed is packs
     assert engine.runner.model.layers[0].qkv.packed is packs
-    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(prompts, greedy)
     same_first = sum(out[0] == ref.tokens[0] for out, ref in zip(outputs, references,
                                                                   strict=True))
