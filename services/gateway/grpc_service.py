@@ -181,6 +181,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             vocab_size=gateway.tokenizer.vocab_size, server_version=version())
 
 
+    async def Tokenize(self, request: pb.TokenizeRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        metadata = dict(context.invocation_metadata() or ())
+        gateway = self.gateway
+        try:
+            gateway.authenticate(_as_str(metadata.get("authorization")))
+            gateway.check_model(request.model or None)
+            ids = await _prompt_token_ids(gateway, request)
+        except GatewayError as exc:
+            await context.abort(status_code(exc), exc.message)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=gateway.max_model_len)
+
+
 HEALTH_REFRESH_S = 1.0  # how often gRPC health follows the gateway's health
 
 
@@ -275,7 +288,10 @@ def _add_generation_servicer(servicer: GenerationServicer, server: grpc.aio.Serv
             response_serializer=pb.GenerateResponse.SerializeToString),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, request_deserializer=pb.ModelInfoRequest.FromString,
-            response_serializer=pb.ModelInfo.SerializeToString)}
+            response_serializer=pb.ModelInfo.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize, request_deserializer=pb.TokenizeRequest.FromString,
+            response_serializer=pb.TokenizeResponse.SerializeToString)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -284,7 +300,8 @@ def _as_str(value: str | bytes | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
 
-async def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest) -> list[int]:
+async def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest | pb.TokenizeRequest
+                            ) -> list[int]:
     which = request.WhichOneof("input")
     if which == "prompt":
         return await gateway.tokenize("prompt", len(request.prompt), partial(
@@ -297,9 +314,12 @@ async def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest) -> li
         return await gateway.tokenize("chat", text_chars(messages), partial(
             tokenize_chat, gateway.tokenizer, messages))
     if which == "token_ids":
+        assert isinstance(request, pb.GenerateRequest)
         return check_token_ids(request.token_ids.ids, gateway.tokenizer.vocab_size,
                                param="token_ids")
-    raise bad_request("set one of prompt, chat or token_ids", param="input")
+    raise bad_request("set one of prompt, chat or token_ids"
+                      if isinstance(request, pb.GenerateRequest)
+                      else "set one of prompt or chat", param="input")
 
 
 def _sampling_options(request: pb.GenerateRequest) -> SamplingOptions:

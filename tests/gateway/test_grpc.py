@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -216,3 +217,29 @@ def test_a_client_pinging_every_5_s_while_idle_keeps_its_connection(
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         channel.unsubscribe(states.append)
     assert set(states) == {grpc.ChannelConnectivity.READY}, states  # never dropped
+
+
+def test_tokenize_gives_the_ids_generate_and_http_see(stub: pb_grpc.GenerationStub,
+                                                      server: ServeAddresses) -> None:
+    messages = [pb.ChatMessage(role="user", content="What is 2+2?")]
+    chat = stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(messages=messages)), timeout=30)
+    prompt = stub.Tokenize(pb.TokenizeRequest(prompt="Hello there"), timeout=30)
+    http = httpx.post(f"{server.http_url}/tokenize", timeout=30, json={
+        "messages": [{"role": "user", "content": "What is 2+2?"}]}).json()
+    assert list(chat.token_ids) == http["tokens"] and chat.max_model_len == http["max_model_len"]
+    assert list(prompt.token_ids) == httpx.post(f"{server.http_url}/tokenize", timeout=30, json={
+        "prompt": "Hello there"}).json()["tokens"]
+    # Generate from the ids is Generate from the chat.
+    by_chat = [t for r in stub.Generate(pb.GenerateRequest(
+        chat=pb.ChatMessages(messages=messages), sampling=greedy()), timeout=60)
+        for t in r.token_ids]
+    by_ids = [t for r in stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=chat.token_ids), sampling=greedy()), timeout=60)
+        for t in r.token_ids]
+    assert by_ids == by_chat
+    for request, code in ((pb.TokenizeRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+                          (pb.TokenizeRequest(model="other", prompt="Hi"),
+                           grpc.StatusCode.NOT_FOUND)):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Tokenize(request, timeout=30)
+        assert refused.value.code() == code

@@ -20,6 +20,24 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "prompt", "chat")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    chat: ChatMessages
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "max_model_len")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_model_len: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -46,6 +46,11 @@ class GenerationStub:
                 request_serializer=tandem_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tandem.v1.Generation/Tokenize',
+                request_serializer=tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -66,6 +71,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt's token ids as Generate would see them (POST /tokenize's): raw text, or chat
+        messages rendered with the model's chat template.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=tandem_dot_v1_dot_generation__pb2.ModelInfoRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=tandem_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class Generation:
             '/tandem.v1.Generation/GetModelInfo',
             tandem_dot_v1_dot_generation__pb2.ModelInfoRequest.SerializeToString,
             tandem_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/Tokenize',
+            tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
