@@ -32,7 +32,9 @@ def test_a_burst_of_signals_stops_the_waiting_main_thread() -> None:
             assert process.stdout is not None and process.stdout.readline() == "ready\n"
             for _ in range(50):
                 os.kill(process.pid, signal.SIGINT)
-            assert process.wait(10) == 0
+            # Stopped, not hung: it exits cleanly, or, when the burst outlasts it, by a signal
+            # that arrived after Python restored the default handlers on its way out.
+            assert process.wait(10) in (0, -signal.SIGINT)
         finally:
             process.kill()
             process.wait()
