@@ -369,6 +369,37 @@ def test_tensor_parallel_worker_pods_get_a_gpu_per_rank(helm: Helm) -> None:
         assert rendered.deployment_options(role)["ray_actor_options"]["num_gpus"] == gpus, role
 
 
+def test_each_group_takes_its_scheduling_settings_and_the_accelerator_resource(
+        helm: Helm, tmp_path: Path) -> None:
+    """Per group (head, prefill, decode): topology spread, priority class, runtime class and
+    scheduler name reach its pod spec (none by default); GPUs are asked for under the
+    accelerator's resource name (here a MIG profile)."""
+    spread = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+               "whenUnsatisfiable": "ScheduleAnyway",
+               "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "decode"}}}]
+    overrides = {"accelerator": {"resource": "nvidia.com/mig-3g.40gb"}}
+    for group in ("head", *ROLES):
+        overrides[group] = {"priorityClassName": f"{group}-priority",
+                            "runtimeClassName": "nvidia", "schedulerName": "volcano",
+                            "topologySpreadConstraints": spread}
+    values = tmp_path / "scheduling.yaml"
+    values.write_text(yaml.safe_dump(overrides))
+    rendered = Rendered("scheduling", _deep_merge(values_for("small-1p1d-values"), overrides),
+                        helm.template(*render_args("small-1p1d-values"), "-f", str(values)))
+    default = Rendered("default", values_for("default"), helm.template(*render_args("default")))
+    for group in ("head", *ROLES):
+        spec = rendered.group(group)["template"]["spec"]
+        assert (spec["priorityClassName"], spec["runtimeClassName"], spec["schedulerName"],
+                spec["topologySpreadConstraints"]) == (f"{group}-priority", "nvidia", "volcano",
+                                                       spread), group
+        plain = default.group(group)["template"]["spec"]
+        assert not {"priorityClassName", "runtimeClassName", "schedulerName",
+                    "topologySpreadConstraints"} & set(plain), group
+    for role in ROLES:
+        limits = rendered.group(role)["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits.get("nvidia.com/mig-3g.40gb") == 1 and "nvidia.com/gpu" not in limits
+
+
 def test_worker_groups_follow_values(rendered: Rendered) -> None:
     values = rendered.values
     scaling = any(values[role]["autoscaling"]["enabled"] for role in ROLES)

@@ -442,8 +442,40 @@ Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody wr
 {{- $r := deepCopy (index .ctx.Values .role).resources }}
 {{- $gpus := include "tandem.engineGpus" . | int }}
 {{- if gt $gpus 0 }}
-{{- $_ := set $r "requests" (merge (dict "nvidia.com/gpu" $gpus) ($r.requests | default dict)) }}
-{{- $_ = set $r "limits" (merge (dict "nvidia.com/gpu" $gpus) ($r.limits | default dict)) }}
+{{- $gpu := .ctx.Values.accelerator.resource }}
+{{- $_ := set $r "requests" (merge (dict $gpu $gpus) ($r.requests | default dict)) }}
+{{- $_ = set $r "limits" (merge (dict $gpu $gpus) ($r.limits | default dict)) }}
 {{- end }}
 {{- toYaml $r }}
+{{- end }}
+
+{{/*
+A group's scheduling settings (head, prefill, decode): where and how its pods are scheduled.
+*/}}
+{{- define "tandem.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .schedulerName }}
+schedulerName: {{ . }}
+{{- end }}
 {{- end }}
