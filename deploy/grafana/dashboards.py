@@ -45,6 +45,8 @@ QUANTILES = (0.5, 0.9, 0.99)
 SUCCESS = "tandem_request_success_total"
 FAILURES = "tandem_request_failures_total"
 WITHIN_SLO = "tandem_request_within_slo_total"
+PROMPT_TOKENS = "tandem_prompt_tokens_total"
+GENERATION_TOKENS = "tandem_generation_tokens_total"
 
 
 def _base(uid: str, title: str, description: str,
@@ -61,6 +63,15 @@ def _base(uid: str, title: str, description: str,
              .with_variable(dashboard_b.QueryVariable("model_name").label("Model")
                             .datasource(DATASOURCE)
                             .query("label_values(tandem_num_requests_running, model_name)")
+                            .refresh(dashboard_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
+                            .sort(dashboard_m.VariableSort.ALPHABETICAL_ASC)
+                            .multi(True).include_all(True).all_value(".*")
+                            .current(dashboard_m.VariableOption(text="All", value="$__all")))
+             .with_variable(dashboard_b.QueryVariable("tenant").label("Tenant")
+                            .description("Whose API key sent the requests (the panels over "
+                                         "per-request series follow it; per-worker ones do not).")
+                            .datasource(DATASOURCE)
+                            .query(f"label_values({SUCCESS}, tenant)")
                             .refresh(dashboard_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
                             .sort(dashboard_m.VariableSort.ALPHABETICAL_ASC)
                             .multi(True).include_all(True).all_value(".*")
@@ -194,6 +205,16 @@ def slo_overview() -> dashboard_b.Dashboard:
                    "waiting {{worker}}"),
              Query(f"max by (worker) (tandem_num_requests_running{{{MODEL}}})",
                    "running {{worker}}")], "short"))
+        .with_row(dashboard_b.Row("Throughput"))
+        .with_panel(time_series(
+            "Tokens per second", "Prompt tokens (those of every ended request, cached ones "
+            "included) and generated tokens per second, of the tenants chosen above.",
+            [Query(f"sum({rate(PROMPT_TOKENS)})", "prompt"),
+             Query(f"sum({rate(GENERATION_TOKENS)})", "generation")], "short", width=12))
+        .with_panel(time_series(
+            "Generated tokens per second by tenant", "Each tenant's share of the output.",
+            [Query(f"sum by (tenant) ({rate(GENERATION_TOKENS)})", "{{tenant}}")], "short",
+            width=12, stacked=True))
         .with_row(dashboard_b.Row("Workers and admission"))
         .with_panel(time_series(
             "Healthy workers by role", "Workers whose engine reports healthy, against all "

@@ -18,6 +18,16 @@ from grafana_foundation_sdk.models import dashboard as dashboard_m
 
 DATASOURCE = dashboard_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
 MODEL = 'model_name=~"$model_name"'  # the label filter of every query
+TENANT = 'tenant=~"$tenant"'  # and of every query over a series per tenant (TENANT_SCOPED)
+# The gateway's per-request series, labelled with the tenant whose API key sent the request
+# (services/gateway/metrics.py).
+TENANT_SCOPED = frozenset({
+    "tandem_request_success_total", "tandem_request_failures_total",
+    "tandem_request_within_slo_total", "tandem_prompt_tokens_total",
+    "tandem_generation_tokens_total",
+    *(f"tandem_{name}_seconds_{part}" for name in (
+        "time_to_first_token", "inter_token_latency", "request_time_per_output_token",
+        "e2e_request_latency") for part in ("bucket", "count", "sum"))})
 
 GREEN, RED = "green", "red"
 TARGET = "target"  # legend (and override name) of a target line
@@ -100,8 +110,9 @@ def label(name: str, value: str, op: str = "=") -> str:
 
 
 def rate(metric: str, selector: str = "", window: str = "$__rate_interval") -> str:
-    """``rate(metric{model filter, selector}[window])``."""
-    labels = ", ".join(s for s in (MODEL, selector) if s)
+    """``rate(metric{model filter, tenant filter if per tenant, selector}[window])``."""
+    tenant = TENANT if metric in TENANT_SCOPED else ""
+    labels = ", ".join(s for s in (MODEL, tenant, selector) if s)
     return f"rate({metric}{{{labels}}}[{window}])"
 
 

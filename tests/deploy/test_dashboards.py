@@ -23,6 +23,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.utils import floatToGoString
 
 from deploy.grafana import dashboards, promql, rules, slo
+from deploy.grafana.panels import TENANT, TENANT_SCOPED
 from tandem.router import InProcessEventBus, InProcessRegistry, Router, RouterConfig
 from tandem.services.gateway import metrics as gateway_metrics
 from tandem.services.gateway.metrics import GatewayMetrics
@@ -33,6 +34,7 @@ from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving import metrics as serving_metrics
 from tandem.services.serving.backend import MigrationStats
 from tandem.services.serving.cluster_view import WorkerSnapshot
+from tandem.services.serving.config import AppConfig
 from tests.deploy.conftest import SHARED_SCHEMAS, run_promtool
 
 GRAFANA_SCHEMAS = SHARED_SCHEMAS / "grafana"
@@ -45,7 +47,8 @@ REQUIRED_METRICS = {
         "tandem_time_to_first_token_seconds_bucket", "tandem_inter_token_latency_seconds_bucket",
         "tandem_e2e_request_latency_seconds_bucket", "tandem_request_within_slo_total",
         "tandem_request_failures_total", "tandem_num_requests_waiting", "tandem_worker_healthy",
-        "tandem_requests_in_flight", "tandem_requests_in_flight_limit"},
+        "tandem_requests_in_flight", "tandem_requests_in_flight_limit",
+        "tandem_prompt_tokens_total", "tandem_generation_tokens_total"},
     "tandem-disaggregation": {
         "tandem_worker_healthy", "tandem_num_requests_running", "tandem_kv_cache_usage_perc",
         "tandem_kv_transfer_seconds_bucket", "tandem_kv_transfer_bytes_total",
@@ -76,7 +79,7 @@ def reference_exposition() -> str:
     settings = HashSettings(16, "model")
     router = Router(RouterConfig(settings), InProcessRegistry(settings), InProcessEventBus())
     serving_metrics.register(gateway.registry, "model", lambda: snapshots, router,
-                             MigrationStats())
+                             MigrationStats(), AppConfig())
     return generate_latest(gateway.registry).decode()
 
 
@@ -175,6 +178,11 @@ def test_dashboard_is_well_formed(uid: str) -> None:
         for expr in dashboards.queries({"panels": [panel]}):
             if "vector($" not in expr:  # target lines read no metric
                 assert 'model_name=~"$model_name"' in expr, (panel["title"], expr)
+            # A series per tenant follows the tenant variable, each time it is read.
+            for name, selector in re.findall(r"(\w+)\{([^}]*)\}", expr):
+                if name in TENANT_SCOPED:
+                    assert TENANT in selector, (panel["title"], expr)
+    assert {v["name"] for v in model["templating"]["list"]} >= {"model_name", "tenant"}
 
 
 @pytest.mark.parametrize("uid", sorted(REQUIRED_METRICS))
@@ -219,6 +227,23 @@ def test_every_query_reads_only_metrics_tandem_exports() -> None:
                         for name in promql.variable_query_metrics(q)}
     assert variable_metrics <= promql.exported_series(page)
     assert promql.missing_metrics(all_queries(), page) == {}
+
+
+def test_the_series_per_tenant_are_those_the_gateway_labels_with_the_tenant() -> None:
+    metrics = GatewayMetrics("model", dict)
+    per_tenant: set[str] = set()
+    for metric in (metrics.ttft, metrics.itl, metrics.e2e, metrics.tpot, metrics.success,
+                   metrics.failures, metrics.within_slo, metrics.prompt_tokens,
+                   metrics.generation_tokens):
+        assert "tenant" in metric._labelnames, metric
+        kind = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",)}[
+            metric._type]
+        per_tenant |= {metric._name + suffix for suffix in kind}
+    labelled = {name for name, labels in re.findall(r"^(\w+)\{([^}]*)\}",
+                                                     generate_latest(metrics.registry).decode(),
+                                                     re.MULTILINE)
+                if "tenant=" in labels and not name.endswith("_created")}
+    assert labelled <= per_tenant == TENANT_SCOPED
 
 
 def test_a_made_up_metric_is_caught() -> None:
