@@ -1,5 +1,5 @@
-"""A decode step's projections: our AMX kernel (``cpu_linear.AmxLinear``) against oneDNN's
-prepacked linear (``cpu_linear.Linear``), on the built-in model's shapes.
+"""A decode step's projections: our AMX kernel (``cpu_kernels.AmxLinear``) against oneDNN's
+prepacked linear (``cpu_kernels.Linear``), on the built-in model's shapes.
 
     python -m tandem.loadtest.linear_bench [--tokens 1 8 32 128 512] [--rounds 5] [--two-threads]
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from tandem.services.engine import cpu_kernels
-from tandem.services.engine.cpu_linear import AmxLinear, Linear
+from tandem.services.engine.cpu_kernels import AmxLinear, Linear
 
 LAYERS = 30
 HIDDEN, INTERMEDIATE, QKV = 576, 1536, 960  # SmolLM2-135M

@@ -200,7 +200,7 @@ class EngineConfig:
     max_waiting: int = 1024  # admission control: add_request fails beyond this
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # Threads our AMX projections split over (cpu backend, one torch thread; cpu_linear.py):
+    # Threads our AMX projections split over (cpu backend, one torch thread; cpu_kernels.py):
     # 1, or 2 (a helper thread takes part of each projection when it can: late, it costs
     # nothing, the calling thread takes the rest).
     kernel_threads: int = 1

@@ -18,8 +18,7 @@ import torch
 
 from tandem.services.engine.attention.cpu_backend import CpuAttention, KernelBatch, KernelPrefill
 from tandem.services.engine.attention.torch_backend import TorchPlan
-from tandem.services.engine.cpu_kernels import DecodeRun, Kernels, LayerWeights, Step
-from tandem.services.engine.cpu_linear import AmxLinear
+from tandem.services.engine.cpu_kernels import AmxLinear, DecodeRun, Kernels, LayerWeights, Step
 from tandem.services.engine.kv_cache import KVCache
 from tandem.services.engine.layer import Layer
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.services.engine.cpu_linear import AmxLinear, Linear
+from tandem.services.engine.cpu_kernels import AmxLinear, Linear
 
 GROUP = 32  # values per Q4_1 / Q8_0 block = torch's int4 group size here
 _Q4_1_BLOCK_BYTES = 2 + 2 + GROUP // 2
@@ -99,7 +99,7 @@ class Q4Weight:
 
 @dataclass(frozen=True)
 class Int4Linear:
-    """``x @ weight.T + bias`` like ``cpu_linear.Linear``, the weight a sum of int4 terms (one;
+    """``x @ weight.T + bias`` like ``cpu_kernels.Linear``, the weight a sum of int4 terms (one;
     two for a Q8_0 head): the int4 kernel for up to ``max_tokens`` tokens, else ``dense``
     (the same weights in bfloat16)."""
 

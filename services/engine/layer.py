@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.services.engine.config import PLAIN_ATTENTION, LayerAttention
-from tandem.services.engine.cpu_linear import AmxLinear, Linear
+from tandem.services.engine.cpu_kernels import AmxLinear, Linear
 from tandem.services.engine.int4_linear import Int4Linear
 from tandem.services.engine.moe import MoeMlp
 

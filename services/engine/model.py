@@ -41,8 +41,8 @@ from torch import nn
 from tandem.services.engine import cpu_kernels
 from tandem.services.engine.attention import AttentionBackend, check_features
 from tandem.services.engine.config import ModelConfig
+from tandem.services.engine.cpu_kernels import AmxLinear, Linear, packing_available
 from tandem.services.engine.cpu_layers import CpuLayers
-from tandem.services.engine.cpu_linear import AmxLinear, Linear, packing_available
 from tandem.services.engine.int4_linear import Int4Linear, Q4Weight
 from tandem.services.engine.kv_cache import KVCache
 from tandem.services.engine.layer import Layer, Projection

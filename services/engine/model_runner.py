@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.services.engine.attention import build_step_metadata
-from tandem.services.engine.attention.decode_rows import DecodeRows
+from tandem.services.engine.attention.metadata import DecodeRows
 from tandem.services.engine.cuda_graphs import DecodeGraphs
 from tandem.services.engine.device import to_device
 from tandem.services.engine.kv_cache import KVCache, kv_storage
@@ -41,7 +41,7 @@ class ModelRunner:
         self.device = device
         self.graphs: DecodeGraphs | None = None  # decode steps replayed as CUDA graphs
         # The torch backend reads decoding sequences' K/V from rows kept between steps, at
-        # most as many bytes as the cache itself holds (attention/decode_rows.py).
+        # most as many bytes as the cache itself holds (attention/metadata.py).
         self.decode_rows: DecodeRows | None = None
         if model.attention.name == "torch":
             c = model.config

@@ -9,7 +9,7 @@ the end (no tensor cores); 2-16 rows: ``tl.dot`` on 16-row tiles. More rows than
 ``MAX_ROWS`` go to torch (cuBLAS), which is the better kernel once the weight tile is reused.
 
 ``TritonLinear`` is the projection the model uses on a GPU with the triton attention backend
-(``model.py``): the same call as ``cpu_linear.Linear``. Its tile choice per shape is
+(``model.py``): the same call as ``cpu_kernels.Linear``. Its tile choice per shape is
 ``launch_config``; ``tandem.loadtest.gpu_check``'s ``projections`` section times it against cuBLAS.
 Sums are float32 in another order than cuBLAS's: results differ from torch's in the last bit
 of the model dtype now and then, as two GEMM libraries do.

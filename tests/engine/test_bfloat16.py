@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tandem.services.engine.config import EngineConfig
-from tandem.services.engine.cpu_linear import packing_available
+from tandem.services.engine.cpu_kernels import packing_available
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import load_model
 from tandem.services.protocol.request import SamplingParams
@@ -20,7 +20,7 @@ def test_bfloat16_engine_agrees_with_float32_at_the_start(prompts, references):
                        load_model(dtype="bfloat16", progress=False))
     assert engine.kv_cache.dtype.is_floating_point and engine.kv_cache.element_size() == 2
     # On a CPU whose oneDNN runs bfloat16 its linears run on prepacked weights, elsewhere (an
-    # AVX2-only CPU) on F.linear (engine/cpu_linear.py).
+    # AVX2-only CPU) on F.linear (engine/cpu_kernels.py).
     packs = packing_available("cpu", torch.bfloat16)
     assert engine.runner.model.head.packed is packs
     assert engine.runner.model.layers[0].qkv.packed is packs

@@ -17,7 +17,7 @@ from tandem.services.engine import cpu_kernels
 from tandem.services.engine.attention import get_attention_backend, resolve_backend
 from tandem.services.engine.attention.cpu_backend import CpuAttention
 from tandem.services.engine.config import EngineConfig, SpeculativeConfig
-from tandem.services.engine.cpu_linear import AmxLinear
+from tandem.services.engine.cpu_kernels import AmxLinear
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
 from tandem.services.protocol.request import SamplingParams

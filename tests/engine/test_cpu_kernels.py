@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.services.engine import cpu_kernels
-from tandem.services.engine.cpu_linear import AmxLinear
+from tandem.services.engine.cpu_kernels import AmxLinear
 from tandem.services.engine.model import _rotate_half, rms_norm
 
 REASON = cpu_kernels.unavailable_reason()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.services.engine.cpu_linear import Linear, packing_available
+from tandem.services.engine.cpu_kernels import Linear, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available("cpu", torch.bfloat16),
                                 reason="this torch has no oneDNN linear for bfloat16 here")

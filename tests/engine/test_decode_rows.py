@@ -1,4 +1,4 @@
-"""Decode rows (attention/decode_rows.py): the torch backend reading decoding sequences' K/V
+"""Decode rows (attention/metadata.py): the torch backend reading decoding sequences' K/V
 from rows kept between steps gives the same output, bit for bit, as gathering their blocks
 every step, through sequences joining and leaving, preemption and an int8 cache."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.services.engine.attention.decode_rows import DecodeRows
+from tandem.services.engine.attention.metadata import DecodeRows
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.protocol.request import GenerationRequest, SamplingParams
 

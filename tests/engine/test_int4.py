@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.services.engine.config import EngineConfig
-from tandem.services.engine.cpu_linear import packing_available
+from tandem.services.engine.cpu_kernels import packing_available
 from tandem.services.engine.int4_linear import GROUP, Int4Linear, Q4Weight, int4_available
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import (

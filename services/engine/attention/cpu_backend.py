@@ -3,7 +3,7 @@
 For a bfloat16 cache on an x86 CPU with AVX-512 BF16 (``cpu_kernels.py``). Each run of decoding
 sequences with the same query length (one row, or one plus draft tokens) is one kernel call
 over the block tables: no gather, no mask, no per-step copy of the contexts (the torch
-backend's ``decode_rows.py`` is not kept). A step's prefill chunks are one call of the AMX
+backend's decode rows, DecodeRows, are not kept). A step's prefill chunks are one call of the AMX
 prefill kernel (csrc/prefill_attention.c, where the CPU has AMX): K/V read through the block
 tables too, cached prefix or not, no mask built. Shapes the kernels do not take go through the
 torch backend's SDPA. A layer's new K/V go into the cache in one kernel call as well.

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tandem.services.engine.attention.decode_rows import DecodeRows, RowPlan
-from tandem.services.engine.attention.metadata import StepMetadata
+from tandem.services.engine.attention.metadata import DecodeRows, RowPlan, StepMetadata
 from tandem.services.engine.config import PLAIN_ATTENTION, LayerAttention
 from tandem.services.engine.kv_cache import KVCache, QuantizedKV
 
@@ -46,7 +45,7 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [num_seqs, max_blocks]
     mask: torch.Tensor | None  # [num_seqs, 1, heads_per_kv_group * query_len | 1, max_keys]
     num_keys: int
-    # Keys and values read in place from the runner's rows (decode_rows.py), mask in row
+    # Keys and values read in place from the runner's rows (metadata.py), mask in row
     # order; None: gathered from the blocks.
     rows: RowPlan | None = None
     source: DecodeRows | None = None

@@ -1,6 +1,6 @@
 /* Linear layers in bfloat16 on Intel AMX (Sapphire Rapids on): out = x @ w.T (+ bias), float
    accumulation, one rounding to bfloat16. The weight is packed once as AMX "B" tiles
-   (cpu_linear.AmxLinear), so a step streams it in order, 1 KiB a tile; x's rows are the "A"
+   (cpu_kernels.AmxLinear), so a step streams it in order, 1 KiB a tile; x's rows are the "A"
    tiles, read in place. 2 x 2 tiles of 16 x 16 results at a time. Each output row is summed in
    the same order whatever the other rows are (batch-invariant: a speculative verify row is its
    plain decode row's bits). */
