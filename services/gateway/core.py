@@ -1,5 +1,7 @@
-"""What both front ends share: the backend, the tokenizer, settings, metrics, and the checks;
-and the choices of one request.
+"""What both front ends share, so HTTP and gRPC accept, refuse and serve exactly alike: the
+backend, the tokenizer, settings, metrics and the checks (``Gateway``); a client's prompt and
+options to a validated, tokenized ``GenerationRequest`` (``build_request``); the choices of one
+request (``start_choices``); and the request's span (``RequestTrace``).
 
 Requests with several choices (``n`` > 1, ``best_of``): the prompt is prefilled once.
 
@@ -13,6 +15,10 @@ only that block. ``tandem_prefix_cache_hits`` shows it.
 
 Each choice counts as a request in the gateway's metrics and in ``max_in_flight``. A choice
 that fails fails the whole request: the others are aborted (their blocks freed).
+
+The gateway's span of one request is the root of its trace (or a child of the client's
+``traceparent``), with parse and tokenize phases; the backend's router, prefill and decode
+spans hang under it. It ends when the generation does (finished, aborted or failed).
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import random
+import secrets
 import time
+import uuid
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -36,12 +45,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from jinja2 import TemplateError
+from opentelemetry import trace
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
+
+from tandem.services import tracing
 from tandem.services.engine.grammar import Grammars
-from tandem.services.engine.tokenizer import Tokenizer
+from tandem.services.engine.tokenizer import TEMPLATE_VARIABLES, Tokenizer
 from tandem.services.gateway.backend import GenerationBackend, HealthReporting, MultiWorkerStats
 from tandem.services.gateway.config import GatewayConfig
 from tandem.services.gateway.errors import GatewayError, bad_request, model_not_found
-from tandem.services.gateway.inputs import SamplingOptions, build_request, check_prompt_size
 from tandem.services.gateway.metrics import (
     ERROR,
     REJECTED,
@@ -52,13 +65,13 @@ from tandem.services.gateway.metrics import (
 )
 from tandem.services.gateway.pipeline import Delta, Usage, generate_deltas
 from tandem.services.gateway.reasoning import parser_enabled
-from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.tenants import FairSlots, Tenants
 from tandem.services.protocol.outputs import EngineStats
 from tandem.services.protocol.request import (
     DEFAULT_TENANT,
     UNKNOWN_TENANT,
     GenerationRequest,
+    SamplingParams,
     StructuredOutput,
 )
 
@@ -369,7 +382,7 @@ class Generation:
 # Choices (n > 1, best_of) ------------------------------------------------------------------
 
 T = TypeVar("T")
-_SEED_SPACE = 2**64  # seeds are 64-bit (inputs.py); seed + i wraps within them
+_SEED_SPACE = 2**64  # seeds are 64-bit (core.py); seed + i wraps within them
 _MAX_SEED = 2**64 - 1
 
 
@@ -496,3 +509,325 @@ def total_usage(usages: Sequence[Usage | None]) -> Usage | None:
 def cumulative_logprob(delta: Delta) -> float:
     """The sum of the log-probabilities of a choice's tokens (what ``best_of`` ranks by)."""
     return sum(lp.logprob for lp in delta.logprobs)
+
+
+class RequestTrace:
+    def __init__(self, entry: str, operation: str, carrier: Mapping[str, Any] | None) -> None:
+        """``entry``: http or grpc; ``carrier``: the request's headers or metadata."""
+        self.span = tracing.start_span("gateway.request", tracing.extract(carrier),
+                                       SpanKind.SERVER)
+        self.recording = self.span.is_recording()
+        self._ended = False
+        self._finished = False
+        if self.recording:
+            self.span.set_attributes({"tandem.entry": entry, "tandem.operation": operation})
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[Span]:
+        """A child span around a block of the gateway's own work (not across a ``yield``)."""
+        if not self.recording:
+            yield INVALID_SPAN
+            return
+        # What went wrong is recorded once, on the request span (see fail).
+        with tracing.tracer().start_as_current_span(
+                name, context=trace.set_span_in_context(self.span), record_exception=False,
+                set_status_on_exception=False) as span:
+            yield span
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The request span as the current one: the backend parents its spans on it."""
+        if not self.recording:
+            yield
+            return
+        with trace.use_span(self.span, end_on_exit=False, record_exception=False,
+                            set_status_on_exception=False):
+            yield
+
+    @contextlib.contextmanager
+    def guard(self, aborts: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+        """End the span if the block raises (on success the generation ends it); ``aborts``
+        are the exceptions that mean the client went away."""
+        try:
+            yield
+        except BaseException as exc:
+            self.fail(exc, aborted=isinstance(exc, aborts))
+            raise
+
+    def request(self, request: GenerationRequest) -> None:
+        if self.recording:
+            self.span.set_attributes({
+                "tandem.request_id": request.request_id,
+                "tandem.prompt_tokens": len(request.prompt_token_ids),
+                "tandem.max_tokens": request.params.max_tokens})
+
+    def client_request_id(self, request_id: str) -> None:
+        """The id the client sent (gRPC), echoed back to it; the server's own id keys the
+        request (``tandem.request_id``)."""
+        if self.recording and request_id:
+            self.span.set_attribute("tandem.client_request_id", request_id)
+
+    def first_token(self) -> None:
+        if self.recording:
+            self.span.add_event("first_token")
+
+    def finish(self, delta: Delta) -> None:
+        self._finished = True
+        if self.recording and delta.usage is not None:
+            self.span.set_attributes({
+                "tandem.finish_reason": delta.finish_reason or "",
+                "tandem.completion_tokens": delta.usage.completion_tokens,
+                "tandem.cached_tokens": delta.usage.cached_tokens})
+
+    def fail(self, exc: BaseException, aborted: bool = False) -> None:
+        """End the span: client errors and disconnects are outcomes, not failures of ours."""
+        if self._ended:
+            return
+        if isinstance(exc, GatewayError) and exc.status < 500:
+            self._finished = True  # rejected, not aborted
+            if self.recording:
+                self.span.set_attributes({"tandem.error.status": exc.status,
+                                          "tandem.error.message": exc.message})
+            self.end()
+        elif aborted or isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            self.end()
+        else:
+            self._ended = True
+            tracing.end_with_error(self.span, exc)
+
+    def end(self) -> None:
+        """End the span (once); a request that had not finished was aborted."""
+        if self._ended:
+            return
+        self._ended = True
+        if self.recording and not self._finished:
+            self.span.set_attribute("tandem.finish_reason", "abort")
+        self.span.end()
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_CHOICES = 16  # n and best_of: each choice is a request of its own (core.start_choices)
+_INT64 = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling as a client states it; None means the default."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 or -1: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; n: plus the top n
+    prompt_logprobs: int | None = None  # the prompt's, likewise (completions echo + logprobs)
+    speculative: bool = True  # speculative decoding, where the server runs it
+    num_speculative_tokens: int | None = None  # cap on draft tokens per step
+    timeout_s: float | None = None  # the client's deadline for the whole request, if any
+    # Logits controls (engine/logits_controls.py); None or empty: off.
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int | None = None
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    structured_output: StructuredOutput | None = None  # checked by the gateway (Grammars)
+
+
+# The chat roles both front ends accept; "developer" is OpenAI's newer name for "system".
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def template_message(role: str, content: str, reasoning: str | None = None
+                     ) -> dict[str, str]:
+    """A message as the chat template reads it (templates know "system", not "developer");
+    an assistant turn's reasoning as ``reasoning_content`` (what templates that show it read)."""
+    message = {"role": "system" if role == "developer" else role, "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def text_chars(value: Any) -> int:
+    """The characters of every string in ``value`` (a prompt, or chat messages and their
+    parts)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(text_chars(v) for v in value)
+    return 0
+
+
+def check_prompt_size(chars: int, max_model_len: int, max_token_chars: int, param: str) -> None:
+    """400 before any tokenizing for a text too long to fit the context whatever its tokens
+    (each stands for at most ``max_token_chars`` characters)."""
+    limit = max_model_len * max_token_chars
+    if chars > limit:
+        raise bad_request(
+            f"{param} has {chars} characters: more than the {max_model_len} tokens of this "
+            f"model's context could hold (at most {max_token_chars} characters a token, "
+            f"{limit} in all)", param=param, code="context_length_exceeded")
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt: str, add_special_tokens: bool = True
+                    ) -> list[int]:
+    if not prompt:
+        raise bad_request("prompt is empty", param="prompt")
+    return tokenizer.encode(prompt, add_special_tokens)
+
+
+def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]],
+                  tools: Sequence[dict[str, Any]] | None = None,
+                  template_kwargs: dict[str, Any] | None = None,
+                  add_special_tokens: bool = False) -> list[int]:
+    if not messages:
+        raise bad_request("messages is empty: send at least one message", param="messages")
+    clash = sorted(set(template_kwargs or ()) & set(TEMPLATE_VARIABLES))
+    if clash:
+        raise bad_request(f"chat_template_kwargs cannot set {clash[0]!r}: the server does",
+                          param="chat_template_kwargs")
+    try:
+        return tokenizer.encode_chat(messages, tools, template_kwargs, add_special_tokens)
+    except (ValueError, TemplateError) as exc:  # no template, or the template rejected them
+        raise bad_request(f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str = "prompt"
+                    ) -> list[int]:
+    ids = list(token_ids)
+    if not ids:
+        raise bad_request("the prompt has no tokens", param=param)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})",
+                          param=param)
+    return ids
+
+
+def build_request(request_id: str, prompt_token_ids: list[int], options: SamplingOptions,
+                  max_model_len: int, cache_salt: str | None = None,
+                  default_max_tokens: int | None = None, arrival_time: float | None = None,
+                  prompt_param: str = "prompt", max_timeout_s: float | None = None,
+                  vocab_size: int | None = None, tenant: str = DEFAULT_TENANT
+                  ) -> GenerationRequest:
+    """Check the request against the context length (and the token ids it names against
+    ``vocab_size``) and turn options into SamplingParams. Its deadline is the client's
+    ``timeout_s`` or ``max_timeout_s`` (the server's limit), whichever is sooner."""
+    num_prompt = len(prompt_token_ids)
+    room = max_model_len - num_prompt
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{num_prompt} tokens (prompt + at least 1 generated token must fit).",
+            param=prompt_param, code="context_length_exceeded")
+    max_tokens = options.max_tokens
+    if max_tokens is not None and max_tokens >= 1 and num_prompt + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+            param="max_tokens", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(room, default_max_tokens) if default_max_tokens else room
+    _check_stop(options.stop)
+    _check_ranges(options)
+    _check_token_controls(options, vocab_size)
+    if options.seed is not None and not _INT64[0] <= options.seed <= _INT64[1]:
+        raise bad_request(f"seed must fit in 64 bits, got {options.seed}", param="seed")
+    top_k = options.top_k if options.top_k is not None else 0
+    if top_k == -1:  # vLLM's spelling of "off"
+        top_k = 0
+    seed = options.seed
+    if seed is None and options.temperature != 0:
+        # Chosen here, once: prefill, decode and any worker a stream migrates to draw the
+        # request's tokens from it (engine/sampler.py).
+        seed = secrets.randbits(63)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if options.temperature is None else options.temperature,
+            top_k=top_k,
+            top_p=1.0 if options.top_p is None else options.top_p,
+            seed=seed,
+            ignore_eos=options.ignore_eos,
+            logprobs=options.logprobs,
+            prompt_logprobs=options.prompt_logprobs,
+            speculative=options.speculative,
+            num_speculative_tokens=options.num_speculative_tokens,
+            stop_token_ids=options.stop_token_ids,
+            min_tokens=options.min_tokens or 0,
+            logit_bias=tuple((options.logit_bias or {}).items()),
+            presence_penalty=options.presence_penalty or 0.0,
+            frequency_penalty=options.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if options.repetition_penalty is None
+                                else options.repetition_penalty),
+            min_p=options.min_p or 0.0,
+            structured_output=options.structured_output,
+        )
+    except ValueError as exc:  # SamplingParams names the field first in its messages
+        field_name = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param=field_name) from exc
+    timeouts = [t for t in (options.timeout_s, max_timeout_s) if t is not None]
+    deadline = time.time() + min(timeouts) if timeouts else None
+    return GenerationRequest(request_id, prompt_token_ids, params, options.stop, cache_salt or None,
+                             time.monotonic() if arrival_time is None else arrival_time,
+                             deadline=deadline, tenant=tenant)
+
+
+# The same bounds for every front end (HTTP's pydantic models state them too).
+MAX_TEMPERATURE = 2.0
+
+
+def _check_ranges(options: SamplingOptions) -> None:
+    t, p = options.temperature, options.top_p
+    if t is not None and not (math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
+        raise bad_request(f"temperature must be a number between 0 and {MAX_TEMPERATURE}, "
+                          f"got {t}", param="temperature")
+    if p is not None and not (math.isfinite(p) and 0.0 < p <= 1.0):
+        raise bad_request(f"top_p must be a number in (0, 1], got {p}", param="top_p")
+    if options.top_k is not None and options.top_k < -1:
+        raise bad_request(f"top_k must be >= -1 (0 or -1: off), got {options.top_k}",
+                          param="top_k")
+    if options.timeout_s is not None and not (math.isfinite(options.timeout_s)
+                                              and options.timeout_s > 0):
+        raise bad_request(f"timeout must be a number of seconds > 0, got {options.timeout_s}",
+                          param="timeout")
+    if options.max_tokens is not None and options.max_tokens < 1:
+        raise bad_request(f"max_tokens must be >= 1, got {options.max_tokens}",
+                          param="max_tokens")
+
+
+def _check_stop(stop: Sequence[str]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}",
+                          param="stop")
+    for s in stop:
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise bad_request(f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters",
+                              param="stop")
+
+
+def _check_token_controls(options: SamplingOptions, vocab_size: int | None) -> None:
+    named = [("stop_token_ids", list(options.stop_token_ids), MAX_STOP_TOKEN_IDS),
+             ("logit_bias", list(options.logit_bias or ()), MAX_LOGIT_BIAS_TOKENS)]
+    for param, ids, most in named:
+        if len(ids) > most:
+            raise bad_request(f"{param} may name at most {most} tokens, got {len(ids)}",
+                              param=param)
+        bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)),
+                   None)
+        if bad is not None:
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary "
+                              f"[0, {vocab_size})", param=param)

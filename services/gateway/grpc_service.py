@@ -19,23 +19,25 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.services.gateway.core import Choices, Gateway, start_choices
-from tandem.services.gateway.errors import GatewayError, bad_request
-from tandem.services.gateway.inputs import (
+from tandem.services.gateway.core import (
     CHAT_ROLES,
     MAX_CHOICES,
+    Choices,
+    Gateway,
+    RequestTrace,
     SamplingOptions,
     check_token_ids,
     new_request_id,
+    start_choices,
     template_message,
     text_chars,
     tokenize_chat,
     tokenize_prompt,
 )
+from tandem.services.gateway.errors import GatewayError, bad_request
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.pipeline import Delta
-from tandem.services.gateway.request_trace import RequestTrace
 from tandem.services.gateway.tls import ServerTLS
 from tandem.services.protocol.request import StructuredOutput
 from tandem.services.version import version
@@ -128,7 +130,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """Writes each delta as it comes; a write waits while the call's HTTP/2 window and write
     buffer are full, so a client that stops reading stops the stream. One that has read
     nothing for ``client_read_timeout_s`` is cut (request aborted and counted, the call ended
-    with CANCELLED), as over HTTP (http_io.py)."""
+    with CANCELLED), as over HTTP (http_app.py)."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway

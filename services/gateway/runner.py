@@ -16,8 +16,7 @@ from starlette.types import Scope
 
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.grpc_service import create_grpc_server
-from tandem.services.gateway.http_app import create_http_app
-from tandem.services.gateway.http_io import deadline_protocol
+from tandem.services.gateway.http_app import create_http_app, deadline_protocol
 from tandem.services.gateway.tls import ServerTLS
 
 
@@ -42,7 +41,7 @@ class FrontEnds:
 
     ``start()`` returns once both accept connections; port 0 picks a free port. The gateway's
     Serve replica runs these itself (Serve's HTTP proxy is off): uvicorn's flow control then
-    reaches the gateway, which cuts clients that stop reading (http_io.py). With ``tls``
+    reaches the gateway, which cuts clients that stop reading (http_app.py). With ``tls``
     both serve TLS only (HTTPS; gRPC over TLS).
     """
 

@@ -1,7 +1,7 @@
 """``GenerationRequest``: one request, as every layer after parsing sees it, and its
 ``SamplingParams`` (validated on construction).
 
-The gateway builds it once from a validated client request (services/gateway/inputs.py) and
+The gateway builds it once from a validated client request (services/gateway/core.py) and
 hands it to its backend; the disaggregated backend sends it as it is to the prefill replica
 and then, with P's ``PrefillResult`` set, to the decode replica. Everything a request carries
 through P and D lives here, so a new field is one edit here and one where it is used. No

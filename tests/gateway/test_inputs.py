@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.services.gateway.inputs import SamplingOptions, build_request
+from tandem.services.gateway.core import SamplingOptions, build_request
 
 
 def test_a_sampled_request_gets_a_seed_and_a_greedy_one_none() -> None:

@@ -17,7 +17,7 @@ from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.gateway.backend import EngineBackend
 from tandem.services.gateway.config import GatewayConfig
-from tandem.services.gateway.core import Gateway
+from tandem.services.gateway.core import MAX_CHOICES, Gateway
 from tandem.services.gateway.errors import (
     bad_request,
     body_too_large,
@@ -25,7 +25,6 @@ from tandem.services.gateway.errors import (
     overloaded,
     unauthorized,
 )
-from tandem.services.gateway.inputs import MAX_CHOICES
 from tandem.services.gateway.metrics import FAILURE_REASONS, failure_reason
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc

@@ -67,7 +67,7 @@ def test_off_by_default_is_a_no_op() -> None:
         from opentelemetry import trace
         from tandem.services import tracing
         from tandem.services.handoff.trace import DecodeTrace
-        from tandem.services.gateway.request_trace import RequestTrace
+        from tandem.services.gateway.core import RequestTrace
         from tandem.services.handoff.trace import PrefillTrace
 
         parent = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
