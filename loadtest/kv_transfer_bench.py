@@ -30,7 +30,7 @@ from pathlib import Path
 from tandem.loadtest.rpc_workers.decode import RemoteDecode
 from tandem.loadtest.rpc_workers.prefill import RemotePrefill
 from tandem.loadtest.rpc_workers.process import WorkerSpec, spawn_workers
-from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import ClusterKey
 from tandem.services.protocol.request import GenerationRequest, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)

@@ -42,7 +42,7 @@ from tandem.router import (
     WorkerLoad,
     attach_worker,
 )
-from tandem.router.scoring import rendezvous_choose, rendezvous_key, rendezvous_weight
+from tandem.router.router import rendezvous_choose, rendezvous_key, rendezvous_weight
 from tandem.services.protocol.block_hash import BlockHash, HashSettings, PromptHasher
 from tandem.services.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
 

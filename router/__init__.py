@@ -18,7 +18,6 @@ from tandem.router.errors import (
 from tandem.router.fallback_registry import FallbackRegistry
 from tandem.router.forwarder import WorkerEventForwarder, attach_worker
 from tandem.router.index import PrefixIndex
-from tandem.router.inprocess_bus import InProcessEventBus
 from tandem.router.redis_bus import RedisStreamEventBus
 from tandem.router.redis_conn import connect
 from tandem.router.redis_registry import RedisRegistry
@@ -31,6 +30,7 @@ from tandem.router.registry import (
     WorkerRegistry,
 )
 from tandem.router.router import Router, RouterStatus
+from tandem.router.wire import InProcessEventBus
 from tandem.services.protocol.block_hash import PromptHasher
 
 __all__ = [

@@ -8,9 +8,8 @@
 
 from tandem.router.bus import EventBus, EventSubscription
 from tandem.router.forwarder import WorkerEventForwarder, attach_worker
-from tandem.router.inprocess_bus import InProcessEventBus
 from tandem.router.redis_bus import RedisStreamEventBus
-from tandem.router.wire import WorkerEvent, decode_event, encode_event
+from tandem.router.wire import InProcessEventBus, WorkerEvent, decode_event, encode_event
 
 __all__ = [
     "EventBus",

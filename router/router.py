@@ -5,10 +5,24 @@ is down. ``sync`` (called by a background thread, or explicitly) pulls KV events
 and refreshes the worker snapshot; when Redis is unreachable it keeps the last snapshot, routes
 by rendezvous hashing, and on reconnect rebuilds the index from the stream plus fresh worker
 snapshots.
+
+Scoring: prefill by cache affinity against load, decode by power of two choices.
+
+In flight (``InFlight``): the router's own assignments that workers have not reported yet. A
+heartbeat's load is already stale when it arrives; without counting what it has just sent, a
+router would send a whole burst to the worker that looked idle at the last heartbeat. An entry
+counts until the worker reports a heartbeat taken after it, the caller releases the request, or
+``max_age_s`` passes.
+
+The reverse staleness matters too: a heartbeat sampled while a request was in flight keeps
+counting it after its prefill is done. A released request that a heartbeat had already counted
+becomes a credit against that worker's reported load until its next heartbeat; without it, a
+client sending one request at a time is steered away from the worker holding its prefix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
@@ -16,8 +30,8 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import tandem.router.decision as d
@@ -32,20 +46,10 @@ from tandem.router.errors import (
     SettingsMismatch,
 )
 from tandem.router.index import EventOrder, PrefixIndex
-from tandem.router.inflight import InFlight
 from tandem.router.registry import Clock, WorkerRecord, WorkerRegistry, settings_mismatch
 from tandem.router.round_robin import RoundRobin
-from tandem.router.scoring import (
-    decode_score,
-    lowest,
-    power_of_two,
-    prefill_cost,
-    rendezvous_choose,
-    rendezvous_key,
-    rendezvous_weight,
-)
 from tandem.router.sessions import SessionKey, Sessions
-from tandem.services.protocol.block_hash import BlockHash, PromptHasher
+from tandem.services.protocol.block_hash import BlockHash, PromptHasher, hash_block
 
 log = logging.getLogger(__name__)
 
@@ -555,3 +559,166 @@ class Router:
             self._thread = None
         if self._subscription is not None:
             self._subscription.close()
+
+
+_TIE = 1e-9
+
+
+def prefill_cost(
+    prompt_blocks: int, cached_blocks: int, pending_blocks: float, miss_weight: float,
+    load_weight: float, host_blocks: int = 0, host_hit_cost: float = 0.0,
+) -> float:
+    """``cached_blocks`` leading blocks are reused, ``host_blocks`` of them copied back from
+    host memory at ``host_hit_cost`` of a miss each (a device hit costs nothing)."""
+    uncached = prompt_blocks - cached_blocks + host_hit_cost * host_blocks
+    return miss_weight * uncached + load_weight * pending_blocks
+
+
+def decode_score(
+    kv_usage: float, running_sequences: float, kv_weight: float, running_weight: float
+) -> float:
+    return kv_weight * kv_usage + running_weight * running_sequences
+
+
+def lowest(scores: Mapping[str, float], tie_key: bytes) -> str:
+    """Lowest score wins; ties go to the rendezvous winner for ``tie_key``, so every replica
+    breaks a tie the same way while different prompts still spread across the tied workers."""
+    best = min(scores.values())
+    return rendezvous_choose(tie_key, (w for w, s in scores.items() if s <= best + _TIE))
+
+
+def power_of_two(scores: Mapping[str, float], rng: random.Random) -> str:
+    """Sample two candidates, keep the less loaded: near-best balance without herding every
+    router onto the single least-loaded worker between heartbeats."""
+    ids = sorted(scores)
+    if len(ids) == 1:
+        return ids[0]
+    a, b = rng.sample(ids, 2)  # random order, so a tie goes to a random one of the two
+    return a if scores[a] <= scores[b] else b
+
+
+# -- Rendezvous hashing ------------------------------------------------------------------------
+# Rendezvous (highest-random-weight) hashing: the fallback when no index can be trusted. Every
+# router replica, given the same key and workers, picks the same worker, and removing one worker
+# only moves the keys it owned.
+
+
+_SCALE = float(1 << 64)
+
+
+def rendezvous_key(
+    hashes: Sequence[BlockHash],
+    prefix_blocks: int,
+    token_ids: Sequence[int] = (),
+    extra_keys: Sequence[str] = (),
+) -> bytes:
+    """The key of a prompt: the chained hash of its first ``prefix_blocks`` blocks (which covers
+    all of them), or, for a prompt shorter than one block, a hash of its tokens."""
+    if hashes:
+        return hashes[min(prefix_blocks, len(hashes)) - 1]
+    return hash_block(None, token_ids, extra_keys)
+
+
+def rendezvous_weight(key: bytes, worker_id: str) -> float:
+    """Pseudo-random weight in [0, 1) of ``worker_id`` for ``key``, identical in every process."""
+    digest = hashlib.blake2b(key + b"\x00" + worker_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / _SCALE
+
+
+def rendezvous_choose(key: bytes, workers: Iterable[str]) -> str:
+    """The worker with the highest weight for ``key``; ``workers`` must not be empty."""
+    return max(workers, key=lambda w: (rendezvous_weight(key, w), w))
+
+
+@dataclass(frozen=True)
+class _Assignment:
+    request_id: str
+    worker_id: str
+    assigned_at: float
+    blocks: int  # prefill: blocks to compute; decode: prompt blocks to hold
+
+
+class InFlight:
+    """Not thread-safe on its own; the router serialises access."""
+
+    def __init__(self, max_age_s: float = 30.0) -> None:
+        self.max_age_s = max_age_s
+        self._by_worker: dict[str, list[_Assignment]] = defaultdict(list)
+        self._by_request: dict[str, list[_Assignment]] = defaultdict(list)
+        self._blocks: dict[str, int] = defaultdict(int)
+        # Assignments a worker's heartbeat has counted and the caller has not released yet.
+        self._reported: dict[str, list[_Assignment]] = defaultdict(list)
+        self._credit: dict[str, int] = defaultdict(int)  # released since the last heartbeat
+
+    def add(self, request_id: str, worker_id: str, blocks: int, now: float) -> None:
+        entry = _Assignment(request_id, worker_id, now, blocks)
+        self._by_worker[worker_id].append(entry)
+        self._by_request[request_id].append(entry)
+        self._blocks[worker_id] += blocks
+
+    def release(self, request_id: str) -> None:
+        for entry in self._by_request.pop(request_id, ()):
+            self._remove_from_worker(entry.worker_id, lambda e, target=entry: e is target)
+        for counted in self._reported.pop(request_id, ()):
+            self._credit[counted.worker_id] += counted.blocks
+
+    def reported(self, worker_id: str, heartbeat_at: float) -> None:
+        """The worker's load sampled at ``heartbeat_at`` already includes earlier assignments."""
+        self._credit.pop(worker_id, None)
+        self._remove_from_worker(worker_id, lambda e: e.assigned_at <= heartbeat_at, unlink=True,
+                                 counted=True)
+
+    def credit(self, worker_id: str) -> int:
+        """Blocks the worker's last heartbeat counted for requests released since."""
+        return self._credit.get(worker_id, 0)
+
+    def expire(self, now: float) -> None:
+        for worker_id in list(self._by_worker):
+            self._remove_from_worker(
+                worker_id, lambda e: now - e.assigned_at > self.max_age_s, unlink=True
+            )
+        self._drop_reported(lambda e: now - e.assigned_at > self.max_age_s)
+
+    def blocks(self, worker_id: str) -> int:
+        return self._blocks.get(worker_id, 0)
+
+    def count(self, worker_id: str) -> int:
+        return len(self._by_worker.get(worker_id, ()))
+
+    def forget_worker(self, worker_id: str) -> None:
+        self._remove_from_worker(worker_id, lambda e: True, unlink=True)
+        self._credit.pop(worker_id, None)
+        self._drop_reported(lambda e: e.worker_id == worker_id)
+
+    def _drop_reported(self, drop: Callable[[_Assignment], bool]) -> None:
+        for request_id, entries in list(self._reported.items()):
+            entries[:] = [e for e in entries if not drop(e)]
+            if not entries:
+                del self._reported[request_id]
+
+    def _remove_from_worker(
+        self, worker_id: str, drop: Callable[[_Assignment], bool], unlink: bool = False,
+        counted: bool = False,
+    ) -> None:
+        entries = self._by_worker.get(worker_id)
+        if not entries:
+            return
+        keep = []
+        for entry in entries:
+            if not drop(entry):
+                keep.append(entry)
+                continue
+            self._blocks[worker_id] -= entry.blocks
+            if counted:
+                self._reported[entry.request_id].append(entry)
+            if unlink:
+                siblings = self._by_request.get(entry.request_id)
+                if siblings is not None:
+                    siblings[:] = [e for e in siblings if e is not entry]
+                    if not siblings:
+                        del self._by_request[entry.request_id]
+        if keep:
+            self._by_worker[worker_id] = keep
+        else:
+            del self._by_worker[worker_id]
+            self._blocks.pop(worker_id, None)

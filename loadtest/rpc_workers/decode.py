@@ -15,7 +15,7 @@ from tandem.services.handoff.decode import DecodeConfig, DecodeResult, DecodeWor
 from tandem.services.handoff.pairing import PairingError, PairingInfo
 from tandem.services.handoff.staging import TransferArea
 from tandem.services.kv_transfer.transport import KVTransport
-from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import ClusterKey
 from tandem.services.protocol.outputs import (
     DecodeRejectedError,
     EngineOverloadedError,

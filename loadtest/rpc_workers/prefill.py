@@ -13,8 +13,7 @@ from tandem.services.handoff.pairing import PairingError, PairingInfo
 from tandem.services.handoff.prefill import PrefillConfig, PrefillWorker
 from tandem.services.handoff.staging import TransferArea
 from tandem.services.kv_transfer.transport import KVTransport
-from tandem.services.protocol.auth import ClusterKey
-from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.handoff import ClusterKey, PrefillResult
 from tandem.services.protocol.outputs import EngineOverloadedError, RequestError
 from tandem.services.protocol.request import GenerationRequest
 
@@ -53,7 +52,7 @@ def prefill_handlers(worker: PrefillWorker) -> dict[str, Handler]:
 class RemotePrefill:
     """A prefill worker in another process; usable wherever a PrefillWorker is (a PrefillPeer
     for decode workers, ``prefill`` for the gateway). ``key``, ``name``: the cluster secret
-    this client proves, under its worker id (services/protocol/auth.py)."""
+    this client proves, under its worker id (services/protocol/handoff.py)."""
 
     def __init__(self, host: str, port: int, key: ClusterKey | None = None,
                  name: str = "gateway") -> None:

@@ -28,7 +28,7 @@ from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.handoff.staging import TransferArea
 from tandem.services.kv_transfer.factory import make_transport
 from tandem.services.kv_transfer.transport import KVTransport, TransferFaults
-from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import ClusterKey
 
 READY = "TANDEM-READY"
 
@@ -44,7 +44,7 @@ class WorkerSpec:
     faults: dict[str, Any] = field(default_factory=dict)  # TransferFaults fields (debug)
     host: str = "127.0.0.1"
     port: int = 0  # control channel; 0 picks a free port
-    # The cluster secret (services/protocol/auth.py): the control channel and KV reads prove
+    # The cluster secret (services/protocol/handoff.py): the control channel and KV reads prove
     # it. None: both unauthenticated (tests of that only).
     cluster_secret_file: str | None = None
 

@@ -6,7 +6,7 @@ the handler in a ``control.<method>`` span under it.
 A connection carries one call at a time; the client keeps a pool for concurrent calls. When
 a client drops a connection mid-call, the server cancels that call (a closed stream aborts).
 
-With a ``ClusterKey`` (the cluster secret, services/protocol/auth.py), each connection starts
+With a ``ClusterKey`` (the cluster secret, services/protocol/handoff.py), each connection starts
 with the cluster handshake: a client that cannot prove the secret is answered with the reason
 and disconnected before any call is read (counted in ``refused``, logged once per
 connection); a server that cannot prove it is not called.
@@ -22,8 +22,8 @@ from typing import Any
 
 from tandem.services import tracing
 from tandem.services.kv_transfer.framing import FrameError, encode_frame, read_frame
-from tandem.services.protocol import auth
-from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol import handoff
+from tandem.services.protocol.handoff import ClusterKey
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ class RpcServer:
             await writer.drain()
 
         try:
-            await auth.accept(self.key, "control", send, lambda: read_frame(reader))
-        except (auth.AuthError, TimeoutError, FrameError) as exc:
+            await handoff.accept(self.key, "control", send, lambda: read_frame(reader))
+        except (handoff.AuthError, TimeoutError, FrameError) as exc:
             self.refused += 1
             log.warning("control connection from %s refused: %s",
                         writer.get_extra_info("peername"), exc or "handshake timed out")
@@ -168,7 +168,7 @@ class RpcClient:
                 await conn[1].drain()
                 reply = await read_frame(conn[0])
             if reply is not None and "hello" in reply:
-                raise auth.AuthError(f"RPC {method}: the server asks for the cluster "
+                raise handoff.AuthError(f"RPC {method}: the server asks for the cluster "
                                      f"handshake; this client has no cluster secret")
             if reply is None or reply.get("id") != call_id:
                 raise ConnectionError(f"RPC {method}: the server closed the connection")
@@ -197,7 +197,7 @@ class RpcClient:
             await writer.drain()
 
         try:
-            await auth.connect(self.key, "control", self.name, send, lambda: read_frame(reader))
+            await handoff.connect(self.key, "control", self.name, send, lambda: read_frame(reader))
         except BaseException:
             writer.close()
             raise

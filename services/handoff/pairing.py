@@ -14,7 +14,7 @@ from tandem.services.protocol.block_hash import HASH_SCHEME
 if TYPE_CHECKING:
     from tandem.services.engine.llm_engine import LLMEngine
     from tandem.services.kv_transfer.transport import KVTransport
-    from tandem.services.protocol.auth import ClusterKey
+    from tandem.services.protocol.handoff import ClusterKey
 
 PROTOCOL_VERSION = 1
 # The engine's cache layout (services/engine/kv_cache.py), named so a change is noticed. Blocks

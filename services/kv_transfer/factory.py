@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from tandem.services.kv_transfer.transport import KVTransport, TransferFaults
-    from tandem.services.protocol.auth import ClusterKey
+    from tandem.services.protocol.handoff import ClusterKey
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
                    key: ClusterKey | None = None,
                    kv_cache: torch.Tensor | None = None) -> KVTransport:
     """The transport for a worker whose KV cache lives on ``device``; ``key``: the cluster
-    secret its connections prove (services/protocol/auth.py). ``auto`` takes NIXL
+    secret its connections prove (services/protocol/handoff.py). ``auto`` takes NIXL
     when it can move that memory, else TCP (through host memory for a GPU cache): a fallback
     the worker logs as a warning and reports (``fallback_reason``, a metric).
 

@@ -33,7 +33,7 @@ from tandem.services.kv_transfer.transport import (
     KVTransport,
     TransferFaults,
 )
-from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import ClusterKey
 
 
 def _import_nixl() -> Any:

@@ -4,7 +4,7 @@ Every worker serves reads of its own cache; a reader sends ``{"op": "read", "lea
 "reader": <its worker id>, "blocks": [...]}`` and gets ``{"ok": true, "nbytes": N}`` followed
 by the blocks' raw bytes in request order (or ``{"ok": false, "error": ...}``: among others for
 a read that no live lease of this worker offered to that reader covers, ``reads_allowed``).
-With a cluster key each connection starts with the cluster handshake (services/protocol/auth.py),
+With a cluster key each connection starts with the cluster handshake (services/protocol/handoff.py),
 which proves the reader's name; a connection that fails it is closed before any read.
 
 Bytes go straight between the socket and a host cache; a GPU cache is staged through host
@@ -33,8 +33,8 @@ from tandem.services.kv_transfer.framing import (
     sock_recv_into,
 )
 from tandem.services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
-from tandem.services.protocol import auth
-from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol import handoff
+from tandem.services.protocol.handoff import ClusterKey
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class TcpTransport(KVTransport):
                 host = blocks.numpy()
                 for block_id in ids:
                     await loop.sock_sendall(conn, memoryview(host[block_id]))
-        except auth.AuthError as exc:
+        except handoff.AuthError as exc:
             self.refusals += 1
             log.warning("KV connection refused: %s", exc)
         except (OSError, FrameError, TimeoutError) as exc:
@@ -123,7 +123,7 @@ class TcpTransport(KVTransport):
         async def send(frame: dict[str, Any]) -> None:
             await loop.sock_sendall(conn, encode_frame(frame))
 
-        return await auth.accept(self.key, "kv", send, lambda: sock_read_frame(loop, conn))
+        return await handoff.accept(self.key, "kv", send, lambda: sock_read_frame(loop, conn))
 
     def _allowed(self, lease_id: object, ids: list[int], reader: object) -> bool:
         check = self.reads_allowed
@@ -247,9 +247,9 @@ class TcpTransport(KVTransport):
                 await loop.sock_sendall(conn, encode_frame(frame))
 
             try:
-                await auth.connect(self.key, "kv", self.name, send,
+                await handoff.connect(self.key, "kv", self.name, send,
                                    lambda: sock_read_frame(loop, conn))
-            except (auth.AuthError, OSError, FrameError) as exc:
+            except (handoff.AuthError, OSError, FrameError) as exc:
                 conn.close()
                 raise KVTransferError(f"peer {peer_id!r} at {host}:{port}: {exc}") from None
             except BaseException:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from tandem.services.engine.kv_cache import block_bytes
-from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import ClusterKey
 
 
 class KVTransferError(RuntimeError):

@@ -7,8 +7,8 @@ importing nothing of ours (no torch, no Ray):
 - ``outputs``: ``RequestOutput`` (a request's new tokens, logprobs, finish reason), the
   engine's stats and the errors every layer raises and maps to a client status.
 - ``handoff``: the prefill-to-decode hand-off: ``KVHandle`` (the lease on a prompt's pinned
-  blocks) and ``PrefillResult`` (first token + handle).
-- ``auth``: the cluster secret: the workers' handshake and the MACs on handles and pairings.
+  blocks) and ``PrefillResult`` (first token + handle); and the cluster secret that guards
+  it: the workers' handshake and the MACs on handles and pairings.
 - ``block_hash``: a KV block's identity (the chained hash of its tokens), the same in the
   router and every worker.
 - ``kv_events``: a worker's KV cache changes (blocks stored, removed, cleared) as the router

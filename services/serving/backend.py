@@ -49,8 +49,7 @@ from tandem.services.protocol.outputs import (
 )
 from tandem.services.protocol.request import GenerationRequest
 from tandem.services.serving.cluster_view import ClusterView, WorkerSnapshot, known_replicas
-from tandem.services.serving.decode_channel import DecodeChannel, StreamStalledError
-from tandem.services.serving.serve_calls import call
+from tandem.services.serving.decode_channel import DecodeChannel, StreamStalledError, call
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,10 @@ A channel that fails (the replica died, the stream ended, no hello within the ti
 for ``idle_s`` while requests wait on it) fails every request on it with that error and is
 dropped; the next request routed to the worker opens a new one. Each request also has its own
 idle timer, so a request that gets nothing for ``idle_s`` ends with ``StreamStalledError``.
+
+The gateway's calls to worker replicas through Serve handles, with the replicas' errors as
+our own: a replica's exception arrives wrapped in ``RayTaskError``, a dead replica as
+``RayActorError``; these give the caller the plain error (``ReplicaGoneError`` for a dead one).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.handle import DeploymentHandle
 
 from tandem.services.protocol.messages import (
@@ -34,9 +39,17 @@ from tandem.services.protocol.messages import (
     RequestDone,
     WorkerReport,
 )
-from tandem.services.protocol.outputs import DeadlineExceededError, RequestError, RequestOutput
+from tandem.services.protocol.outputs import (
+    DeadlineExceededError,
+    DecodeRejectedError,
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    RequestError,
+    RequestOutput,
+    UnavailableError,
+)
 from tandem.services.protocol.request import GenerationRequest
-from tandem.services.serving.serve_calls import call, clean_error, stream_items
 
 if TYPE_CHECKING:
     from tandem.services.handoff.decode import DecodeStream
@@ -272,3 +285,47 @@ class ChannelOutbox:
             await stream.aclose()  # aborts the request unless it finished, frees its blocks
         self._pumps.pop(stream.request_id, None)
         self._queue.put_nowait(RequestDone(stream.request_id, error))
+
+
+def clean_error(exc: BaseException) -> BaseException:
+    """A replica's error (wrapped in RayTaskError, or a plain one that came as a value) as the
+    gateway handles it."""
+    if isinstance(exc, RayActorError):  # the replica's process died during the call
+        return ReplicaGoneError("the worker's replica died during the call")
+    cause = exc.cause if isinstance(exc, RayTaskError) else exc
+    if isinstance(cause, ReplicaGoneError):  # ChannelClosedError stays one
+        return type(cause)(str(cause))
+    if isinstance(cause, RequestError):
+        return RequestError(str(cause))
+    for kind in (EngineDeadError, EngineError, DeadlineExceededError, UnavailableError):
+        if isinstance(cause, kind):  # the most specific first: EngineDeadError is an EngineError
+            return kind(str(cause))
+    if isinstance(cause, EngineOverloadedError | DecodeRejectedError):
+        return EngineOverloadedError(str(cause))
+    return exc
+
+
+async def call(response: Any) -> Any:
+    """A unary call's result; cancelling the caller cancels the call."""
+    try:
+        return await response
+    except asyncio.CancelledError:
+        response.cancel()
+        raise
+    except Exception as exc:
+        cleaned = clean_error(exc)
+        if cleaned is exc:
+            raise
+        raise cleaned from None
+
+
+async def stream_items(stream: Any) -> AsyncIterator[Any]:
+    """A streaming call's items."""
+    try:
+        async for item in stream:
+            yield item
+    except Exception as exc:
+        cleaned = clean_error(exc)
+        if cleaned is exc:
+            raise
+        raise cleaned from None

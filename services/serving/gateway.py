@@ -41,8 +41,8 @@ from tandem.services.gateway import (
 )
 from tandem.services.gateway.runner import FrontEnds
 from tandem.services.gateway.tenants import Tenants, read_api_keys, read_tenant_weights
-from tandem.services.protocol.auth import read_secret
 from tandem.services.protocol.block_hash import HashSettings
+from tandem.services.protocol.handoff import read_secret
 from tandem.services.serving import metrics
 from tandem.services.serving.backend import BackendTimeouts, DisaggBackend
 from tandem.services.serving.cluster_view import ClusterView, WorkerSnapshot

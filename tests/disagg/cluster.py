@@ -17,8 +17,7 @@ from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.handoff.decode import DecodeConfig, DecodeResult, DecodeWorker
 from tandem.services.handoff.prefill import Clock, PrefillConfig, PrefillWorker
 from tandem.services.kv_transfer.factory import make_transport
-from tandem.services.protocol.auth import ClusterKey
-from tandem.services.protocol.handoff import PrefillResult
+from tandem.services.protocol.handoff import ClusterKey, PrefillResult
 from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Comparison, Reference, compare

@@ -24,7 +24,7 @@ from tandem.loadtest.rpc_workers.process import WorkerProcess
 from tandem.services.handoff.decode import KVSource
 from tandem.services.kv_transfer.tcp_transport import TcpTransport
 from tandem.services.kv_transfer.transport import KVTransferError
-from tandem.services.protocol.auth import AuthError, ClusterKey
+from tandem.services.protocol.handoff import AuthError, ClusterKey
 from tandem.services.protocol.outputs import DecodeRejectedError
 from tandem.services.protocol.request import GenerationRequest
 from tests.disagg.cluster import (

@@ -19,7 +19,7 @@ from tandem.services.kv_transfer.factory import make_transport
 from tandem.services.kv_transfer.framing import encode_frame, read_frame
 from tandem.services.kv_transfer.tcp_transport import TcpTransport
 from tandem.services.kv_transfer.transport import KVTransferError, KVTransport
-from tandem.services.protocol.auth import ClusterKey
+from tandem.services.protocol.handoff import ClusterKey
 from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving.cluster_view import WorkerSnapshot
 from tandem.services.serving.metrics import WorkerCollector

@@ -13,7 +13,7 @@ from tandem.router import (
     RouterConfig,
     WorkerLoad,
 )
-from tandem.router.scoring import rendezvous_choose, rendezvous_key
+from tandem.router.router import rendezvous_choose, rendezvous_key
 
 from .cluster import SETTINGS, FakeClock, start_worker, tokens
 from .conftest import RedisServer, wait_until

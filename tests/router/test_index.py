@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.router.index import PrefixIndex
-from tandem.router.inflight import InFlight
+from tandem.router.router import InFlight
 from tandem.services.protocol.block_hash import hash_token_blocks
 from tandem.services.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 

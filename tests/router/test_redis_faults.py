@@ -26,7 +26,7 @@ from tandem.router import (
 )
 from tandem.services.protocol.block_hash import hash_token_blocks
 from tandem.services.protocol.kv_events import BlockStored
-from tandem.services.serving.worker_events import WorkerEvents
+from tandem.services.serving.workers import WorkerEvents
 
 from .cluster import SETTINGS, make_info, start_worker, tokens
 from .conftest import RedisServer, free_port, wait_until

@@ -20,7 +20,7 @@ from tandem.services.protocol.request import GenerationRequest, SamplingParams
 from tandem.services.serving.backend import DisaggBackend
 from tandem.services.serving.cluster_view import ClusterView
 from tandem.services.serving.config import AppConfig
-from tandem.services.serving.serve_calls import call
+from tandem.services.serving.decode_channel import call
 
 APP = "route-to-test"
 PROMPT = [1000 + i for i in range(40)]

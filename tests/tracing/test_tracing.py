@@ -66,9 +66,9 @@ def test_off_by_default_is_a_no_op() -> None:
         import json, sys
         from opentelemetry import trace
         from tandem.services import tracing
-        from tandem.services.handoff.trace import DecodeTrace
+        from tandem.services.handoff.decode import DecodeTrace
         from tandem.services.gateway.core import RequestTrace
-        from tandem.services.handoff.trace import PrefillTrace
+        from tandem.services.handoff.prefill import PrefillTrace
 
         parent = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
         on = tracing.configure("gateway")
