@@ -7,7 +7,10 @@ module of ours, in which 20 ms slots a function of it was called, and writes tha
 every half second. After a warm-up request the driver serves one streamed request (the request
 window), then waits as long again and longer (the idle window, at least two idle status polls).
 Every module that ran in the request window counts (docs/architecture.md lists them); those that
-also ran in the idle window (the engine loop, status polls, the stats line) are marked.
+also ran in the idle window (the engine loop, status polls, the stats line) are marked. A process
+every one of whose functions that ran in the request window ran in the idle window too did nothing
+for the request (``tandem up``'s own, when its status line's poll falls in the window): its
+modules are listed apart, as background, and not counted.
 
     python -m tandem.loadtest.request_path                # colocated and disaggregated
     python -m tandem.loadtest.request_path --shape disagg --json out.json
@@ -89,12 +92,14 @@ class PathReport:
     shape: str
     modules: list[str]  # every module that ran in the request window
     idle: list[str]  # those of them that ran in the idle window too
-    processes: int  # processes of ours that ran code in the request window
+    processes: int  # processes of ours that ran code for the request
+    background: list[str]  # modules that ran only in processes doing background work alone
     functions: dict[str, list[str]]  # module -> its functions that ran in the request window
 
     def to_json(self) -> dict[str, object]:
         return {"shape": self.shape, "count": len(self.modules), "modules": self.modules,
-                "idle": self.idle, "processes": self.processes, "functions": self.functions}
+                "idle": self.idle, "processes": self.processes, "background": self.background,
+                "functions": self.functions}
 
 
 def package_roots() -> dict[str, str]:
@@ -171,20 +176,31 @@ def measure(shape: str, work: Path, max_tokens: int) -> PathReport:
         up.stop()
     functions: dict[str, set[str]] = {}
     idle: set[str] = set()
+    background: set[str] = set()
     processes = 0
     for path in trace_dir.glob("*.json"):
         seen: dict[str, dict[str, list[int]]] = json.loads(path.read_text())["seen"]
-        ran = False
+        ran: dict[str, set[str]] = {}  # this process: module -> functions run for the request
+        ran_idle: dict[str, set[str]] = {}
         for file, names in seen.items():
             module = module_name(file, roots)
             for name, slots in names.items():
                 if ran_in(slots, start, end):
-                    functions.setdefault(module, set()).add(name)
-                    ran = True
+                    ran.setdefault(module, set()).add(name)
                 if ran_in(slots, idle_start, idle_end):
-                    idle.add(module)
-        processes += ran
+                    ran_idle.setdefault(module, set()).add(name)
+        if not ran:
+            continue
+        if all(names <= ran_idle.get(module, set()) for module, names in ran.items()):
+            background.update(ran)
+            continue
+        processes += 1
+        for module, names in ran.items():
+            functions.setdefault(module, set()).update(names)
+            if module in ran_idle:
+                idle.add(module)
     return PathReport(shape, sorted(functions), sorted(idle & functions.keys()), processes,
+                      sorted(background - functions.keys()),
                       {module: sorted(names) for module, names in sorted(functions.items())})
 
 
@@ -208,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}{' *' if name in report.idle else ''}")
                 if args.functions:
                     print(f"      {', '.join(report.functions[name])}")
+            if report.background:
+                print(f"  background only, not counted: {', '.join(report.background)}")
     if args.json is not None:
         args.json.write_text(json.dumps([r.to_json() for r in reports], indent=1))
     return 0
