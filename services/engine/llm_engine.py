@@ -330,7 +330,7 @@ class LLMEngine:
                 f"{len(self.scheduler.waiting)} requests are already waiting; retry later"
             )
         seq = Sequence(request_id, prompt + outputs, len(prompt), params,
-                       self.hash_settings.extra_keys(request.cache_salt))
+                       self.hash_settings.extra_keys(request.cache_salt), request.tenant)
         if params.structured_output is not None:
             seq.matcher = self.grammars.matcher(params.structured_output, outputs)
             if seq.matcher.is_error():

@@ -1,11 +1,18 @@
 """Iteration-level scheduler: continuous batching with chunked prefill.
 
-Each step spends a token budget: running sequences first (one decode token each, plus any
-speculative draft tokens to verify, or the next chunk of an unfinished prompt), then waiting
-prompts in arrival order. A long prompt is cut to what is left of the budget, so it never holds
-up running sequences for more than one chunk. When blocks run out, the newest running sequence
-is preempted: its blocks are freed and it is recomputed later (its full blocks usually come
-back from the prefix cache).
+Each step spends a token budget: running sequences first, decoding ones before prefilling ones
+(one decode token each, plus any speculative draft tokens to verify; then the next chunk of each
+unfinished prompt), then waiting prompts. A long prompt is cut to what is left of the budget, so
+it never holds up running sequences for more than one chunk, and a prompt's chunk never takes
+the budget from a sequence that is decoding. When blocks run out, the last running sequence in
+that order is preempted: its blocks are freed and it is recomputed later (its full blocks
+usually come back from the prefix cache).
+
+Tenants share a step fairly (``Sequence.tenant``, from the request's API key): unfinished
+prompts take the budget, and waiting prompts are admitted, in order of how many sequences their
+tenant is running (fewest first; arrival order among equals). A tenant flooding the engine thus
+cannot queue another tenant's prompt behind its own: the other's next prompt is the first
+chunk of the next step. With one tenant this is plain arrival order.
 
 The scheduler owns request state: it knows every request the engine holds (``requests``), makes
 every status change (``SequenceStatus`` draws the transitions), and is the one writer of a
@@ -122,48 +129,81 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        share = Counter(seq.tenant for seq in self.running)
+        # Decoding sequences first, then prompts by their tenant's share (a stable sort: arrival
+        # order among equals). Preemption takes its victims from the end of this order, which
+        # this step has not scheduled yet (admissions join ``running`` after the loop).
+        self.running.sort(key=lambda seq: (1, share[seq.tenant]) if _prefilling(seq) else (0, 0))
         budget = self.max_num_batched_tokens
+        prompts: deque[Sequence] = deque()
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            if _prefilling(seq):
+                prompts.append(seq)
+            elif budget > 0:
+                budget = self._schedule_running(seq, budget, out)
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = seq.num_tokens - seq.num_computed_tokens
-            if seq.spec_token_ids:  # verify as many draft tokens as the budget allows
-                del seq.spec_token_ids[max(0, budget - num_new):]
-                num_new += len(seq.spec_token_ids)
-            num_new = min(num_new, budget)
-            while not self.block_manager.allocate(seq, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append(ScheduledSequence(seq, num_new))
+        # Prompts: running ones' next chunks and waiting ones, the tenant running fewer first
+        # (running before waiting among equals). No admission once a step had to preempt, or
+        # once the chosen waiting prompt finds no room (it is not passed over).
+        admitted: list[Sequence] = []
+        admitting = True
+        while budget > 0:
+            while prompts and prompts[0].status is not SequenceStatus.RUNNING:
+                prompts.popleft()  # preempted by an earlier chunk of this step
+            admitting = (admitting and not out.preempted and bool(self.waiting)
+                         and len(self.running) + len(admitted) < self.max_num_seqs)
+            waiting = min(self.waiting, key=lambda s: share[s.tenant]) if admitting else None
+            if prompts and (waiting is None or share[prompts[0].tenant] <= share[waiting.tenant]):
+                budget = self._schedule_running(prompts.popleft(), budget, out)
+            elif waiting is not None:
+                num_new = self._admit_waiting(waiting, budget)
+                if num_new == 0:
+                    admitting = False
+                    continue
+                share[waiting.tenant] += 1
+                admitted.append(waiting)
+                out.scheduled.append(ScheduledSequence(waiting, num_new))
                 budget -= num_new
-                i += 1
-        if out.preempted:
-            return out  # no room to admit anyone this step
-
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.status is SequenceStatus.WAITING_WITH_KV:  # holds its prompt's blocks
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.block_manager.allocate(seq, num_new):
-                    break
-                self.waiting.popleft()
             else:
-                cached = self.block_manager.find_cached_prefix(seq)
-                num_new = min(seq.num_tokens - len(cached) * self.block_size, budget)
-                if not self.block_manager.can_admit(seq, cached, num_new):
-                    break
-                self.waiting.popleft()
-                self._admit(seq, cached, num_new)
-            self._set_status(seq, SequenceStatus.RUNNING)
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+                break
+        self.running.extend(admitted)
         return out
+
+    def _schedule_running(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule a running sequence's next tokens (preempting from the end of ``running``
+        until its blocks fit, itself last); returns the budget left."""
+        num_new = seq.num_tokens - seq.num_computed_tokens
+        if seq.spec_token_ids:  # verify as many draft tokens as the budget allows
+            del seq.spec_token_ids[max(0, budget - num_new):]
+            num_new += len(seq.spec_token_ids)
+        num_new = min(num_new, budget)
+        while not self.block_manager.allocate(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return budget
+        out.scheduled.append(ScheduledSequence(seq, num_new))
+        return budget - num_new
+
+    def _admit_waiting(self, seq: Sequence, budget: int) -> int:
+        """Move a waiting prompt to running with blocks for its first chunk; returns the
+        chunk's tokens, or 0 (nothing changed) when its blocks are not free."""
+        if seq.status is SequenceStatus.WAITING_WITH_KV:  # holds its prompt's blocks
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate(seq, num_new):
+                return 0
+        else:
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * self.block_size, budget)
+            if not self.block_manager.can_admit(seq, cached, num_new):
+                return 0
+            self._admit(seq, cached, num_new)
+        self.waiting.remove(seq)
+        self._set_status(seq, SequenceStatus.RUNNING)
+        return num_new
 
     # -- internals ------------------------------------------------------------------------
 
@@ -199,3 +239,8 @@ class Scheduler:
         self._set_status(seq, SequenceStatus.WAITING)
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+
+def _prefilling(seq: Sequence) -> bool:
+    """Whether its prompt is not computed yet (a decoding sequence has one token to compute)."""
+    return seq.num_tokens - seq.num_computed_tokens > 1

@@ -10,7 +10,7 @@ from typing import Any
 
 from tandem.services.protocol.block_hash import BlockHash
 from tandem.services.protocol.outputs import FinishReason, TokenLogprobs
-from tandem.services.protocol.request import SamplingParams
+from tandem.services.protocol.request import DEFAULT_TENANT, SamplingParams
 
 
 class SequenceFault(RuntimeError):
@@ -51,6 +51,7 @@ class Sequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     extra_keys: tuple[str, ...]  # block-hash extra keys: model id and cache salt
+    tenant: str = DEFAULT_TENANT  # whose request: the scheduler shares a step among tenants
     status: SequenceStatus = SequenceStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order
