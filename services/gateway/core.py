@@ -77,6 +77,36 @@ from tandem.services.protocol.request import (
 
 log = logging.getLogger(__name__)
 
+# A refusal is logged at most once per this many seconds per (endpoint, tenant, status); the
+# next line says how many were not (each is counted in tandem_request_failures_total). A tenant
+# sending hundreds of refused requests a second must not make the gateway spend its event loop
+# writing logs, slowing every other tenant's streams.
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+class LogSampler:
+    """At most one log line per key per ``interval_s``: ``allow`` returns how many lines of
+    that key were left out since the last one written, or None to leave this one out."""
+
+    def __init__(self, interval_s: float, max_keys: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self.clock = clock
+        self._last: dict[object, tuple[float, int]] = {}  # key -> (written at, left out since)
+
+    def allow(self, key: object) -> int | None:
+        now = self.clock()
+        written, left_out = self._last.get(key, (-math.inf, 0))
+        if now - written < self.interval_s:
+            self._last[key] = (written, left_out + 1)
+            return None
+        if key not in self._last and len(self._last) >= self.max_keys:
+            self._last.clear()  # bounded: many distinct keys only cost an early line each
+        self._last[key] = (now, 0)
+        return left_out
+
+
 TOKENIZER_THREADS = 2  # per gateway: tokenizing releases the GIL, templates do not
 MAX_LOGGED_MESSAGE = 300  # characters of a refusal's message in its log line
 
@@ -114,6 +144,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self.model_name, self._worker_stats,
                                       tenants=self.tenants.tenant_names,
                                       authenticates=bool(self.tenants.keys))
+        self.refusal_log = LogSampler(REFUSAL_LOG_INTERVAL_S)
         self.in_flight = 0  # admitted requests that have not ended
         # Awaited before /metrics renders: brings workers' stats up to date when they are
         # polled lazily (an idle cluster); None where stats are always current.
@@ -202,8 +233,12 @@ class Gateway:
         (``UNKNOWN_TENANT`` when its API key is missing or wrong)."""
         tenant = self._tenant_label(authorization)
         self.metrics.fail(tenant, failure_reason(error))
-        log.info("%s refused for tenant %s: %d %.*r", operation, tenant, error.status,
-                 MAX_LOGGED_MESSAGE, error.message)
+        more = self.refusal_log.allow((operation, tenant, error.status))
+        if more is not None:
+            log.info("%s refused for tenant %s: %d %.*r%s", operation, tenant, error.status,
+                     MAX_LOGGED_MESSAGE, error.message,
+                     f" (and {more} more like it in the last {REFUSAL_LOG_INTERVAL_S:.0f} s)"
+                     if more else "")
 
     def _tenant_label(self, authorization: str | None) -> str:
         try:

@@ -17,7 +17,7 @@ from tandem.services.engine.async_engine import AsyncEngine
 from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.gateway.backend import EngineBackend
 from tandem.services.gateway.config import GatewayConfig
-from tandem.services.gateway.core import MAX_CHOICES, Gateway
+from tandem.services.gateway.core import MAX_CHOICES, REFUSAL_LOG_INTERVAL_S, Gateway, LogSampler
 from tandem.services.gateway.errors import (
     bad_request,
     body_too_large,
@@ -49,8 +49,12 @@ Failures = dict[tuple[str, str], float]
 @pytest.fixture(scope="module")
 def gateway(async_engine: AsyncEngine, loaded_model: LoadedModel) -> Gateway:
     config = GatewayConfig(max_in_flight=MAX_IN_FLIGHT, max_body_bytes=MAX_BODY)
-    return Gateway(EngineBackend(async_engine), loaded_model.tokenizer, config,
-                   Tenants(KEYS, SECRET))
+    gateway = Gateway(EngineBackend(async_engine), loaded_model.tokenizer, config,
+                      Tenants(KEYS, SECRET))
+    # Each case here checks its own line; test_a_flood_of_refusals_is_logged_sparingly checks
+    # the sampling that the gateway does by default.
+    gateway.refusal_log = LogSampler(0.0)
+    return gateway
 
 
 @pytest.fixture(scope="module")
@@ -241,3 +245,37 @@ def test_a_failure_after_admission_still_counts_once(
     assert_counted_once(before, failures(server), ACME, "rejected")
     assert not [r for r in refusal_records(refusal_logs) if "refused" in r.getMessage()]
     assert_served(server, gateway)
+
+
+def test_a_flood_of_refusals_is_logged_sparingly(
+        server: ServeAddresses, gateway: Gateway, refusal_logs: pytest.LogCaptureFixture
+) -> None:
+    """Every refusal is counted; a burst of like ones is one log line, and the next line after
+    the interval says how many were left out (a tenant's flood of refused requests must not
+    make the gateway write hundreds of lines a second)."""
+    now = [0.0]
+    gateway.refusal_log = LogSampler(REFUSAL_LOG_INTERVAL_S, clock=lambda: now[0])
+    try:
+        before = failures(server)
+        refusal_logs.clear()
+        for _ in range(30):
+            response = httpx.post(f"{server.http_url}{COMPLETIONS}", headers=WRONG_KEY,
+                                  json={"prompt": "Hi"}, timeout=60)
+            assert response.status_code == 401
+        assert failures(server)[(UNKNOWN, "unauthenticated")] == \
+            before[(UNKNOWN, "unauthenticated")] + 30
+        assert len(refusal_records(refusal_logs)) == 1
+        now[0] += REFUSAL_LOG_INTERVAL_S
+        response = httpx.post(f"{server.http_url}{COMPLETIONS}", headers=WRONG_KEY,
+                              json={"prompt": "Hi"}, timeout=60)
+        assert response.status_code == 401
+        records = refusal_records(refusal_logs)
+        assert len(records) == 2
+        assert "(and 29 more like it in the last 10 s)" in records[1].getMessage()
+        # Another tenant's refusals are their own line at once.
+        response = httpx.post(f"{server.http_url}{CHAT}", headers=AUTH,
+                              json={"messages": HI, "n": 0}, timeout=60)
+        assert response.status_code == 400
+        assert len(refusal_records(refusal_logs)) == 3
+    finally:
+        gateway.refusal_log = LogSampler(0.0)
