@@ -588,6 +588,50 @@ def test_redis_is_deployed_or_external(rendered: Rendered) -> None:
     assert selects({"matchLabels": service["spec"]["selector"]}, pod["metadata"]["labels"])
 
 
+def test_the_ray_head_keeps_its_state_in_redis(rendered: Rendered) -> None:
+    """GCS fault tolerance: KubeRay's gcsFaultToleranceOptions name a Redis the head reaches."""
+    ft = rendered.values["rayService"]["gcsFaultTolerance"]
+    options = rendered.cluster.get("gcsFaultToleranceOptions")
+    if not ft["enabled"]:
+        assert options is None
+        return
+    assert options is not None
+    if ft["redisAddress"]:
+        assert options["redisAddress"] == ft["redisAddress"]
+    else:  # the release's Redis: its Service, which admits the head's pod
+        service = rendered.one("Service", "-redis")
+        assert options["redisAddress"] == f"{service['metadata']['name']}.{NAMESPACE}.svc:6379"
+        policies = [p for p in rendered.of_kind("NetworkPolicy")
+                    if p["metadata"]["name"].endswith("-redis")]
+        head = rendered.pod_templates()["head"]
+        assert all(any(selects(source["podSelector"], head["metadata"]["labels"])
+                       for rule in policy["spec"]["ingress"] for source in rule["from"])
+                   for policy in policies)
+    secret = ft["redisPasswordSecret"]
+    if secret["name"]:
+        assert options["redisPassword"] == {"valueFrom": {"secretKeyRef": secret}}
+    else:
+        assert "redisPassword" not in options
+
+
+@pytest.mark.parametrize(("settings", "address"), [
+    (("redis.enabled=false", "redis.externalUrl=redis://index.example.internal/0"),
+     "index.example.internal:6379"),
+    (("redis.enabled=false", "redis.externalUrl=redis://index.example.internal:6380/2"),
+     "index.example.internal:6380"),
+    (("rayService.gcsFaultTolerance.redisAddress=gcs.example.internal:7000",),
+     "gcs.example.internal:7000"),
+    (("rayService.gcsFaultTolerance.enabled=false",), None),
+])
+def test_the_head_redis_follows_the_values(helm: Helm, settings: tuple[str, ...],
+                                           address: str | None) -> None:
+    args = [a for s in settings for a in ("--set", s)]
+    objects = helm.template(*SKIP_KUBERAY_CHECK, *args)
+    (service,) = [o for o in objects if o["kind"] == "RayService"]
+    options = service["spec"]["rayClusterConfig"].get("gcsFaultToleranceOptions")
+    assert (options and options["redisAddress"]) == address
+
+
 def test_disruption_budgets_keep_engines_up(rendered: Rendered) -> None:
     pods = rendered.pod_templates()
     budgets = rendered.of_kind("PodDisruptionBudget")
@@ -721,6 +765,15 @@ def test_broken_values_fail_with_the_schema_message(helm: Helm, command: str, se
     (("redis.externalUrl=redis://elsewhere:6379",),
      "set either redis.enabled=true (a Redis in this release) or redis.externalUrl, not both"),
     (("model.path=llama",), "model.volume: set a volume source holding model.path"),
+    (("redis.enabled=false", "redis.externalUrl=rediss://index.example.internal:6380/0"),
+     "rayService.gcsFaultTolerance: the Ray head's Redis cannot be taken from redis.externalUrl "
+     "(rediss://...: Ray's GCS takes a plain host:port, with the password from a Secret)"),
+    (("redis.enabled=false", "redis.externalUrl=redis://:secret@index.example.internal/0"),
+     "the Ray head's Redis cannot be taken from redis.externalUrl (redis://..."),
+    (("redis.enabled=false",),
+     "rayService.gcsFaultTolerance: no Redis to keep the Ray head's state in; set "
+     "redis.enabled=true, rayService.gcsFaultTolerance.redisAddress, or "
+     "rayService.gcsFaultTolerance.enabled=false"),
     (("app.tensor_parallel_size=2",),
      "app.tensor_parallel_size 2: engines size the KV cache from gpu_memory_utilization with "
      "one rank only; set app.kv_cache_memory_gb (GiB per rank)"),

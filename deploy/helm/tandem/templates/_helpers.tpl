@@ -49,6 +49,26 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* The Redis (host:port) the Ray head keeps the cluster's state in under GCS fault tolerance:
+rayService.gcsFaultTolerance.redisAddress, else the release's Redis, else redis.externalUrl's
+host:port when that is a plain redis:// URL without credentials. */}}
+{{- define "tandem.gcsRedisAddress" -}}
+{{- $ft := .Values.rayService.gcsFaultTolerance }}
+{{- if $ft.redisAddress }}
+{{- $ft.redisAddress }}
+{{- else if include "tandem.deployRedis" . }}
+{{- printf "%s-redis.%s.svc:6379" (include "tandem.fullname" .) .Release.Namespace }}
+{{- else if .Values.redis.externalUrl }}
+{{- $url := urlParse .Values.redis.externalUrl }}
+{{- if or (ne $url.scheme "redis") $url.userinfo }}
+{{- fail (printf "rayService.gcsFaultTolerance: the Ray head's Redis cannot be taken from redis.externalUrl (%s://...: Ray's GCS takes a plain host:port, with the password from a Secret); set rayService.gcsFaultTolerance.redisAddress (and redisPasswordSecret), or rayService.gcsFaultTolerance.enabled=false" $url.scheme) }}
+{{- end }}
+{{- if contains ":" $url.host }}{{ $url.host }}{{ else }}{{ printf "%s:6379" $url.host }}{{ end }}
+{{- else }}
+{{- fail "rayService.gcsFaultTolerance: no Redis to keep the Ray head's state in; set redis.enabled=true, rayService.gcsFaultTolerance.redisAddress, or rayService.gcsFaultTolerance.enabled=false" }}
+{{- end }}
+{{- end }}
+
 {{- define "tandem.deployRedis" -}}
 {{- if and .Values.redis.enabled (not .Values.redis.externalUrl) }}true{{ end }}
 {{- end }}
