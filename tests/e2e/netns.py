@@ -27,6 +27,7 @@ class Host:
     namespace: str
     address: str  # on the bridge
     link: str  # its veth end on the bridge, in the root namespace
+    bridge: str  # the bridge's address: this (the root) namespace, as every host reaches it
 
     def command(self, *argv: str) -> list[str]:
         """``argv`` run inside this host's namespace."""
@@ -65,7 +66,7 @@ def hosts(n: int) -> Iterator[list[Host]]:
         _ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
         for i in range(n):
-            host = Host(f"{tag}h{i}", f"{subnet}.{i + 1}", f"{tag}v{i}")
+            host = Host(f"{tag}h{i}", f"{subnet}.{i + 1}", f"{tag}v{i}", f"{subnet}.254")
             peer = f"{tag}p{i}"
             _ip("netns", "add", host.namespace)
             made.append(host)
