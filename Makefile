@@ -2,7 +2,7 @@
 # only the tests' set-up needs root, for the servers they start).
 PY := .venv/bin/python
 
-.PHONY: setup test-setup up run test lint bench helm-check gpu-check
+.PHONY: setup test-setup up run test lint bench helm-check gpu-check multihost
 
 setup:
 	bash .ci/setup
@@ -28,6 +28,11 @@ bench: setup
 # The Helm chart and Dockerfile checks alone (real helm, Kubernetes and KubeRay schemas, hadolint).
 helm-check: test-setup
 	.venv/bin/pytest -q tests/deploy
+
+# Tandem across three hosts made of network namespaces on this machine (root): exactness over
+# TCP and NIXL, a faulty link, a partition; a JSON summary as the last line (docs/operations.md).
+multihost: test-setup
+	$(PY) -m tests.e2e.multihost
 
 # The engine's GPU path on one NVIDIA GPU with torch and Triton installed (nothing else; not
 # part of `make test`): numerics against the torch reference, then decode and prefill timings
