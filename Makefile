@@ -30,7 +30,8 @@ helm-check: test-setup
 	.venv/bin/pytest -q tests/deploy
 
 # Tandem across three hosts made of network namespaces on this machine (root): exactness over
-# TCP and NIXL, a faulty link, a partition; a JSON summary as the last line (docs/operations.md).
+# TCP and NIXL (across the link and over loopback, with the transfer figures), a faulty link, a
+# partition; a JSON summary as the last line (docs/operations.md).
 multihost: test-setup
 	$(PY) -m tests.e2e.multihost
 

@@ -5,7 +5,8 @@ outside them (Ray's GCS fault tolerance), and `tandem up --address` on the head 
 Used by tests/e2e/test_multihost.py, and run alone as `make multihost`
 (`python -m tests.e2e.multihost`): three hosts (the head with the gateway, a prefill host, a
 decode host), then the checks: greedy exactness with the KV moved across the link over TCP and
-over NIXL; a faulty link during the transfers (``tc netem`` delay and loss where the kernel has
+over NIXL, and over the prefill host's loopback (decode placed there), with the transfer's
+figures (MiB a pull, ms a pull, MiB/s) for each; a faulty link during the transfers (``tc netem`` delay and loss where the kernel has
 it, else a rate limit: the JSON says which), output still exact; a partition of the decode host
 mid-request (a clear error within the deadlines, then the next request served exactly with
 every KV block free). Prints a JSON summary as its last line; exits 0 when every check passed.
@@ -138,16 +139,17 @@ def ray_cluster(n: int, root: Path) -> Iterator[Cluster]:
         yield Cluster(made, gcs_redis, roles[0], root)
 
 
-def up_on(cluster: Cluster, transport: str, decode: int = 1) -> UpProcess:
-    """`tandem up --address` on the head host, each role on its resource's hosts."""
+def up_on(cluster: Cluster, transport: str, decode_resource: str = DECODE) -> UpProcess:
+    """`tandem up --address` on the head host, each role on its resource's hosts (decode on
+    the prefill host with ``decode_resource=PREFILL``)."""
     head = cluster.head
     settings = {"ray_address": f"{head.address}:{RAY_PORT}", "host": head.address,
-                "worker_host": "0.0.0.0", "prefill_replicas": 1, "decode_replicas": decode,
+                "worker_host": "0.0.0.0", "prefill_replicas": 1, "decode_replicas": 1,
                 "kv_transport": transport, "gateway_resource": GATEWAY,
-                "prefill_resource": PREFILL, "decode_resource": DECODE,
+                "prefill_resource": PREFILL, "decode_resource": decode_resource,
                 "stream_idle_timeout_s": 10, "kv_transfer_timeout_s": 5.0,
                 "request_timeout_s": 60.0}
-    folder = cluster.root / transport
+    folder = cluster.root / f"{transport}-{decode_resource}"
     folder.mkdir(exist_ok=True)
     up = UpProcess.from_settings(folder, settings)
     up.launcher = head.command()
@@ -218,24 +220,52 @@ def _exact(url: str, expected: list[int]) -> bool:
     return reply.status_code == 200 and reply.json()["choices"][0]["token_ids"] == expected
 
 
+# The transfer figures: prompts of about this many tokens (45 KiB of float32 KV a token), each
+# new to the decode worker's prefix cache, so every pull moves every block.
+TRANSFER_PROMPT_WORDS = 400
+TRANSFER_REQUESTS = 3
+
+
 def _checks(cluster: Cluster, expected: list[int]) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"transfers": {}}
     for transport in ("tcp", "nixl"):
-        up = up_on(cluster, transport)
-        try:
-            _check_deployment(cluster, up, transport, expected, results)
-        finally:
-            results[f"stopped_{transport}"] = up.stop() == 0
+        for placement, resource in (("link", DECODE), ("loopback", PREFILL)):
+            up = up_on(cluster, transport, resource)
+            try:
+                name = f"{transport}_{placement}"
+                results[f"exact_{name}"] = _exact(up.http_url, expected)
+                results["transfers"][name] = _transfers(up.http_url)
+                if name == "tcp_link":
+                    _faults(cluster, up, expected, results)
+            finally:
+                results[f"stopped_{transport}_{placement}"] = up.stop() == 0
     return results
 
 
-def _check_deployment(cluster: Cluster, up: UpProcess, transport: str, expected: list[int],
-                      results: dict[str, Any]) -> None:
-    moved = bytes_moved(up.http_url)
-    results[f"exact_{transport}"] = _exact(up.http_url, expected)
-    wait_for(lambda: bytes_moved(up.http_url) > moved, 30, "the KV bytes counted")
-    if transport != "tcp":
-        return
+def _transfers(url: str) -> dict[str, float]:
+    """KV pulls of long prompts: MiB a pull, its mean time (the decode worker's measure) and
+    the rate."""
+    def totals() -> tuple[float, float, float]:
+        return tuple(sum(metric_values(url, name).values()) for name in (  # type: ignore[return-value]
+            "tandem_kv_transfer_bytes_total", "tandem_kv_transfer_seconds_sum",
+            "tandem_kv_transfers_total"))
+
+    before = totals()
+    for i in range(TRANSFER_REQUESTS):
+        prompt = f"{i} {time.time_ns()} " + " ".join(["lighthouse"] * TRANSFER_PROMPT_WORDS)
+        reply = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 2, "temperature": 0})  # 1: prefill alone
+        reply.raise_for_status()
+    wait_for(lambda: totals()[2] >= before[2] + TRANSFER_REQUESTS, 120, "the pulls counted")
+    moved, seconds, pulls = (after - was for after, was in zip(totals(), before, strict=True))
+    return {"mib_per_pull": round(moved / pulls / 2**20, 1),
+            "ms_per_pull": round(1000 * seconds / pulls, 1),
+            "mib_per_s": round(moved / 2**20 / seconds, 1)}
+
+
+def _faults(cluster: Cluster, up: UpProcess, expected: list[int],
+            results: dict[str, Any]) -> None:
+    """A faulty decode link during transfers, then the decode host cut off mid-request."""
     decode_host = cluster.hosts[2]
     results["link_fault"] = _link_fault(decode_host)
     try:
