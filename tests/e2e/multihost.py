@@ -6,10 +6,11 @@ Used by tests/e2e/test_multihost.py, and run alone as `make multihost`
 (`python -m tests.e2e.multihost`): three hosts (the head with the gateway, a prefill host, a
 decode host), then the checks: greedy exactness with the KV moved across the link over TCP and
 over NIXL, and over the prefill host's loopback (decode placed there), with the transfer's
-figures (MiB a pull, ms a pull, MiB/s) for each; a faulty link during the transfers (``tc netem`` delay and loss where the kernel has
-it, else a rate limit: the JSON says which), output still exact; a partition of the decode host
-mid-request (a clear error within the deadlines, then the next request served exactly with
-every KV block free). Prints a JSON summary as its last line; exits 0 when every check passed.
+figures (MiB a pull, ms a pull, MiB/s) for each; a faulty link during the transfers (``tc
+netem`` delay and loss where the kernel has it, else a rate limit: the JSON says which), output
+still exact; a partition of the decode host mid-request (a clear error within the deadlines,
+then the next request served exactly with every KV block free). Prints a JSON summary as its
+last line; exits 0 when every check passed.
 Everything it makes is removed at the end, also after a failure.
 """
 
