@@ -114,6 +114,7 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "tls_cert_file": "tls_cert_file", "tls_key_file": "tls_key_file",
              "served_model_name": "served_model_name", "max_num_seqs": "max_num_seqs",
              "cors_allow_origins": "cors_allow_origins", "reasoning_parser": "reasoning_parser",
+             "tool_call_parser": "tool_call_parser",
              "max_model_len": "max_model_len", "enable_prefix_caching": "enable_prefix_caching",
              "seed": "seed", "chat_template": "chat_template",
              "gpu_memory_utilization": "gpu_memory_utilization",
@@ -149,6 +150,11 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                     help="chat replies' <think>...</think> apart as reasoning_content: auto "
                          "(default: where the model's vocabulary has the tags), think (or "
                          "vLLM's deepseek_r1, qwen3), none")
+    up.add_argument("--tool-call-parser", metavar="PARSER",
+                    help="how replies under tool_choice auto write tool calls: auto (default: "
+                         "the chat template's format, else hermes), hermes, mistral, "
+                         "llama3_json, pythonic, qwen3_coder (vLLM's llama4_json, "
+                         "llama4_pythonic, qwen3_xml too)")
     up.add_argument("--cors-allow-origins", metavar="ORIGIN", nargs="+",
                     help="origins whose browser pages may call the HTTP API (CORS), e.g. "
                          "https://app.example.com; '*': any (default: none)")

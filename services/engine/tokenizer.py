@@ -81,6 +81,11 @@ class Tokenizer:
         # Whether the chat template shows a ``tools`` list itself.
         self.template_renders_tools = self._templates is not None and self._templates.renders_tools
 
+    @property
+    def chat_template_sources(self) -> list[str]:
+        """The chat templates' texts (none without a template)."""
+        return [] if self._templates is None else list(self._templates.sources.values())
+
     def with_chat_template(self, chat_template: str) -> Tokenizer:
         """This tokenizer with another chat template (``--chat-template``)."""
         return Tokenizer(self.backend, self.eos_token_ids, self.bos_token_id, self.add_bos,

@@ -46,6 +46,9 @@ class GatewayConfig:
     # Chat replies' reasoning apart (gateway/reasoning.py): auto, think (or vLLM's deepseek_r1,
     # qwen3), none
     reasoning_parser: str = "auto"
+    # How replies under tool_choice auto write tool calls (gateway/tool_parsers.py): auto (the
+    # chat template's format), hermes, mistral, llama3_json, pythonic, qwen3_coder
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):

@@ -66,6 +66,7 @@ from tandem.services.gateway.metrics import (
 from tandem.services.gateway.pipeline import Delta, Usage, generate_deltas
 from tandem.services.gateway.reasoning import parser_enabled
 from tandem.services.gateway.tenants import FairSlots, Tenants
+from tandem.services.gateway.tool_parsers import pick as pick_tool_parser
 from tandem.services.protocol.outputs import EngineStats
 from tandem.services.protocol.request import (
     DEFAULT_TENANT,
@@ -131,6 +132,11 @@ class Gateway:
         self.model_names = self.config.served_model_names or (backend.model_id,)
         # Chat replies' <think> text apart, as reasoning_content (gateway/reasoning.py).
         self.reasoning = parser_enabled(self.config.reasoning_parser, tokenizer)
+        # How replies under tool_choice auto write their calls (gateway/tool_parsers.py), and
+        # the ids of its tags that are tokens of their own: the reply's text keeps them.
+        self.tool_parser = pick_tool_parser(self.config.tool_call_parser,
+                                            tokenizer.chat_template_sources)
+        self.tool_tag_ids = self.tool_parser.token_ids(tokenizer.backend.token_to_id)
         self.model_name = self.model_names[0]
         # Seeds for sampled requests that bring none: drawn from the server's seed (the same
         # requests in the same order get the same ones), else random (inputs.build_request).
@@ -278,10 +284,11 @@ class Gateway:
                                 self.config.request_timeout_s, self.tokenizer.vocab_size, tenant)
         return request if session is None else dataclasses.replace(request, session=session)
 
-    async def start(self, request: GenerationRequest, trace: RequestTrace | None = None
-                    ) -> Generation:
+    async def start(self, request: GenerationRequest, trace: RequestTrace | None = None,
+                    keep: frozenset[int] = frozenset()) -> Generation:
         """Submit the request and wait for its first step (rejections raise ``GatewayError``).
-        ``trace`` (the request's span) ends with the generation."""
+        ``trace`` (the request's span) ends with the generation. ``keep``: special tokens whose
+        text the reply keeps (a tool-call parser's tags, ``tool_parsers``)."""
         timer = self.metrics.start_request(request.arrival_time, request.tenant)
         tenants = self._tenants
         try:  # the tenant's rate limits (at most its prompt and max_tokens), then a slot
@@ -299,7 +306,7 @@ class Gateway:
             raise
         self._admitted(1, request.tenant)
         deltas = generate_deltas(self.backend, self.tokenizer, request, timer,
-                                 self.config.retry_after_s)
+                                 self.config.retry_after_s, keep)
         if trace is not None:
             trace.request(request)
         try:
@@ -437,14 +444,17 @@ def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
 
 
 async def start_choices(gateway: Gateway, request: GenerationRequest, n: int = 1,
-                        trace: RequestTrace | None = None) -> Choices:
+                        trace: RequestTrace | None = None,
+                        keep: frozenset[int] = frozenset()) -> Choices:
     """Start ``n`` choices of ``request``: choice 0 first, then the others at once. If any is
-    refused (or this is cancelled), those started are closed and the refusal raised."""
-    first = await gateway.start(request, trace)
+    refused (or this is cancelled), those started are closed and the refusal raised. ``keep``:
+    special tokens whose text the replies keep (``Gateway.start``)."""
+    first = await gateway.start(request, trace, keep)
     if n == 1:
         return Choices([first])
     others = await _all_or_none(
-        [gateway.start(choice_request(request, i)) for i in range(1, n)], first.aclose)
+        [gateway.start(choice_request(request, i), keep=keep) for i in range(1, n)],
+        first.aclose)
     return Choices([first, *others])
 
 

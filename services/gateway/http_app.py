@@ -62,6 +62,7 @@ from tandem.services.gateway.openai_protocol import (
 from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
 from tandem.services.gateway.token_text import TokenText
+from tandem.services.gateway.tool_parsers import ToolParser
 from tandem.services.gateway.tools import (
     CallStream,
     ReplyStream,
@@ -236,13 +237,18 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                     gateway.check_buffered(greq, body.n)
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
+            # Under auto the parser's tags stay in the reply's text, special tokens or not.
+            keep = gateway.tool_tag_ids if body.tool_mode() == "auto" else frozenset()
             if body.stream:
                 choices = await _unless_disconnected(
-                    request, start_choices(gateway, greq, body.n, trace))
-                return event_stream(choices, _chat_events(choices, ctx, body, thinking))
-            merged = await _unless_disconnected(request, _run(gateway, greq, body.n, trace))
+                    request, start_choices(gateway, greq, body.n, trace, keep))
+                return event_stream(choices, _chat_events(choices, ctx, body, thinking,
+                                                          gateway.tool_parser))
+            merged = await _unless_disconnected(request, _run(gateway, greq, body.n, trace,
+                                                              keep))
             return JSONResponse(ctx.chat_completion(
-                [ctx.chat_choice(delta, body.logprobs, i, *_reply(delta, body, thinking))
+                [ctx.chat_choice(delta, body.logprobs, i,
+                                 *_reply(delta, body, thinking, gateway.tool_parser))
                  for i, delta in enumerate(merged)],
                 total_usage([delta.usage for delta in merged]), prompt))
 
@@ -437,9 +443,10 @@ def _validation_error(exc: ValidationError) -> GatewayError:
 
 
 async def _run(gateway: Gateway, request: GenerationRequest, n: int = 1,
-               trace: RequestTrace | None = None) -> list[Delta]:
+               trace: RequestTrace | None = None, keep: frozenset[int] = frozenset()
+               ) -> list[Delta]:
     """Each of the request's ``n`` choices, run to its end."""
-    return await (await start_choices(gateway, request, n, trace)).collect()
+    return await (await start_choices(gateway, request, n, trace, keep)).collect()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -466,8 +473,10 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatCompletionRequest,
-                       thinking: bool | None = None) -> AsyncGenerator[bytes, None]:
-    """``thinking``: see chat_completions (None: no reasoning parsed)."""
+                       thinking: bool | None, parser: ToolParser
+                       ) -> AsyncGenerator[bytes, None]:
+    """``thinking``: see chat_completions (None: no reasoning parsed); ``parser``: how the
+    replies write tool calls under auto."""
     include_usage = body.include_usage()
 
     def event(chunk: dict[str, object]) -> bytes:
@@ -485,8 +494,8 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
         # reply's last delta (tools.ReplyStream).
         thoughts = [None if thinking is None else ReasoningStream(thinking)
                     for _ in range(body.n)]
-        replies = [ReplyStream(body.functions()) if mode == "auto" else None
-                   for _ in range(body.n)]
+        replies = [ReplyStream(body.functions(), parser, body.parallel_tool_calls is not False)
+                   if mode == "auto" else None for _ in range(body.n)]
         async for index, delta in choices:
             usages[index] = delta.usage or usages[index]
             reasoning, text = _thought(thoughts[index], delta)
@@ -535,12 +544,13 @@ def _replied(reply: ReplyStream | None, text: str, last: bool) -> tuple[str, lis
     return content + rest, calls
 
 
-def _reply(merged: Delta, body: ChatCompletionRequest, thinking: bool | None
-           ) -> tuple[tuple[str | None, list[ToolCall]], str | None]:
+def _reply(merged: Delta, body: ChatCompletionRequest, thinking: bool | None,
+           parser: ToolParser) -> tuple[tuple[str | None, list[ToolCall]], str | None]:
     """The reply's content and tool calls (gateway/tools.py), and its reasoning."""
     reasoning, text = (None, merged.text) if thinking is None else split_reasoning(
         merged.text, thinking)
-    return parse_reply(text, body.functions(), body.tool_mode()), reasoning
+    return parse_reply(text, body.functions(), body.tool_mode(), parser,
+                       body.parallel_tool_calls is not False), reasoning
 
 
 def _after_echo(delta: Delta, echoed: str) -> None:

@@ -54,12 +54,14 @@ class Delta:
 
 async def generate_deltas(backend: GenerationBackend, tokenizer: Tokenizer,
                           request: GenerationRequest, timer: RequestTimer,
-                          retry_after_s: int = 1) -> AsyncGenerator[Delta, None]:
+                          retry_after_s: int = 1, keep: frozenset[int] = frozenset()
+                          ) -> AsyncGenerator[Delta, None]:
     """Stream deltas; backend rejections surface as ``GatewayError`` on the first ``anext``,
     later failures (an engine fault, the deadline) as ``GatewayError`` on a later one. When
     the request's deadline passes, the backend stream is closed (the request is aborted on
-    every worker) and a 504 ``GatewayError`` raised."""
-    detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+    every worker) and a 504 ``GatewayError`` raised. ``keep``: special tokens whose text is
+    kept (``IncrementalDetokenizer``)."""
+    detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, keep=keep)
     stops = StopStringMatcher(request.stop)
     num_prompt, num_output, num_cached = len(request.prompt_token_ids), 0, 0
     emitted = 0  # characters of text handed out so far
@@ -166,9 +168,12 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first generated one
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> None:
+        """``keep``: special tokens whose text is kept though the others are skipped (a
+        tool-call parser's tags: ``tool_parsers.ToolParser.token_ids``)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._keep = keep
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0  # start of the decode window
         self._read_offset = len(self._ids)  # tokens before this are emitted
@@ -189,10 +194,23 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):]
 
     def _window_texts(self) -> tuple[str, str]:
+        window = self._ids[self._prefix_offset:]
+        prefix = self._decode(window[:self._read_offset - self._prefix_offset])
+        return prefix, self._decode(window)
+
+    def _decode(self, ids: list[int]) -> str:
+        """``ids``' text; the kept tokens' text between the runs of the others'."""
         decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special)
-        full = decode(self._ids[self._prefix_offset:], self._skip_special)
-        return prefix, full
+        if not self._skip_special or not self._keep.intersection(ids):
+            return decode(ids, self._skip_special)
+        text, run = "", []
+        for token in ids:
+            if token in self._keep:
+                text += decode(run, True) + decode([token], False)
+                run = []
+            else:
+                run.append(token)
+        return text + decode(run, True)
 
 
 # -- Stop strings ------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ the system prompt inside ``<tools></tools>``, and the model answers a call as
 tools itself (it mentions ``tools``) is given them instead of the system prompt text.
 
 - ``tool_choice`` ``none``: the reply is text. ``auto`` (the default with tools): the reply is
-  parsed; ``<tool_call>`` blocks, or a reply that is one JSON object with ``name`` and
-  ``arguments`` (or ``parameters``: the Llama-3 style), become tool calls, the rest content.
+  parsed by the model family's parser (``tool_parsers``: Hermes' ``<tool_call>`` blocks by
+  default; Mistral, Llama 3 JSON, pythonic, Qwen3-Coder XML by the chat template or the
+  ``tool_call_parser`` setting); its calls become tool calls, the rest content.
+  ``parallel_tool_calls`` false keeps the first call only.
 - ``required``: the reply is held (structured output) to one call of one of the tools, whose
   arguments validate against that tool's parameters. A named function: the reply is held to
   that function's arguments. Either is read as it streams (``CallStream``).
@@ -22,9 +24,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.services.gateway.tool_parsers import PARSERS, ToolParser
 from tandem.services.protocol.request import StructuredOutput
 
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+HERMES = PARSERS["hermes"]
+
 # The start of a reply held to {"name": ..., "arguments": ...} (tool_choice required).
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 _TAIL = re.compile(r"[}\s]*\Z")  # what may be the end of the call object, not its arguments
@@ -119,9 +123,12 @@ def constraint(functions: list[Function], choice: str | None) -> StructuredOutpu
     return StructuredOutput("json", json.dumps(function.schema()))
 
 
-def parse_reply(text: str, functions: list[Function], choice: str | None
+def parse_reply(text: str, functions: list[Function], choice: str | None,
+                parser: ToolParser = HERMES, parallel: bool = True
                 ) -> tuple[str | None, list[ToolCall]]:
-    """The reply's content and its tool calls (none: the text is all content)."""
+    """The reply's content and its tool calls (none: the text is all content). Under auto
+    the family's ``parser`` reads it; ``parallel`` false (``parallel_tool_calls``): the first
+    call only."""
     if choice in (None, "none"):
         return text, []
     if choice != "auto":  # required or a named function: one call, as CallStream reads it
@@ -129,29 +136,26 @@ def parse_reply(text: str, functions: list[Function], choice: str | None
         stream.feed(text)
         stream.finish(complete=_is_json(text))
         return (None, [stream.call]) if stream.call is not None else (text, [])
-    names = {f.name for f in functions}
-    calls: list[ToolCall] = []
-    blocks = _CALL.findall(text)
-    for block in blocks or [text.strip()]:
-        call = _call_of(block, names)
-        if call is None:
-            return text, []  # not a well-formed call: the text as it is
-        calls.append(call)
-    content = _CALL.sub("", text).strip() if blocks else ""
-    return content or None, calls
-
-
-_OPEN = "<tool_call>"
+    found = parser.parse(text, {f.name: f.schema() for f in functions})
+    if found is None:
+        return text, []  # no well-formed call: the text as it is
+    content, calls = found
+    return content or None, [new_call(name, arguments)
+                             for name, arguments in calls[:None if parallel else 1]]
 
 
 class ReplyStream:
     """A reply under ``tool_choice`` auto, read as it streams: its text goes out as content
-    until a call may be starting (``<tool_call>``, or a reply that opens as a JSON object);
-    from there it is held, and at the end parsed as ``parse_reply`` does: the calls, and the
-    content not yet sent (or, if the calls are malformed, the held text as content)."""
+    until a call may be starting (one of the parser's markers, or a reply that opens as its
+    calls may: ``{`` or ``[``); from there it is held, and at the end parsed as
+    ``parse_reply`` does: the calls, and the content not yet sent (or, if the calls are
+    malformed, the held text as content)."""
 
-    def __init__(self, functions: list[Function]) -> None:
+    def __init__(self, functions: list[Function], parser: ToolParser = HERMES,
+                 parallel: bool = True) -> None:
         self._functions = functions
+        self._parser = parser
+        self._parallel = parallel
         self._text = ""
         self._sent = ""  # content already sent: a prefix of the text
         self._held = False
@@ -161,23 +165,26 @@ class ReplyStream:
         self._text += text
         if self._held:
             return ""
-        opened = self._text.find(_OPEN)
-        if opened >= 0 or (not self._sent and self._text.lstrip().startswith("{")):
+        opened = min((at for at in map(self._text.find, self._parser.markers) if at >= 0),
+                     default=-1)
+        bare = self._parser.bare
+        if opened >= 0 or (not self._sent and bare is not None
+                           and self._text.lstrip().startswith(bare)):
             self._held = True
             return self._send(self._text[:opened].rstrip() if opened >= 0 else "")
         if not self._text.strip():
-            return ""  # whitespace so far: a JSON call may follow
-        # Hold a tail that may be the start of a call's tag, and whitespace before it.
+            return ""  # whitespace so far: a call may follow
+        # Hold a tail that may be the start of a marker, and whitespace before it.
         safe = self._text
-        for size in range(min(len(_OPEN) - 1, len(safe)), 0, -1):
-            if _OPEN.startswith(safe[-size:]):
-                safe = safe[:-size]
-                break
-        return self._send(safe.rstrip())
+        held = max((size for marker in self._parser.markers
+                    for size in range(1, min(len(marker) - 1, len(safe)) + 1)
+                    if marker.startswith(safe[-size:])), default=0)
+        return self._send(safe[:len(safe) - held].rstrip())
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content still to send and the reply's tool calls."""
-        content, calls = parse_reply(self._text, self._functions, "auto")
+        content, calls = parse_reply(self._text, self._functions, "auto", self._parser,
+                                     self._parallel)
         if not calls:
             return self._text[len(self._sent):], []
         sent = self._sent.strip()
@@ -255,15 +262,3 @@ def _is_json(text: str) -> bool:
         return False
     return True
 
-
-def _call_of(text: str, names: set[str]) -> ToolCall | None:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or data.get("name") not in names:
-        return None
-    arguments = data.get("arguments", data.get("parameters", {}))
-    if not isinstance(arguments, dict):
-        return None
-    return new_call(data["name"], arguments)

@@ -21,6 +21,8 @@ from tandem.services.engine.config import (
     SpeculativeConfig,
 )
 from tandem.services.engine.tokenizer_loader import is_hub_id, read_chat_template
+from tandem.services.gateway.tool_parsers import ALIASES as TOOL_PARSER_ALIASES
+from tandem.services.gateway.tool_parsers import NAMES as TOOL_PARSERS
 from tandem.services.kv_transfer.factory import TRANSPORTS
 
 REASONING_PARSERS = ("auto", "think", "none")
@@ -124,6 +126,10 @@ class AppConfig:
     # auto (where the vocabulary has both tags as tokens: Qwen3, DeepSeek-R1, ...), think
     # (always), none; vLLM's parser names deepseek_r1 and qwen3 mean think.
     reasoning_parser: str = "auto"
+    # How replies under tool_choice auto write tool calls (gateway/tool_parsers.py): auto (the
+    # chat template's format; hermes where it shows none), hermes, mistral, llama3_json,
+    # pythonic, qwen3_coder; vLLM's names llama4_json, llama4_pythonic and qwen3_xml too.
+    tool_call_parser: str = "auto"
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 before parsing
     lease_ttl_s: float = 30.0  # a prefill's pinned KV is freed this long after its first token
     poll_interval_s: float = 0.5  # gateway polls workers' load, stats (and events) this often
@@ -281,6 +287,10 @@ class AppConfig:
             raise ConfigError(f"reasoning_parser must be one of "
                               f"{', '.join((*REASONING_PARSERS, *VLLM_REASONING_PARSERS))}, got "
                               f"{self.reasoning_parser!r}")
+        if self.tool_call_parser not in (*TOOL_PARSERS, *TOOL_PARSER_ALIASES):
+            raise ConfigError(f"tool_call_parser must be one of "
+                              f"{', '.join((*TOOL_PARSERS, *TOOL_PARSER_ALIASES))}, got "
+                              f"{self.tool_call_parser!r}")
         if self.generation_config not in ("auto", "vllm") and not (
                 Path(self.generation_config) / "generation_config.json").is_file():
             raise ConfigError(f"generation_config must be auto, vllm or a folder holding a "

@@ -109,7 +109,8 @@ class GatewayIngress:
                                        sampling_defaults=defaults,
                                        metrics_require_key=config.metrics_require_key,
                                        cors_allow_origins=config.cors_origins(),
-                                       reasoning_parser=config.reasoning_parser)
+                                       reasoning_parser=config.reasoning_parser,
+                                       tool_call_parser=config.tool_call_parser)
         tenants = tenants_of(config)
         tls = config.server_tls()
         if defaults:
