@@ -61,6 +61,20 @@ from tandem.services.gateway.openai_protocol import (
 )
 from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
+from tandem.services.gateway.responses_api import (
+    OutputIds,
+    Reply,
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseStore,
+    input_messages,
+    new_id,
+    output_items,
+    response_json,
+    sse_event,
+    to_chat,
+    turns_of,
+)
 from tandem.services.gateway.token_text import TokenText
 from tandem.services.gateway.tool_parsers import ToolParser
 from tandem.services.gateway.tools import (
@@ -83,8 +97,9 @@ G = TypeVar("G", ChatCompletionRequest, CompletionRequest)
 _CLIENT_CLOSED = 499
 
 # The generation routes (their requests count in the request metrics), with their names in logs.
-_CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-_GENERATION_PATHS = {_CHAT: "chat.completions", _COMPLETIONS: "completions"}
+_CHAT, _COMPLETIONS, _RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+_GENERATION_PATHS = {_CHAT: "chat.completions", _COMPLETIONS: "completions",
+                     _RESPONSES: "responses"}
 
 
 class ClientDisconnected(Exception):
@@ -98,8 +113,8 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     # HTTP and gRPC server span alike, and probes of /health and /metrics are not traced.
     app = FastAPI(title="Tandem", version=version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", telemetry={"tracing": False})
-    _add_schemas(app, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                 DetokenizeRequest)
+    _add_schemas(app, ChatCompletionRequest, CompletionRequest, ResponsesRequest,
+                 TokenizeRequest, DetokenizeRequest)
     app.state.gateway = gateway
 
     def body_refused(scope: Scope, error: GatewayError) -> None:
@@ -116,6 +131,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                            allow_methods=["GET", "POST"], allow_headers=["*"],
                            expose_headers=["x-request-id", "retry-after"])
     token_text = TokenText(gateway.tokenizer)
+    stored = ResponseStore()  # /v1/responses' conversation state (responses_api.py)
 
     def event_stream(choices: Choices, events: AsyncGenerator[bytes, None]) -> EventStream:
         return EventStream(choices, events, gateway.config.client_read_timeout_s,
@@ -204,6 +220,35 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     async def server_version() -> dict[str, str]:
         return {"version": version()}
 
+    async def chat_request(body: ChatCompletionRequest, tenant: str, trace: RequestTrace,
+                           arrival: float, request_id: str
+                           ) -> tuple[GenerationRequest, list[int], bool | None, frozenset[int]]:
+        """A checked chat request tokenized and built: the request, its prompt, whether its
+        reply starts in reasoning (None: reasoning not parsed) and the special tokens whose
+        text the reply keeps (a tool-call parser's tags, under auto)."""
+        with trace.phase("gateway.tokenize") as span:
+            functions = body.functions()
+            own = gateway.tokenizer.template_renders_tools
+            messages = body.chat_messages()
+            rendered = with_tools(messages, functions, own) if functions else messages
+            specs = [f.spec() for f in functions] if own else None
+            prompt = await gateway.tokenize("messages", text_chars(messages), partial(
+                tokenize_chat, gateway.tokenizer, rendered, specs,
+                body.template_kwargs(), bool(body.add_special_tokens)))
+            span.set_attribute("tandem.prompt_tokens", len(prompt))
+        # Reasoning apart (gateway/reasoning.py): None where it is not parsed (off, or the
+        # output held to a grammar from its first token); else whether the reply starts inside
+        # a <think> the template opened.
+        thinking = (starts_in_reasoning(prompt, gateway.tokenizer)
+                    if gateway.reasoning and body.structured_output_field() is None else None)
+        greq = gateway.build_request(request_id, prompt, body.sampling_options(), body.salt(),
+                                     arrival, prompt_param="messages", tenant=tenant,
+                                     session=body.session())
+        if not body.stream:
+            gateway.check_buffered(greq, body.n)
+        keep = gateway.tool_tag_ids if body.tool_mode() == "auto" else frozenset()
+        return greq, prompt, thinking, keep
+
     @app.post(_CHAT, openapi_extra=_json_body(ChatCompletionRequest),
               responses=_generation_responses())
     async def chat_completions(request: Request) -> Response:
@@ -213,32 +258,10 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
             with gateway.refusals(_GENERATION_PATHS[_CHAT], request.headers.get("authorization"),
                                   gone=(ClientDisconnected,)):
                 tenant, body = await _checked(gateway, request, ChatCompletionRequest, trace)
-                with trace.phase("gateway.tokenize") as span:
-                    functions = body.functions()
-                    own = gateway.tokenizer.template_renders_tools
-                    messages = body.chat_messages()
-                    rendered = with_tools(messages, functions, own) if functions else messages
-                    specs = [f.spec() for f in functions] if own else None
-                    prompt = await gateway.tokenize("messages", text_chars(messages), partial(
-                        tokenize_chat, gateway.tokenizer, rendered, specs,
-                        body.template_kwargs(), bool(body.add_special_tokens)))
-                    span.set_attribute("tandem.prompt_tokens", len(prompt))
-                # Reasoning apart (gateway/reasoning.py): None where it is not parsed (off, or
-                # the output held to a grammar from its first token); else whether the reply
-                # starts inside a <think> the template opened.
-                thinking = (starts_in_reasoning(prompt, gateway.tokenizer)
-                            if gateway.reasoning and body.structured_output_field() is None
-                            else None)
-                greq = gateway.build_request(new_request_id("chatcmpl"), prompt,
-                                             body.sampling_options(), body.salt(), arrival,
-                                             prompt_param="messages", tenant=tenant,
-                                             session=body.session())
-                if not body.stream:
-                    gateway.check_buffered(greq, body.n)
+                greq, prompt, thinking, keep = await chat_request(
+                    body, tenant, trace, arrival, new_request_id("chatcmpl"))
             ctx = ResponseContext(greq.request_id, int(time.time()), gateway.model_name,
                                   token_text, body.return_token_ids)
-            # Under auto the parser's tags stay in the reply's text, special tokens or not.
-            keep = gateway.tool_tag_ids if body.tool_mode() == "auto" else frozenset()
             if body.stream:
                 choices = await _unless_disconnected(
                     request, start_choices(gateway, greq, body.n, trace, keep))
@@ -251,6 +274,67 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                                  *_reply(delta, body, thinking, gateway.tool_parser))
                  for i, delta in enumerate(merged)],
                 total_usage([delta.usage for delta in merged]), prompt))
+
+    @app.post(_RESPONSES, openapi_extra=_json_body(ResponsesRequest),
+              responses=_generation_responses())
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API over the chat path (gateway/responses_api.py)."""
+        arrival = time.monotonic()
+        trace = RequestTrace("http", "responses", request.headers)
+        with trace.guard(aborts=(ClientDisconnected,)):
+            with gateway.refusals(_GENERATION_PATHS[_RESPONSES],
+                                  request.headers.get("authorization"),
+                                  gone=(ClientDisconnected,)):
+                with trace.phase("gateway.parse"):
+                    tenant = gateway.caller(request.headers.get("authorization"))
+                    given = await _parse(request, ResponsesRequest)
+                    gateway.check_model(given.model)
+                    if error := given.unsupported_fields():
+                        raise error
+                    turns = input_messages(given.input)
+                    earlier = ([] if given.previous_response_id is None else
+                               stored.history(tenant, given.previous_response_id))
+                    body = _validated(ChatCompletionRequest, to_chat(given, earlier + turns))
+                    if error := body.unsupported_fields():
+                        raise error
+                    await gateway.check_structured_output(body.structured_output_field())
+                response_id = new_id("resp")
+                greq, _, thinking, keep = await chat_request(body, tenant, trace, arrival,
+                                                             response_id)
+
+            def keep_turns(reply: Reply, response: dict[str, Any]) -> None:
+                if given.store:
+                    stored.put(tenant, given.previous_response_id, turns + turns_of(reply),
+                               response)
+
+            if given.stream:
+                choices = await _unless_disconnected(
+                    request, start_choices(gateway, greq, 1, trace, keep))
+                events = ResponseEvents(response_id, gateway.model_name, given)
+                return event_stream(choices, _response_events(
+                    choices, events, body, thinking, gateway.tool_parser, keep_turns))
+            merged, = await _unless_disconnected(request, _run(gateway, greq, 1, trace, keep))
+            (content, calls), reasoning = _reply(merged, body, thinking, gateway.tool_parser)
+            reply = Reply(content, calls, reasoning, merged.finish_reason, merged.usage)
+            response = response_json(response_id, int(time.time()), gateway.model_name, given,
+                                     output_items(reply, OutputIds()), reply)
+            keep_turns(reply, response)
+            return JSONResponse(response)
+
+    @app.get(f"{_RESPONSES}/{{response_id}}", responses=_error_responses(401, 404))
+    async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
+        tenant = gateway.authenticate(request.headers.get("authorization"))
+        response = stored.get(tenant, response_id)
+        if response is None:
+            raise _no_response(response_id)
+        return response
+
+    @app.delete(f"{_RESPONSES}/{{response_id}}", responses=_error_responses(401, 404))
+    async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+        tenant = gateway.authenticate(request.headers.get("authorization"))
+        if not stored.delete(tenant, response_id):
+            raise _no_response(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post(_COMPLETIONS, openapi_extra=_json_body(CompletionRequest),
               responses=_generation_responses())
@@ -551,6 +635,53 @@ def _reply(merged: Delta, body: ChatCompletionRequest, thinking: bool | None,
         merged.text, thinking)
     return parse_reply(text, body.functions(), body.tool_mode(), parser,
                        body.parallel_tool_calls is not False), reasoning
+
+
+async def _response_events(choices: Choices, events: ResponseEvents,
+                           body: ChatCompletionRequest, thinking: bool | None,
+                           parser: ToolParser,
+                           on_done: Callable[[Reply, dict[str, Any]], None]
+                           ) -> AsyncGenerator[bytes, None]:
+    """A streamed Responses reply (responses_api.ResponseEvents): reasoning and content as they
+    form (under auto, content until a call may begin); the calls at the end. ``on_done``: given
+    the finished reply and response (to store them)."""
+    mode = body.tool_mode()
+    thought = None if thinking is None else ReasoningStream(thinking)
+    reply = (ReplyStream(body.functions(), parser, body.parallel_tool_calls is not False)
+             if mode == "auto" else None)
+    held = ""  # a reply held to one call (required, or a named function): parsed at the end
+    for event in events.start():
+        yield sse_event(event)
+    async for _, delta in choices:
+        last = delta.finish_reason is not None
+        reasoning, text = _thought(thought, delta)
+        if mode in (None, "none", "auto"):
+            content, calls = _replied(reply, text, last)
+        else:
+            held += text
+            content, calls = "", []
+            if last:
+                content, calls = parse_reply(held, body.functions(), mode)
+                content = content or ""
+        for event in (*events.reasoning(reasoning), *events.content(content)):
+            yield sse_event(event)
+        if last:
+            for event in events.finish(calls, delta.finish_reason, delta.usage):
+                yield sse_event(event)
+            assert events.reply is not None
+            on_done(events.reply, events.response)
+
+
+def _validated(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from exc
+
+
+def _no_response(response_id: str) -> GatewayError:
+    return GatewayError(404, f"No response with id {response_id!r}", type="not_found_error",
+                        param="response_id")
 
 
 def _after_echo(delta: Delta, echoed: str) -> None:

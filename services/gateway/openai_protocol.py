@@ -110,7 +110,7 @@ def _same(value: object, default: object) -> bool:
     return value == default
 
 
-def _refused_extra(extra: dict[str, Any] | None) -> GatewayError | None:
+def refused_extra(extra: dict[str, Any] | None) -> GatewayError | None:
     """The first field of ``extra`` (fields no model declares) that asks for something."""
     for name, value in (extra or {}).items():
         if name not in NOT_SUPPORTED:
@@ -139,7 +139,7 @@ def _constraint(key: str, value: object, param: str) -> StructuredOutput:
     raise bad_request(f"{param} has the wrong type", param=param)
 
 
-class _Request(_Body):
+class RequestBody(_Body):
     # Top level: unknown fields land in model_extra and are checked against NOT_SUPPORTED. The
     # OpenAPI document promises no more than the declared fields.
     model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
@@ -149,7 +149,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _CommonRequest(_Request):
+class _CommonRequest(RequestBody):
     model: str | None = None  # missing: the served model
     max_tokens: Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -291,7 +291,7 @@ class _CommonRequest(_Request):
                 "repetition_penalty": self.repetition_penalty, "min_p": self.min_p}
 
     def _common_unsupported(self) -> GatewayError | None:
-        if error := _refused_extra(self.model_extra):
+        if error := refused_extra(self.model_extra):
             return error
         if self.stream_options is not None and not self.stream:
             return GatewayError(400, "stream_options is only allowed with stream=true",

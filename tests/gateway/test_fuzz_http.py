@@ -67,8 +67,11 @@ def api_schema(fuzz_server: ServeAddresses) -> schemathesis.BaseSchema:
                                          timeout=30)
 
 
-# Every operation that takes input; GET /v1/models has none (its one case is fuzzed too).
+# Every operation that takes input; GET /v1/models has none (its one case is fuzzed too). A
+# GET or DELETE has nothing to make invalid (its path parameter is any string).
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+              ("DELETE", "/v1/responses/{response_id}"),
               ("GET", "/v1/models/{model}"), ("GET", "/v1/models")]
 CHECKS = [schemathesis.checks.not_a_server_error, status_code_conformance,
           content_type_conformance, response_schema_conformance, negative_data_rejection]
@@ -83,7 +86,7 @@ def _bound(body: Any) -> None:
     """Keep a generated body cheap to serve without making it valid or invalid."""
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(key)
         if (isinstance(value, int | float) and not isinstance(value, bool)
                 and float(value).is_integer() and MAX_TOKENS < value <= MAX_MODEL_LEN):
@@ -110,7 +113,7 @@ def _check(case: schemathesis.Case) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method, path, mode", [
     (method, path, mode) for method, path in OPERATIONS for mode in GenerationMode
-    if mode == GenerationMode.POSITIVE or method == "POST"])  # a GET has nothing to make invalid
+    if mode == GenerationMode.POSITIVE or method == "POST"])
 def test_fuzz_http(api_schema: schemathesis.BaseSchema, method: str, path: str,
                    mode: GenerationMode) -> None:
     strategy = api_schema[path][method].as_strategy(generation_mode=mode)
