@@ -414,6 +414,7 @@ class Generation:
                 merged.logprobs += delta.logprobs
                 merged.text_offsets += delta.text_offsets
                 merged.finish_reason = delta.finish_reason
+                merged.stop_string = delta.stop_string
                 merged.usage = delta.usage
                 merged.prompt_logprobs = merged.prompt_logprobs or delta.prompt_logprobs
         finally:

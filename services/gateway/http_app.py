@@ -20,9 +20,9 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, MutableMapping
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -48,6 +48,18 @@ from tandem.services.gateway.core import (
     total_usage,
 )
 from tandem.services.gateway.errors import GatewayError, bad_request, body_too_large
+from tandem.services.gateway.messages_api import (
+    MessageEvents,
+    MessagesError,
+    MessagesRequest,
+    content_blocks,
+    message_json,
+    new_message_id,
+    stop_reason,
+)
+from tandem.services.gateway.messages_api import error_json as message_error_json
+from tandem.services.gateway.messages_api import to_chat as to_messages_chat
+from tandem.services.gateway.messages_api import usage_json as message_usage
 from tandem.services.gateway.openai_protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -57,6 +69,7 @@ from tandem.services.gateway.openai_protocol import (
     ResponseContext,
     TokenizeRequest,
     sse,
+    sse_event,
     template_messages,
 )
 from tandem.services.gateway.pipeline import Delta, Usage
@@ -71,7 +84,6 @@ from tandem.services.gateway.responses_api import (
     new_id,
     output_items,
     response_json,
-    sse_event,
     to_chat,
     turns_of,
 )
@@ -97,9 +109,10 @@ G = TypeVar("G", ChatCompletionRequest, CompletionRequest)
 _CLIENT_CLOSED = 499
 
 # The generation routes (their requests count in the request metrics), with their names in logs.
-_CHAT, _COMPLETIONS, _RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+_CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_RESPONSES, _MESSAGES = "/v1/responses", "/v1/messages"
 _GENERATION_PATHS = {_CHAT: "chat.completions", _COMPLETIONS: "completions",
-                     _RESPONSES: "responses"}
+                     _RESPONSES: "responses", _MESSAGES: "messages"}
 
 
 class ClientDisconnected(Exception):
@@ -114,7 +127,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     app = FastAPI(title="Tandem", version=version(), docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", telemetry={"tracing": False})
     _add_schemas(app, ChatCompletionRequest, CompletionRequest, ResponsesRequest,
-                 TokenizeRequest, DetokenizeRequest)
+                 MessagesRequest, TokenizeRequest, DetokenizeRequest)
     app.state.gateway = gateway
 
     def body_refused(scope: Scope, error: GatewayError) -> None:
@@ -133,9 +146,10 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     token_text = TokenText(gateway.tokenizer)
     stored = ResponseStore()  # /v1/responses' conversation state (responses_api.py)
 
-    def event_stream(choices: Choices, events: AsyncGenerator[bytes, None]) -> EventStream:
+    def event_stream(choices: Choices, events: AsyncGenerator[bytes, None],
+                     failed: Callable[[GatewayError], bytes] = _chat_failure) -> EventStream:
         return EventStream(choices, events, gateway.config.client_read_timeout_s,
-                           abort_connection)
+                           abort_connection, failed)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
@@ -310,9 +324,12 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
             if given.stream:
                 choices = await _unless_disconnected(
                     request, start_choices(gateway, greq, 1, trace, keep))
-                events = ResponseEvents(response_id, gateway.model_name, given)
-                return event_stream(choices, _response_events(
-                    choices, events, body, thinking, gateway.tool_parser, keep_turns))
+                events = ResponseEvents(response_id, gateway.model_name, given, keep_turns)
+                return event_stream(choices, _api_events(
+                    choices, events, body, thinking, gateway.tool_parser),
+                    lambda error: sse_event(events.event(
+                        "error", code=error.code or error.type, message=error.message,
+                        param=error.param)))
             merged, = await _unless_disconnected(request, _run(gateway, greq, 1, trace, keep))
             (content, calls), reasoning = _reply(merged, body, thinking, gateway.tool_parser)
             reply = Reply(content, calls, reasoning, merged.finish_reason, merged.usage)
@@ -335,6 +352,52 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
         if not stored.delete(tenant, response_id):
             raise _no_response(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post(_MESSAGES, openapi_extra=_json_body(MessagesRequest),
+              responses=_generation_responses(MessagesError))
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API over the chat path (gateway/messages_api.py); its errors
+        are Anthropic's error objects. The API key comes as x-api-key (or a bearer token)."""
+        arrival = time.monotonic()
+        key = request.headers.get("x-api-key")
+        authorization = f"Bearer {key}" if key else request.headers.get("authorization")
+        trace = RequestTrace("http", "messages", request.headers)
+        try:
+            with trace.guard(aborts=(ClientDisconnected,)):
+                with gateway.refusals(_GENERATION_PATHS[_MESSAGES], authorization,
+                                      gone=(ClientDisconnected,)):
+                    with trace.phase("gateway.parse"):
+                        tenant = gateway.caller(authorization)
+                        given = await _parse(request, MessagesRequest)
+                        gateway.check_model(given.model)
+                        if error := given.unsupported_fields():
+                            raise error
+                        body = _validated(ChatCompletionRequest, to_messages_chat(given))
+                        if error := body.unsupported_fields():
+                            raise error
+                        await gateway.check_structured_output(body.structured_output_field())
+                    message_id = new_message_id()
+                    greq, prompt, thinking, keep = await chat_request(body, tenant, trace,
+                                                                      arrival, message_id)
+                if given.stream:
+                    choices = await _unless_disconnected(
+                        request, start_choices(gateway, greq, 1, trace, keep))
+                    events = MessageEvents(message_id, gateway.model_name, len(prompt))
+                    return event_stream(choices, _api_events(
+                        choices, events, body, thinking, gateway.tool_parser),
+                        lambda error: sse_event(message_error_json(error)))
+                merged, = await _unless_disconnected(request,
+                                                     _run(gateway, greq, 1, trace, keep))
+        except GatewayError as error:
+            headers = ({"Retry-After": str(error.retry_after_s)}
+                       if error.retry_after_s is not None else None)
+            return JSONResponse(message_error_json(error), status_code=error.status,
+                                headers=headers)
+        (content, calls), reasoning = _reply(merged, body, thinking, gateway.tool_parser)
+        return JSONResponse(message_json(
+            message_id, gateway.model_name, content_blocks(content, calls, reasoning),
+            stop_reason(merged.finish_reason, merged.stop_string, calls), merged.stop_string,
+            message_usage(merged.usage, len(prompt))))
 
     @app.post(_COMPLETIONS, openapi_extra=_json_body(CompletionRequest),
               responses=_generation_responses())
@@ -410,14 +473,16 @@ _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.
                                 "schema": {"type": "integer"}}}
 
 
-def _error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """Documented error responses, each with OpenAI's error body."""
-    return {status: {"model": ErrorResponse, "description": _ERROR_WHEN[status],
+def _error_responses(*statuses: int, body: type[BaseModel] = ErrorResponse
+                     ) -> dict[int | str, dict[str, Any]]:
+    """Documented error responses, each with OpenAI's error body (or ``body``)."""
+    return {status: {"model": body, "description": _ERROR_WHEN[status],
                      **({"headers": _RETRY_AFTER} if status in (429, 503) else {})}
             for status in statuses}
 
 
-def _generation_responses() -> dict[int | str, dict[str, Any]]:
+def _generation_responses(error: type[BaseModel] = ErrorResponse
+                          ) -> dict[int | str, dict[str, Any]]:
     # Before OpenAPI 3.2's itemSchema, an event stream's schema describes each event.
     event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
              "description": "One server-sent event: a chunk as JSON, an error as JSON "
@@ -426,7 +491,7 @@ def _generation_responses() -> dict[int | str, dict[str, Any]]:
                          "server-sent events ending with `data: [DONE]`.",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"schema": event}}}
-    return {200: ok, **_error_responses(400, 401, 404, 413, 429, 500, 503, 504)}
+    return {200: ok, **_error_responses(400, 401, 404, 413, 429, 500, 503, 504, body=error)}
 
 
 def _json_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -637,21 +702,26 @@ def _reply(merged: Delta, body: ChatCompletionRequest, thinking: bool | None,
                        body.parallel_tool_calls is not False), reasoning
 
 
-async def _response_events(choices: Choices, events: ResponseEvents,
-                           body: ChatCompletionRequest, thinking: bool | None,
-                           parser: ToolParser,
-                           on_done: Callable[[Reply, dict[str, Any]], None]
-                           ) -> AsyncGenerator[bytes, None]:
-    """A streamed Responses reply (responses_api.ResponseEvents): reasoning and content as they
-    form (under auto, content until a call may begin); the calls at the end. ``on_done``: given
-    the finished reply and response (to store them)."""
+@dataclasses.dataclass
+class _Piece:
+    """What one delta adds to a reply: reasoning, content and, with the last, the calls."""
+
+    reasoning: str
+    content: str
+    calls: list[ToolCall]
+    last: Delta | None  # the last delta (finish reason, stop string, usage)
+
+
+async def _pieces(choices: Choices, body: ChatCompletionRequest, thinking: bool | None,
+                  parser: ToolParser) -> AsyncGenerator[_Piece, None]:
+    """One choice's reply as it streams, for the APIs that stream it in their own shape:
+    reasoning apart; under auto, content until a call may begin and the calls at the end; a
+    reply held to one call (required, a named function) read whole at the end."""
     mode = body.tool_mode()
     thought = None if thinking is None else ReasoningStream(thinking)
     reply = (ReplyStream(body.functions(), parser, body.parallel_tool_calls is not False)
              if mode == "auto" else None)
-    held = ""  # a reply held to one call (required, or a named function): parsed at the end
-    for event in events.start():
-        yield sse_event(event)
+    held = ""
     async for _, delta in choices:
         last = delta.finish_reason is not None
         reasoning, text = _thought(thought, delta)
@@ -661,15 +731,34 @@ async def _response_events(choices: Choices, events: ResponseEvents,
             held += text
             content, calls = "", []
             if last:
-                content, calls = parse_reply(held, body.functions(), mode)
-                content = content or ""
-        for event in (*events.reasoning(reasoning), *events.content(content)):
+                parsed, calls = parse_reply(held, body.functions(), mode)
+                content = parsed or ""
+        yield _Piece(reasoning, content, calls, delta if last else None)
+
+
+class _ApiEvents(Protocol):
+    """A reply's events in an API's own shape (responses_api.ResponseEvents,
+    messages_api.MessageEvents)."""
+
+    def start(self) -> Iterable[dict[str, Any]]: ...
+    def reasoning(self, text: str) -> Iterable[dict[str, Any]]: ...
+    def content(self, text: str) -> Iterable[dict[str, Any]]: ...
+    def finish(self, calls: list[ToolCall], last: Delta) -> Iterable[dict[str, Any]]: ...
+
+
+async def _api_events(choices: Choices, events: _ApiEvents, body: ChatCompletionRequest,
+                      thinking: bool | None, parser: ToolParser
+                      ) -> AsyncGenerator[bytes, None]:
+    """One streamed reply as named server-sent events: reasoning and content as they form,
+    the calls at the end (``_pieces``)."""
+    for event in events.start():
+        yield sse_event(event)
+    async for piece in _pieces(choices, body, thinking, parser):
+        for event in (*events.reasoning(piece.reasoning), *events.content(piece.content)):
             yield sse_event(event)
-        if last:
-            for event in events.finish(calls, delta.finish_reason, delta.usage):
+        if piece.last is not None:
+            for event in events.finish(piece.calls, piece.last):
                 yield sse_event(event)
-            assert events.reply is not None
-            on_done(events.reply, events.response)
 
 
 def _validated(model: type[M], data: dict[str, Any]) -> M:
@@ -730,10 +819,12 @@ AbortConnection = Callable[[Scope], None]  # drop the connection that carries th
 
 class EventStream(StreamingResponse):
     def __init__(self, generation: Choices, events: AsyncGenerator[bytes, None],
-                 read_timeout_s: float | None, abort_connection: AbortConnection | None) -> None:
+                 read_timeout_s: float | None, abort_connection: AbortConnection | None,
+                 failed: Callable[[GatewayError], bytes]) -> None:
+        """``failed``: the events that end a stream that failed after it started."""
         # The background task closes the generation even when the client leaves before the
         # body iterator ever starts (then ``_guarded``'s own cleanup never runs).
-        self._chunks = _guarded(generation, events)
+        self._chunks = _guarded(generation, events, failed)
         super().__init__(self._chunks, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                          background=BackgroundTask(generation.aclose))
@@ -767,10 +858,15 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _guarded(generation: Choices, events: AsyncGenerator[bytes, None]
-                   ) -> AsyncGenerator[bytes, None]:
+def _chat_failure(error: GatewayError) -> bytes:
+    """A failed stream's end, as OpenAI-compatible servers send it."""
+    return sse(error.to_json()) + SSE_DONE
+
+
+async def _guarded(generation: Choices, events: AsyncGenerator[bytes, None],
+                   failed: Callable[[GatewayError], bytes]) -> AsyncGenerator[bytes, None]:
     """Close the generation however the stream ends (done, failed, client gone); a failure after
-    the headers went out becomes an SSE error event, as OpenAI-compatible servers send."""
+    the headers went out becomes the API's error event (``failed``)."""
     try:
         async with contextlib.aclosing(events):
             async for chunk in events:
@@ -781,8 +877,7 @@ async def _guarded(generation: Choices, events: AsyncGenerator[bytes, None]
         else:
             log.exception("stream failed", exc_info=exc)
             error = GatewayError(500, "Internal server error.", type="server_error")
-        yield sse(error.to_json())
-        yield SSE_DONE
+        yield failed(error)
     finally:
         await generation.aclose()
 

@@ -543,6 +543,11 @@ def sse(data: dict[str, Any] | str) -> bytes:
 SSE_DONE = sse("[DONE]")
 
 
+def sse_event(event: dict[str, Any]) -> bytes:
+    """A server-sent event named by its ``type`` (the Responses and Messages APIs' streams)."""
+    return f"event: {event['type']}\n".encode() + sse(event)
+
+
 def usage_json(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None

@@ -46,6 +46,7 @@ class Delta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if requested
     text_offsets: list[int] = field(default_factory=list)  # per token: where its text starts
     finish_reason: str | None = None  # stop | length | abort, on the last delta only
+    stop_string: str | None = None  # the stop string that ended it (finish_reason stop)
     usage: Usage | None = None  # on the last delta only
     # The prompt's logprobs (SamplingParams.prompt_logprobs), on the first delta only: entry i
     # is prompt token i + 1's.
@@ -146,11 +147,13 @@ def _apply_output(out: RequestOutput, delta: Delta, detok: IncrementalDetokenize
         result = stops.feed(detok.push(token))
         delta.text += result.text
         if result.stopped:
+            delta.stop_string = stops.matched
             return "stop"  # tokens after the stop string are dropped
     if not out.finished:
         return None
     result = stops.feed(detok.flush())
     delta.text += result.text + stops.flush()
+    delta.stop_string = stops.matched
     return "stop" if result.stopped else str(out.finish_reason or "stop")
 
 
@@ -234,6 +237,7 @@ class StopStringMatcher:
         self._state = [0] * len(self._stops)  # each stop's longest prefix ending the text so far
         self._pending = ""  # text not emitted yet: a possible start of a stop string
         self.stopped = False
+        self.matched: str | None = None  # the stop string found (the earliest to start)
 
     def feed(self, text: str) -> StopResult:
         if self.stopped:
@@ -252,7 +256,8 @@ class StopStringMatcher:
                     k += 1
                 if k == len(stop):
                     start = offset + i + 1 - k
-                    first = start if first is None else min(first, start)
+                    if first is None or start < first:
+                        first, self.matched = start, stop
                     k = fail[k - 1]
                 self._state[j] = k
         if first is not None:

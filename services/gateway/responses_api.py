@@ -20,15 +20,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import Field
 
 from tandem.services.gateway.errors import GatewayError, bad_request, unsupported
-from tandem.services.gateway.openai_protocol import Int, RequestBody, refused_extra, sse
-from tandem.services.gateway.pipeline import Usage
+from tandem.services.gateway.openai_protocol import Int, RequestBody, refused_extra
+from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.tools import ToolCall
 
 MAX_ID_CHARS = 128
@@ -178,11 +178,6 @@ def _response_format(given: object) -> dict[str, Any]:
 # -- The response ---------------------------------------------------------------------------
 
 
-def sse_event(event: dict[str, Any]) -> bytes:
-    """One server-sent event, named by its type (Responses' streams end without [DONE])."""
-    return f"event: {event['type']}\n".encode() + sse(event)
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -272,8 +267,11 @@ def turns_of(reply: Reply) -> list[dict[str, Any]]:
 class ResponseEvents:
     """A streamed response's server-sent events, each numbered (``sequence_number``)."""
 
-    def __init__(self, response_id: str, model: str, body: ResponsesRequest) -> None:
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest,
+                 on_done: Callable[[Reply, dict[str, Any]], None]) -> None:
+        """``on_done``: given the finished reply and response (to store them)."""
         self._head = (response_id, int(time.time()), model, body)
+        self._on_done = on_done
         self.response = response_json(*self._head, [], None)
         self._sequence = 0
         self.ids = OutputIds()
@@ -281,7 +279,6 @@ class ResponseEvents:
         self._text: str | None = None  # the message's text while it is open
         self._done: list[dict[str, Any]] = []  # the output items finished
         self._all = {"reasoning": "", "content": ""}  # the whole reply's, for ``reply``
-        self.reply: Reply | None = None  # once finished
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self._sequence += 1
@@ -318,11 +315,10 @@ class ResponseEvents:
                          output_index=len(self._done), content_index=0, delta=text,
                          logprobs=[])
 
-    def finish(self, calls: list[ToolCall], finish_reason: str | None, usage: Usage | None
-               ) -> Iterator[dict[str, Any]]:
+    def finish(self, calls: list[ToolCall], last: Delta) -> Iterator[dict[str, Any]]:
+        """``last``: the reply's last delta (its finish reason and usage)."""
         reply = Reply(self._all["content"] or None, calls, self._all["reasoning"] or None,
-                      finish_reason, usage)
-        self.reply = reply
+                      last.finish_reason, last.usage)
         yield from self._close_reasoning()
         if self._text is not None:
             index, text = len(self._done), self._text
@@ -344,6 +340,7 @@ class ResponseEvents:
         self.response = response_json(*self._head, self._done, reply)
         kind = ("response.incomplete" if self.response["status"] == "incomplete"
                 else "response.completed")
+        self._on_done(reply, self.response)
         yield self.event(kind, response=self.response)
 
     def _close_reasoning(self) -> Iterator[dict[str, Any]]:
