@@ -14,6 +14,7 @@ from tandem.services.gateway.config import GatewayConfig
 from tandem.services.gateway.core import Gateway, Generation
 from tandem.services.gateway.errors import GatewayError
 from tandem.services.gateway.grpc_service import (
+    GenerateStream,
     GenerationServicer,
     GrpcFrontEnd,
     create_grpc_server,
@@ -28,6 +29,7 @@ __all__ = [
     "GatewayConfig",
     "GatewayError",
     "GatewayServer",
+    "GenerateStream",
     "Generation",
     "GenerationBackend",
     "GenerationServicer",

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,10 @@ from tandem.services.gateway.errors import GatewayError, bad_request
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.pipeline import Delta
+from tandem.services.gateway.replies import ReplyReader
 from tandem.services.gateway.tls import ServerTLS
+from tandem.services.gateway.tools import Function, ToolCall, assistant_calls_text, with_tools
+from tandem.services.gateway.tools import constraint as tool_constraint
 from tandem.services.protocol.request import StructuredOutput
 from tandem.services.version import version
 
@@ -84,14 +88,30 @@ def refusal_trailers(error: GatewayError) -> Sequence[tuple[str, str | bytes]]:
             ("grpc-status-details-bin", details.SerializeToString()))
 
 
+@dataclass
+class GenerateStream:
+    """A started ``Generate`` call: its choices' deltas, each written as a ``GenerateResponse``
+    by ``response`` (with tools, its text is the reply's content and its last message carries
+    the calls: ``replies.ReplyReader``)."""
+
+    choices: Choices
+    request_id: str  # what the responses echo: the client's, else the server's
+    readers: list[ReplyReader] | None  # chat with tools: one per choice
+
+    def response(self, index: int, delta: Delta) -> pb.GenerateResponse:
+        if self.readers is None:
+            return _response(self.request_id, delta, index, delta.text)
+        piece = self.readers[index].read(delta)
+        return _response(self.request_id, delta, index, piece.content, piece.calls)
+
+
 async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
                            authorization: str | None = None,
                            metadata: Mapping[str, str] | None = None,
-                           timeout_s: float | None = None) -> tuple[Choices, str]:
-    """Start the call's choices (rejections raise ``GatewayError``); with them, the request id
-    its responses echo. ``metadata`` may carry the caller's W3C ``traceparent``; ``timeout_s``
-    is what is left of the call's deadline (the request ends with DEADLINE_EXCEEDED when it
-    passes)."""
+                           timeout_s: float | None = None) -> GenerateStream:
+    """Start the call's choices (rejections raise ``GatewayError``). ``metadata`` may carry
+    the caller's W3C ``traceparent``; ``timeout_s`` is what is left of the call's deadline (the
+    request ends with DEADLINE_EXCEEDED when it passes)."""
     arrival = time.monotonic()
     trace = RequestTrace("grpc", "Generate", metadata)
     trace.client_request_id(request.request_id)
@@ -103,10 +123,20 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
                 options = dataclasses.replace(_sampling_options(request),
                                               timeout_s=None if timeout_s is None
                                               else max(timeout_s, 1e-3))
+                functions, mode = (_chat_tools(request.chat) if request.HasField("chat")
+                                   else ([], None))
+                forced = tool_constraint(functions, mode) if functions else None
+                if forced is not None:
+                    if options.structured_output is not None:
+                        raise bad_request("chat.tool_choice and the sampling's structured output "
+                                          "both constrain the output; give one",
+                                          param="chat.tool_choice")
+                    options = dataclasses.replace(options, structured_output=forced)
                 if options.structured_output is not None:
                     await gateway.check_structured_output(
-                        (request.sampling.WhichOneof("structured_output") or "structured_output",
-                         options.structured_output))
+                        ("chat.tool_choice" if forced is not None
+                         else request.sampling.WhichOneof("structured_output")
+                         or "structured_output", options.structured_output))
             with trace.phase("gateway.tokenize") as span:
                 prompt = await _prompt_token_ids(gateway, request)
                 span.set_attribute("tandem.prompt_tokens", len(prompt))
@@ -122,8 +152,13 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
             n = request.n or 1
             if n > MAX_CHOICES:
                 raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
-        choices = await start_choices(gateway, greq, n, trace)
-    return choices, request.request_id or greq.request_id
+        keep = gateway.tool_tag_ids if mode == "auto" else frozenset()
+        choices = await start_choices(gateway, greq, n, trace, keep)
+    parallel = (not request.chat.HasField("parallel_tool_calls")
+                or request.chat.parallel_tool_calls)
+    readers = None if mode is None else [
+        ReplyReader(functions, mode, None, gateway.tool_parser, parallel) for _ in range(n)]
+    return GenerateStream(choices, request.request_id or greq.request_id, readers)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -146,14 +181,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return
         read_timeout_s = self.gateway.config.client_read_timeout_s
         try:
-            choices, echoed = await start_generation(
+            stream = await start_generation(
                 self.gateway, request, metadata.get("authorization"), metadata,
                 context.time_remaining())
+            choices = stream.choices
             try:
                 async for index, delta in choices:
                     try:
                         async with asyncio.timeout(read_timeout_s):
-                            await context.write(_response(echoed, delta, index))
+                            await context.write(stream.response(index, delta))
                     except TimeoutError:
                         assert read_timeout_s is not None
                         await choices.cut_slow_client(read_timeout_s)
@@ -312,9 +348,13 @@ async def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest | pb.T
         bad = next((m.role for m in request.chat.messages if m.role not in CHAT_ROLES), None)
         if bad is not None:
             raise bad_request(f"unknown chat role {bad!r}", param="chat")
-        messages = [template_message(m.role, m.content) for m in request.chat.messages]
+        messages = [template_message(m.role, _with_calls(m)) for m in request.chat.messages]
+        functions, _ = _chat_tools(request.chat)
+        own = gateway.tokenizer.template_renders_tools
+        rendered = with_tools(messages, functions, own) if functions else messages
+        specs = [f.spec() for f in functions] if own and functions else None
         return await gateway.tokenize("chat", text_chars(messages), partial(
-            tokenize_chat, gateway.tokenizer, messages))
+            tokenize_chat, gateway.tokenizer, rendered, specs))
     if which == "token_ids":
         assert isinstance(request, pb.GenerateRequest)
         return check_token_ids(request.token_ids.ids, gateway.tokenizer.vocab_size,
@@ -322,6 +362,50 @@ async def _prompt_token_ids(gateway: Gateway, request: pb.GenerateRequest | pb.T
     raise bad_request("set one of prompt, chat or token_ids"
                       if isinstance(request, pb.GenerateRequest)
                       else "set one of prompt or chat", param="input")
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's (openai_protocol.FunctionDef)
+MAX_TOOLS = 128
+
+
+def _chat_tools(chat: pb.ChatMessages) -> tuple[list[Function], str | None]:
+    """The chat's tools, and its tool_choice (None: no tools); 400 naming the field."""
+    if len(chat.tools) > MAX_TOOLS:
+        raise bad_request(f"chat.tools: at most {MAX_TOOLS} tools", param="chat.tools")
+    functions = []
+    for i, tool in enumerate(chat.tools):
+        if not _TOOL_NAME.fullmatch(tool.name):
+            raise bad_request(f"chat.tools[{i}].name: 1 to 64 letters, digits, _ or -",
+                              param=f"chat.tools[{i}].name")
+        schema = None
+        if tool.parameters_json:
+            try:
+                schema = json.loads(tool.parameters_json)
+            except json.JSONDecodeError as exc:
+                raise bad_request(f"chat.tools[{i}].parameters_json is not JSON: {exc}",
+                                  param=f"chat.tools[{i}].parameters_json") from None
+            if not isinstance(schema, dict):
+                raise bad_request(f"chat.tools[{i}].parameters_json must be a JSON schema object",
+                                  param=f"chat.tools[{i}].parameters_json")
+        functions.append(Function(tool.name, tool.description or None, schema))
+    choice = chat.tool_choice or "auto"
+    if not functions:
+        if choice not in ("none", "auto"):
+            raise bad_request("chat.tool_choice needs tools", param="chat.tool_choice")
+        return [], None
+    if choice not in ("none", "auto", "required") and choice not in {f.name for f in functions}:
+        raise bad_request(f"chat.tool_choice names {choice!r}, which is not among the tools",
+                          param="chat.tool_choice")
+    return functions, choice
+
+
+def _with_calls(message: pb.ChatMessage) -> str:
+    """A message's text, with an assistant's earlier calls as the model would have written them."""
+    if not message.tool_calls:
+        return message.content
+    calls = assistant_calls_text([{"function": {"name": c.name, "arguments": c.arguments}}
+                                  for c in message.tool_calls])
+    return f"{message.content}\n{calls}" if message.content else calls
 
 
 def _sampling_options(request: pb.GenerateRequest) -> SamplingOptions:
@@ -372,12 +456,14 @@ def _constraint_of(s: pb.SamplingOptions) -> StructuredOutput | None:
     return StructuredOutput(which, getattr(s, which))
 
 
-def _response(request_id: str, delta: Delta, index: int = 0) -> pb.GenerateResponse:
+def _response(request_id: str, delta: Delta, index: int, text: str,
+              calls: Sequence[ToolCall] = ()) -> pb.GenerateResponse:
     response = pb.GenerateResponse(
         request_id=request_id,
         index=index,
         token_ids=delta.token_ids,
-        text=delta.text,
+        text=text,
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls],
         logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                   top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                   for lp in delta.logprobs],

@@ -73,7 +73,8 @@ from tandem.services.gateway.openai_protocol import (
     template_messages,
 )
 from tandem.services.gateway.pipeline import Delta, Usage
-from tandem.services.gateway.reasoning import ReasoningStream, split_reasoning, starts_in_reasoning
+from tandem.services.gateway.reasoning import split_reasoning, starts_in_reasoning
+from tandem.services.gateway.replies import ReplyReader
 from tandem.services.gateway.responses_api import (
     OutputIds,
     Reply,
@@ -91,7 +92,6 @@ from tandem.services.gateway.token_text import TokenText
 from tandem.services.gateway.tool_parsers import ToolParser
 from tandem.services.gateway.tools import (
     CallStream,
-    ReplyStream,
     ToolCall,
     parse_reply,
     with_tools,
@@ -641,14 +641,11 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
         # Reasoning apart (reasoning.ReasoningStream); under auto, content streams until a
         # call may be starting, and the calls (and any content after them) come with the
         # reply's last delta (tools.ReplyStream).
-        thoughts = [None if thinking is None else ReasoningStream(thinking)
-                    for _ in range(body.n)]
-        replies = [ReplyStream(body.functions(), parser, body.parallel_tool_calls is not False)
-                   if mode == "auto" else None for _ in range(body.n)]
+        readers = [_reader(body, thinking, parser) for _ in range(body.n)]
         async for index, delta in choices:
             usages[index] = delta.usage or usages[index]
-            reasoning, text = _thought(thoughts[index], delta)
-            content, calls = _replied(replies[index], text, delta.finish_reason is not None)
+            piece = readers[index].read(delta)
+            reasoning, content, calls = piece.reasoning, piece.content, piece.calls
             if (reasoning or content or calls or delta.finish_reason
                     or (body.logprobs and delta.logprobs)
                     or (body.return_token_ids and delta.token_ids)):
@@ -671,26 +668,10 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
     yield SSE_DONE
 
 
-def _thought(stream: ReasoningStream | None, delta: Delta) -> tuple[str, str]:
-    """A delta's reasoning and the rest of its text."""
-    if stream is None:
-        return "", delta.text
-    reasoning, text = stream.feed(delta.text)
-    if delta.finish_reason is not None:
-        more_reasoning, more_text = stream.finish()
-        reasoning, text = reasoning + more_reasoning, text + more_text
-    return reasoning, text
-
-
-def _replied(reply: ReplyStream | None, text: str, last: bool) -> tuple[str, list[ToolCall]]:
-    """The content to send now and, with the last delta, the reply's tool calls."""
-    if reply is None:
-        return text, []
-    content = reply.feed(text)
-    if not last:
-        return content, []
-    rest, calls = reply.finish()
-    return content + rest, calls
+def _reader(body: ChatCompletionRequest, thinking: bool | None, parser: ToolParser
+            ) -> ReplyReader:
+    return ReplyReader(body.functions(), body.tool_mode(), thinking, parser,
+                       body.parallel_tool_calls is not False)
 
 
 def _reply(merged: Delta, body: ChatCompletionRequest, thinking: bool | None,
@@ -700,40 +681,6 @@ def _reply(merged: Delta, body: ChatCompletionRequest, thinking: bool | None,
         merged.text, thinking)
     return parse_reply(text, body.functions(), body.tool_mode(), parser,
                        body.parallel_tool_calls is not False), reasoning
-
-
-@dataclasses.dataclass
-class _Piece:
-    """What one delta adds to a reply: reasoning, content and, with the last, the calls."""
-
-    reasoning: str
-    content: str
-    calls: list[ToolCall]
-    last: Delta | None  # the last delta (finish reason, stop string, usage)
-
-
-async def _pieces(choices: Choices, body: ChatCompletionRequest, thinking: bool | None,
-                  parser: ToolParser) -> AsyncGenerator[_Piece, None]:
-    """One choice's reply as it streams, for the APIs that stream it in their own shape:
-    reasoning apart; under auto, content until a call may begin and the calls at the end; a
-    reply held to one call (required, a named function) read whole at the end."""
-    mode = body.tool_mode()
-    thought = None if thinking is None else ReasoningStream(thinking)
-    reply = (ReplyStream(body.functions(), parser, body.parallel_tool_calls is not False)
-             if mode == "auto" else None)
-    held = ""
-    async for _, delta in choices:
-        last = delta.finish_reason is not None
-        reasoning, text = _thought(thought, delta)
-        if mode in (None, "none", "auto"):
-            content, calls = _replied(reply, text, last)
-        else:
-            held += text
-            content, calls = "", []
-            if last:
-                parsed, calls = parse_reply(held, body.functions(), mode)
-                content = parsed or ""
-        yield _Piece(reasoning, content, calls, delta if last else None)
 
 
 class _ApiEvents(Protocol):
@@ -750,10 +697,12 @@ async def _api_events(choices: Choices, events: _ApiEvents, body: ChatCompletion
                       thinking: bool | None, parser: ToolParser
                       ) -> AsyncGenerator[bytes, None]:
     """One streamed reply as named server-sent events: reasoning and content as they form,
-    the calls at the end (``_pieces``)."""
+    the calls at the end (``replies.ReplyReader``)."""
     for event in events.start():
         yield sse_event(event)
-    async for piece in _pieces(choices, body, thinking, parser):
+    reader = _reader(body, thinking, parser)
+    async for _, delta in choices:
+        piece = reader.read(delta)
         for event in (*events.reasoning(piece.reasoning), *events.content(piece.content)):
             yield sse_event(event)
         if piece.last is not None:

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"d\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x12\n\x10ModelInfoRequest\"]\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0eserver_version\x18\x04 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe9\x06\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x06\x88\x01\x01\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x07\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\n \x01(\rH\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).tandem.v1.SamplingOptions.LogitBiasEntry\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x0c\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\r\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0e\n\x0c_speculativeB\x19\n\x17_num_speculative_tokensB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xef\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\rB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdb\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponseB]\n\x0c\x61i.tandem.v1B\x0fGenerationProtoP\x01Z:github.com/tandem-serving/tandem/gen/go/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"d\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x12\n\x10ModelInfoRequest\"]\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0eserver_version\x18\x04 \x01(\t\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xa7\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe9\x06\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x06\x88\x01\x01\x12\x18\n\x0bspeculative\x18\t \x01(\x08H\x07\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\n \x01(\rH\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).tandem.v1.SamplingOptions.LogitBiasEntry\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x0c\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\r\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x0e\n\x0c_speculativeB\x19\n\x17_num_speculative_tokensB\r\n\x0b_min_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xef\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\rB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.tandem.v1.ToolCall*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdb\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfo\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponseB]\n\x0c\x61i.tandem.v1B\x0fGenerationProtoP\x01Z:github.com/tandem-serving/tandem/gen/go/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\014ai.tandem.v1B\017GenerationProtoP\001Z:github.com/tandem-serving/tandem/gen/go/tandem/v1;tandemv1'
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2026
-  _globals['_FINISHREASON']._serialized_end=2146
+  _globals['_FINISHREASON']._serialized_start=2367
+  _globals['_FINISHREASON']._serialized_end=2487
   _globals['_TOKENIZEREQUEST']._serialized_start=41
   _globals['_TOKENIZEREQUEST']._serialized_end=141
   _globals['_TOKENIZERESPONSE']._serialized_start=143
@@ -47,27 +47,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFO']._serialized_start=225
   _globals['_MODELINFO']._serialized_end=318
   _globals['_CHATMESSAGE']._serialized_start=320
-  _globals['_CHATMESSAGE']._serialized_end=364
-  _globals['_CHATMESSAGES']._serialized_start=366
-  _globals['_CHATMESSAGES']._serialized_end=422
-  _globals['_TOKENIDS']._serialized_start=424
-  _globals['_TOKENIDS']._serialized_end=447
-  _globals['_SAMPLINGOPTIONS']._serialized_start=450
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1323
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=1047
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1095
-  _globals['_CHOICES']._serialized_start=1325
-  _globals['_CHOICES']._serialized_end=1351
-  _globals['_GENERATEREQUEST']._serialized_start=1354
-  _globals['_GENERATEREQUEST']._serialized_end=1593
-  _globals['_TOPLOGPROB']._serialized_start=1595
-  _globals['_TOPLOGPROB']._serialized_end=1642
-  _globals['_TOKENLOGPROB']._serialized_start=1644
-  _globals['_TOKENLOGPROB']._serialized_end=1729
-  _globals['_USAGE']._serialized_start=1731
-  _globals['_USAGE']._serialized_end=1811
-  _globals['_GENERATERESPONSE']._serialized_start=1814
-  _globals['_GENERATERESPONSE']._serialized_end=2024
-  _globals['_GENERATION']._serialized_start=2149
-  _globals['_GENERATION']._serialized_end=2368
+  _globals['_CHATMESSAGE']._serialized_end=427
+  _globals['_TOOL']._serialized_start=429
+  _globals['_TOOL']._serialized_end=495
+  _globals['_TOOLCALL']._serialized_start=497
+  _globals['_TOOLCALL']._serialized_end=552
+  _globals['_CHATMESSAGES']._serialized_start=555
+  _globals['_CHATMESSAGES']._serialized_end=722
+  _globals['_TOKENIDS']._serialized_start=724
+  _globals['_TOKENIDS']._serialized_end=747
+  _globals['_SAMPLINGOPTIONS']._serialized_start=750
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1623
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=1347
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=1395
+  _globals['_CHOICES']._serialized_start=1625
+  _globals['_CHOICES']._serialized_end=1651
+  _globals['_GENERATEREQUEST']._serialized_start=1654
+  _globals['_GENERATEREQUEST']._serialized_end=1893
+  _globals['_TOPLOGPROB']._serialized_start=1895
+  _globals['_TOPLOGPROB']._serialized_end=1942
+  _globals['_TOKENLOGPROB']._serialized_start=1944
+  _globals['_TOKENLOGPROB']._serialized_end=2029
+  _globals['_USAGE']._serialized_start=2031
+  _globals['_USAGE']._serialized_end=2111
+  _globals['_GENERATERESPONSE']._serialized_start=2114
+  _globals['_GENERATERESPONSE']._serialized_end=2365
+  _globals['_GENERATION']._serialized_start=2490
+  _globals['_GENERATION']._serialized_end=2709
 # @@protoc_insertion_point(module_scope)
