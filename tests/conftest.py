@@ -48,3 +48,23 @@ def hf_model(loaded_model: LoadedModel):  # type: ignore[no-untyped-def]
 def references(hf_model, prompts: list[list[int]]) -> list[Reference]:  # type: ignore[no-untyped-def]
     """transformers' greedy tokens for the prompt set (MAX_NEW_TOKENS each, EOS ignored)."""
     return [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+
+
+SLOWEST_MODULES = 20
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The test files that took longest, every phase counted (a module's shared cluster starts
+    in its first test's setup): where CI's time goes."""
+    totals: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                module = report.nodeid.split("::")[0]
+                totals[module] = totals.get(module, 0.0) + report.duration
+    if not totals:
+        return
+    terminalreporter.write_sep("=", f"slowest {SLOWEST_MODULES} test files (s)")
+    for module, seconds in sorted(totals.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {module}")
+    terminalreporter.write_line(f"{sum(totals.values()):8.1f}  all {len(totals)} files")
