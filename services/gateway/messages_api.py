@@ -111,7 +111,7 @@ def _chat_messages(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
         else:
-            raise unsupported(where, f"{role} content blocks of type {kind!r}")
+            raise unsupported(where, f"a {role} content block of type {kind!r}")
     turns: list[dict[str, Any]] = list(results)
     if role == "assistant" and calls:
         turns.append({"role": "assistant", "content": "".join(texts) or None,
@@ -140,7 +140,7 @@ def _string(block: dict[str, Any], name: str, where: str) -> str:
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if tool.get("type", "custom") != "custom":
-        raise unsupported(f"tools[{i}].type", f"tools of type {tool.get('type')!r} (client "
+        raise unsupported(f"tools[{i}].type", f"a tool of type {tool.get('type')!r} (client "
                                               "tools with an input_schema are served)")
     unknown = sorted(set(tool) - {"type", "name", "description", "input_schema",
                                   "cache_control"})

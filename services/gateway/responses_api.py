@@ -126,7 +126,7 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             continue  # the model's earlier reasoning: not shown again (as chat turns drop it)
         else:
-            raise unsupported(f"input[{i}].type", f"input items of type {kind!r}")
+            raise unsupported(f"input[{i}].type", f"an input item of type {kind!r}")
     return messages
 
 
@@ -141,7 +141,7 @@ def _text(content: object, i: int, name: str = "content") -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(
                 part.get("text"), str):
-            raise unsupported(f"input[{i}].{name}[{j}]", f"content parts of type {kind!r}")
+            raise unsupported(f"input[{i}].{name}[{j}]", f"a content part of type {kind!r}")
         parts.append(part["text"])
     return "".join(parts)
 
@@ -156,7 +156,7 @@ def _field(item: dict[str, Any], name: str, i: int) -> str:
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     if tool.get("type") != "function":
-        raise unsupported(f"tools[{i}].type", f"tools of type {tool.get('type')!r} (function "
+        raise unsupported(f"tools[{i}].type", f"a tool of type {tool.get('type')!r} (function "
                                               "tools are served)")
     unknown = sorted(set(tool) - {"type", "name", "description", "parameters", "strict"})
     if unknown:
