@@ -155,6 +155,9 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                          "the chat template's format, else hermes), hermes, mistral, "
                          "llama3_json, pythonic, qwen3_coder (vLLM's llama4_json, "
                          "llama4_pythonic, qwen3_xml too)")
+    up.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="accepted, as vLLM's command lines give it: tool_choice auto is always "
+                         "served here")
     up.add_argument("--cors-allow-origins", metavar="ORIGIN", nargs="+",
                     help="origins whose browser pages may call the HTTP API (CORS), e.g. "
                          "https://app.example.com; '*': any (default: none)")

@@ -245,14 +245,16 @@ def test_serve_takes_a_vllm_serve_command_line(tmp_path) -> None:  # type: ignor
              "--max-model-len", "2048", "-tp", "1", "--max-num-batched-tokens", "256",
              "--kv-cache-dtype", "int8", "--dtype", "bfloat16", "--port", "8100",
              "--no-enable-prefix-caching", "--seed", "7", "--chat-template", str(template),
-             "--generation-config", "vllm"]
+             "--generation-config", "vllm", "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes"]
     served = up_settings(parser.parse_args(["serve", str(model), *flags]))
     assert served == up_settings(parser.parse_args(["up", "--model", str(model), *flags]))
     assert served == {"model": str(model), "served_model_name": ["smol", "smol-latest"],
                       "max_num_seqs": 8, "max_model_len": 2048, "tensor_parallel_size": 1,
                       "max_num_batched_tokens": 256, "kv_cache_dtype": "int8",
                       "dtype": "bfloat16", "port": 8100, "enable_prefix_caching": False,
-                      "seed": 7, "chat_template": str(template), "generation_config": "vllm"}
+                      "seed": 7, "chat_template": str(template), "generation_config": "vllm",
+                      "tool_call_parser": "hermes"}
     config = AppConfig.from_dict(served, "command line")
     assert (config.served_model_names(), config.max_num_seqs, config.max_model_len) == (
         ("smol", "smol-latest"), 8, 2048)

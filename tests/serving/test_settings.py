@@ -26,7 +26,9 @@ from tandem.services.serving.config import (
 )
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
-CLI_ONLY = {"help", "version", "config", "api_key", "log_level", "stats_interval"}  # no setting
+# Flags with no setting (--enable-auto-tool-choice: vLLM's, accepted; auto is always served).
+CLI_ONLY = {"help", "version", "config", "api_key", "log_level", "stats_interval",
+            "enable_auto_tool_choice"}
 
 
 def _up_parser() -> argparse.ArgumentParser:
