@@ -208,7 +208,12 @@ class ClusterView:
             async with asyncio.timeout(max(5.0, 4 * self.poll_s)):
                 return await handle.status.remote(route_to=replica_id, snapshot=snapshot)
         except Exception as exc:
-            log.warning("status of %s %s failed: %r", handle.deployment_name, replica_id, exc)
+            if replica_id is None and isinstance(exc, TimeoutError):
+                # No replica known yet: they are starting (the ready line waits for them).
+                log.debug("no %s replica answered yet", handle.deployment_name)
+            else:
+                log.warning("status of %s %s failed: %r", handle.deployment_name, replica_id,
+                            exc)
             return None
 
     def count(self, role: str) -> int:
