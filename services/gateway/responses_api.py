@@ -10,13 +10,14 @@ written as Responses' output items (``response_json``) or, streamed, as its even
 
 Conversation state (``ResponseStore``): a stored response keeps its own turns (its input and
 its output) and the id of the response before it; a later request naming it walks the chain
-back. Kept in the gateway's process, per tenant (another tenant's id is unknown), at most
-``max_responses`` for at most ``ttl_s`` each; a chain whose oldest responses were dropped is
-refused with a 400 naming ``previous_response_id``.
+back. Kept in the gateway's process, per tenant (another tenant's id is unknown; each tenant's
+own count and size bounds), for at most ``ttl_s`` each; a chain whose oldest responses were
+dropped is refused with a 400 naming ``previous_response_id``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -366,28 +367,38 @@ class ResponseEvents:
 
 @dataclass
 class _Stored:
-    tenant: str
     previous: str | None
     turns: list[dict[str, Any]]  # this response's input and output, as chat messages
     response: dict[str, Any]
+    size: int  # characters of its turns and response as JSON
     expires: float
 
 
 class ResponseStore:
-    """Stored responses by id (``store``, default true), the oldest dropped first."""
+    """Stored responses by id (``store``, default true), kept per tenant: each tenant at most
+    ``max_responses`` of them and ``max_chars`` characters (their turns and the response as
+    JSON) for ``ttl_s`` each, its oldest dropped first; so one tenant's traffic never drops
+    another's conversations."""
 
-    def __init__(self, max_responses: int = 10_000, ttl_s: float = 3600.0) -> None:
+    def __init__(self, max_responses: int = 10_000, max_chars: int = 256 << 20,
+                 ttl_s: float = 3600.0) -> None:
         self.max_responses = max_responses
+        self.max_chars = max_chars
         self.ttl_s = ttl_s
-        self._stored: OrderedDict[str, _Stored] = OrderedDict()
+        self._tenants: dict[str, OrderedDict[str, _Stored]] = {}
+        self._chars: dict[str, int] = {}
 
     def put(self, tenant: str, previous: str | None, turns: list[dict[str, Any]],
             response: dict[str, Any]) -> None:
-        self._expire()
-        self._stored[response["id"]] = _Stored(tenant, previous, turns, response,
-                                               time.monotonic() + self.ttl_s)
-        while len(self._stored) > self.max_responses:
-            self._stored.popitem(last=False)
+        size = len(json.dumps(turns)) + len(json.dumps(response))
+        stored = self._tenants.setdefault(tenant, OrderedDict())
+        stored[response["id"]] = _Stored(previous, turns, response, size,
+                                         time.monotonic() + self.ttl_s)
+        self._chars[tenant] = self._chars.get(tenant, 0) + size
+        self._expire(tenant)
+        while stored and (len(stored) > self.max_responses
+                          or self._chars[tenant] > self.max_chars):
+            self._drop(tenant, next(iter(stored)))
 
     def get(self, tenant: str, response_id: str) -> dict[str, Any] | None:
         stored = self._find(tenant, response_id)
@@ -396,7 +407,7 @@ class ResponseStore:
     def delete(self, tenant: str, response_id: str) -> bool:
         if self._find(tenant, response_id) is None:
             return False
-        del self._stored[response_id]
+        self._drop(tenant, response_id)
         return True
 
     def history(self, tenant: str, response_id: str) -> list[dict[str, Any]]:
@@ -415,11 +426,13 @@ class ResponseStore:
         return [turn for turns in reversed(chain) for turn in turns]
 
     def _find(self, tenant: str, response_id: str) -> _Stored | None:
-        self._expire()
-        stored = self._stored.get(response_id)
-        return stored if stored is not None and stored.tenant == tenant else None
+        self._expire(tenant)
+        return self._tenants.get(tenant, {}).get(response_id)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._stored and next(iter(self._stored.values())).expires <= now:
-            self._stored.popitem(last=False)
+    def _expire(self, tenant: str) -> None:
+        stored, now = self._tenants.get(tenant), time.monotonic()
+        while stored and next(iter(stored.values())).expires <= now:
+            self._drop(tenant, next(iter(stored)))
+
+    def _drop(self, tenant: str, response_id: str) -> None:
+        self._chars[tenant] -= self._tenants[tenant].pop(response_id).size

@@ -142,3 +142,17 @@ def test_stored_responses_are_the_tenants_own_and_bounded() -> None:
     store.put("a", None, [{"role": "user", "content": "x"}], {"id": "r3"})
     assert [t["content"] for t in store.history("a", "r3")] == ["x"]
     assert not store.delete("b", "r3") and store.delete("a", "r3")
+
+
+def test_one_tenants_responses_never_drop_anothers() -> None:
+    store = ResponseStore(max_chars=2_000)
+    store.put("calm", None, [{"role": "user", "content": "keep me"}], {"id": "c0"})
+    for i in range(50):  # a flood of large responses, ~500 characters each
+        store.put("flood", None, [{"role": "user", "content": "y" * 450}], {"id": f"f{i}"})
+        assert store.get("calm", "c0") == {"id": "c0"}
+    kept = [i for i in range(50) if store.get("flood", f"f{i}") is not None]
+    # The flood's own oldest went: four of its ~494-character responses fit in 2,000.
+    assert kept == list(range(46, 50))
+    expiring = ResponseStore(ttl_s=0.0)
+    expiring.put("a", None, [], {"id": "gone"})
+    assert expiring.get("a", "gone") is None
