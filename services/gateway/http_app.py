@@ -638,14 +638,17 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
     usages: list[Usage | None] = [None] * body.n
     mode = body.tool_mode()
     if mode in (None, "none", "auto"):
-        # Reasoning apart (reasoning.ReasoningStream); under auto, content streams until a
-        # call may be starting, and the calls (and any content after them) come with the
-        # reply's last delta (tools.ReplyStream).
-        readers = [_reader(body, thinking, parser) for _ in range(body.n)]
+        # Reasoning apart and, under auto, content until a call may be starting, the calls
+        # with the reply's last delta (replies.ReplyReader); neither: the text as it comes
+        # (no reader on the plain path).
+        readers = ([_reader(body, thinking, parser) for _ in range(body.n)]
+                   if mode == "auto" or thinking is not None else None)
         async for index, delta in choices:
             usages[index] = delta.usage or usages[index]
-            piece = readers[index].read(delta)
-            reasoning, content, calls = piece.reasoning, piece.content, piece.calls
+            reasoning, content, calls = "", delta.text, []
+            if readers is not None:
+                piece = readers[index].read(delta)
+                reasoning, content, calls = piece.reasoning, piece.content, piece.calls
             if (reasoning or content or calls or delta.finish_reason
                     or (body.logprobs and delta.logprobs)
                     or (body.return_token_ids and delta.token_ids)):
