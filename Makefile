@@ -19,8 +19,10 @@ run: setup
 lint: test-setup
 	.venv/bin/ruff check .
 
+# Two pytest workers, one per core: a test file runs whole on one worker; the files that start
+# Ray clusters run on one worker one after another (tests/conftest.py).
 test: test-setup lint
-	.venv/bin/pytest -q --durations=25
+	.venv/bin/pytest -q -n 2 --dist loadgroup --durations=25
 
 bench: setup
 	$(PY) -m tandem.loadtest.engine_bench

@@ -50,6 +50,21 @@ def references(hf_model, prompts: list[list[int]]) -> list[Reference]:  # type: 
     return [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
 
 
+# `make test` runs two pytest workers (pytest-xdist, `--dist loadgroup`), a group on one worker,
+# whole and in order: each test file is a group of its own (its module fixtures start once), and
+# the files that start Ray clusters (tests/e2e/ and those marked xdist_group(RAY_GROUP)) share
+# one, so that one cluster runs at a time, beside the other worker's single-threaded tests.
+RAY_GROUP = "ray"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = RAY_GROUP if "e2e" in item.path.parts else item.path.stem
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 SLOWEST_MODULES = 20
 
 

@@ -18,7 +18,8 @@ import pytest
 
 from tests.serving.route_to_scenario import GONE, PARAMS
 
-pytestmark = pytest.mark.timeout(660)
+# It starts Ray: in the group that runs one cluster at a time (tests/conftest.py).
+pytestmark = [pytest.mark.timeout(660), pytest.mark.xdist_group("ray")]
 
 ROOT = Path(__file__).resolve().parents[2]
 
