@@ -112,6 +112,9 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "tenant_requests_per_minute": "tenant_requests_per_minute",
              "tenant_tokens_per_minute": "tenant_tokens_per_minute",
              "tls_cert_file": "tls_cert_file", "tls_key_file": "tls_key_file",
+             "internal_tls_cert_file": "internal_tls_cert_file",
+             "internal_tls_key_file": "internal_tls_key_file",
+             "internal_tls_ca_file": "internal_tls_ca_file",
              "served_model_name": "served_model_name", "max_num_seqs": "max_num_seqs",
              "cors_allow_origins": "cors_allow_origins", "reasoning_parser": "reasoning_parser",
              "tool_call_parser": "tool_call_parser",
@@ -271,6 +274,14 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                          "intermediates); needs --tls-key-file")
     up.add_argument("--tls-key-file", metavar="PEM", help="the certificate's private key "
                                                           "(unencrypted)")
+    up.add_argument("--internal-tls-cert-file", metavar="PEM",
+                    help="KV bytes between workers over mutual TLS (the TCP transport), with "
+                         "this certificate; needs --internal-tls-key-file and "
+                         "--internal-tls-ca-file")
+    up.add_argument("--internal-tls-key-file", metavar="PEM",
+                    help="the internal certificate's private key (unencrypted)")
+    up.add_argument("--internal-tls-ca-file", metavar="PEM",
+                    help="the CA whose certificates workers accept from each other")
     up.add_argument("--log-level", choices=LOG_LEVELS,
                     help="Tandem's logs on stderr (info); Ray's and Serve's stay at warning "
                          "unless debug")
@@ -306,7 +317,8 @@ def _up(args: argparse.Namespace) -> int:
     settings, shape_reason = up.default_shape(up_settings(args))
     with up.secret_files(settings, keys) as settings:
         config = AppConfig.from_dict(settings, source or "command line")
-        config.server_tls()  # a bad TLS file fails here, not in the gateway Ray starts
+        config.server_tls()  # a bad TLS file fails here, not in the replica Ray starts
+        config.internal_tls()
         try:
             return up.run(config, log_level=getattr(args, "log_level", "info"),
                           stats_interval_s=getattr(args, "stats_interval", 10.0),

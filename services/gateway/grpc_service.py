@@ -40,10 +40,10 @@ from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.pipeline import Delta
 from tandem.services.gateway.replies import ReplyReader
-from tandem.services.gateway.tls import ServerTLS
 from tandem.services.gateway.tools import Function, ToolCall, assistant_calls_text, with_tools
 from tandem.services.gateway.tools import constraint as tool_constraint
 from tandem.services.protocol.request import StructuredOutput
+from tandem.services.tls import ServerTLS
 from tandem.services.version import version
 
 MAX_CLIENT_REQUEST_ID = 128  # characters of a client's request_id, echoed back

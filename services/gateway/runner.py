@@ -17,7 +17,7 @@ from starlette.types import Scope
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.grpc_service import create_grpc_server
 from tandem.services.gateway.http_app import create_http_app, deadline_protocol
-from tandem.services.gateway.tls import ServerTLS
+from tandem.services.tls import ServerTLS
 
 
 @dataclass(frozen=True)

@@ -13,18 +13,24 @@ if TYPE_CHECKING:
 
     from tandem.services.kv_transfer.transport import KVTransport, TransferFaults
     from tandem.services.protocol.handoff import ClusterKey
+    from tandem.services.tls import InternalTLS
 
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("nixl", "tcp", "auto")
+NIXL_WITH_TLS = ("kv_transport nixl cannot take internal TLS (NIXL's UCX moves KV bytes "
+                 "unencrypted): use kv_transport tcp or auto (TCP over mutual TLS)")
 
 
 def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
                    host: str = "127.0.0.1", device: str = "cpu",
                    key: ClusterKey | None = None,
-                   kv_cache: torch.Tensor | None = None) -> KVTransport:
+                   kv_cache: torch.Tensor | None = None,
+                   tls: InternalTLS | None = None) -> KVTransport:
     """The transport for a worker whose KV cache lives on ``device``; ``key``: the cluster
-    secret its connections prove (services/protocol/handoff.py). ``auto`` takes NIXL
+    secret its connections prove (services/protocol/handoff.py); ``tls``: the workers' mutual
+    TLS, which only TCP speaks (NIXL's UCX moves bytes unencrypted): ``auto`` then takes TCP,
+    and ``nixl`` is refused. Otherwise ``auto`` takes NIXL
     when it can move that memory, else TCP (through host memory for a GPU cache): a fallback
     the worker logs as a warning and reports (``fallback_reason``, a metric).
 
@@ -34,9 +40,15 @@ def make_transport(kind: str, name: str, faults: TransferFaults | None = None,
     ``nixl`` raises ``KVTransferError`` naming the cache's size and NIXL's error."""
     if kind not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {kind!r}")
+    from tandem.services.kv_transfer.transport import KVTransferError
+
+    if tls is not None:
+        if kind == "nixl":
+            raise KVTransferError(NIXL_WITH_TLS)
+        log.info("KV transport: tcp over mutual TLS")
+        return _tcp(name, faults, host, key, tls=tls)
     if kind == "tcp":
         return _tcp(name, faults, host, key)
-    from tandem.services.kv_transfer.transport import KVTransferError
 
     on_gpu = (str(kv_cache.device) if kv_cache is not None else device) != "cpu"
     try:
@@ -73,9 +85,9 @@ def _fallback(name: str, faults: TransferFaults | None, host: str, key: ClusterK
 
 
 def _tcp(name: str, faults: TransferFaults | None, host: str, key: ClusterKey | None,
-         fallback_reason: str | None = None) -> KVTransport:
+         fallback_reason: str | None = None, tls: InternalTLS | None = None) -> KVTransport:
     from tandem.services.kv_transfer.tcp_transport import TcpTransport
 
-    transport = TcpTransport(name, faults, host=host, key=key)
+    transport = TcpTransport(name, faults, host=host, key=key, tls=tls)
     transport.fallback_reason = fallback_reason
     return transport

@@ -7,11 +7,15 @@ a read that no live lease of this worker offered to that reader covers, ``reads_
 With a cluster key each connection starts with the cluster handshake (services/protocol/handoff.py),
 which proves the reader's name; a connection that fails it is closed before any read.
 
-Bytes go straight between the socket and a host cache; a GPU cache is staged through host
-memory (the blocks gathered and copied out before sending, received into a host buffer and
-copied in), which is how ``auto`` moves GPU KV where NIXL cannot. Those copies run in the
-transport's copy threads, not on the event loop: a copy of many MB would stall every other
-connection's I/O meanwhile.
+With ``tls`` (``InternalTLS``: the ``internal_tls_*`` settings) every connection is mutual TLS
+1.3 under the cluster's CA before the handshake; both sides must have it (a worker's pairing
+metadata says whether it serves TLS, and a mismatch is an error naming the settings).
+
+Bytes go straight between the socket and a host cache (over TLS, through the stream's
+buffers); a GPU cache is staged through host memory (the blocks gathered and copied out before
+sending, received into a host buffer and copied in), which is how ``auto`` moves GPU KV where
+NIXL cannot. Those copies run in the transport's copy threads, not on the event loop: a copy of
+many MB would stall every other connection's I/O meanwhile.
 """
 
 from __future__ import annotations
@@ -20,25 +24,30 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from tandem.services.kv_transfer.framing import (
     FrameError,
     encode_frame,
+    read_frame,
     sock_read_frame,
     sock_recv_into,
 )
 from tandem.services.kv_transfer.transport import KVTransferError, KVTransport, TransferFaults
 from tandem.services.protocol import handoff
 from tandem.services.protocol.handoff import ClusterKey
+from tandem.services.tls import InternalTLS
 
 log = logging.getLogger(__name__)
 
 MAX_BLOCKS_PER_READ = 1 << 16
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
+TLS_SETTINGS = "internal_tls_cert_file, internal_tls_key_file and internal_tls_ca_file"
 
 T = TypeVar("T")
 
@@ -48,8 +57,11 @@ class TcpTransport(KVTransport):
 
     def __init__(self, name: str, faults: TransferFaults | None = None,
                  host: str = "127.0.0.1", port: int = 0, staged: bool | None = None,
-                 key: ClusterKey | None = None) -> None:
+                 key: ClusterKey | None = None, tls: InternalTLS | None = None) -> None:
         super().__init__(name, faults, key)
+        self.tls = tls
+        self._server_tls = tls.server_context() if tls is not None else None
+        self._client_tls = tls.client_context() if tls is not None else None
         self.host = host
         self.port = port
         self.staged = staged  # through host buffers; None: when the cache is not in host memory
@@ -57,7 +69,7 @@ class TcpTransport(KVTransport):
         self._accept_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._addresses: dict[str, tuple[str, int]] = {}
-        self._idle: dict[str, list[socket.socket]] = {}
+        self._idle: dict[str, list[_Connection]] = {}
         self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-tcp-copy")
 
     # -- serving --------------------------------------------------------------------------
@@ -77,17 +89,18 @@ class TcpTransport(KVTransport):
         while True:
             conn, _ = await loop.sock_accept(self._server)
             conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _no_delay(conn)
             task = asyncio.create_task(self._serve(conn))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
-    async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    async def _serve(self, sock: socket.socket) -> None:
         blocks = self._registered()
+        conn: _Connection | None = None
         try:
+            conn = await self._accepted(sock)
             reader = await self._authenticate(conn)  # None: unkeyed, the reader names itself
-            while (request := await sock_read_frame(loop, conn)) is not None:
+            while (request := await conn.read_frame()) is not None:
                 ids, error = self._parse_read(request, blocks.shape[0])
                 name = reader if reader is not None else request.get("reader")
                 if not error and not self._allowed(request.get("lease"), ids, name):
@@ -95,35 +108,47 @@ class TcpTransport(KVTransport):
                     self.refusals += 1
                     log.warning("KV read by %r refused: %s (%d blocks)", name, error, len(ids))
                 if error:
-                    await loop.sock_sendall(conn, encode_frame({"ok": False, "error": error}))
+                    await conn.send_frame({"ok": False, "error": error})
                     continue
-                await loop.sock_sendall(conn, encode_frame(
-                    {"ok": True, "nbytes": len(ids) * blocks.shape[1]}))
+                await conn.send_frame({"ok": True, "nbytes": len(ids) * blocks.shape[1]})
                 if self.staged:  # one gather and one copy out, then the bytes as one run
                     staged = await self._off_loop(_copy_out, blocks, ids)
-                    await loop.sock_sendall(conn, memoryview(staged.numpy().reshape(-1)))
+                    await conn.send(memoryview(staged.numpy().reshape(-1)))
                     continue
                 host = blocks.numpy()
                 for block_id in ids:
-                    await loop.sock_sendall(conn, memoryview(host[block_id]))
+                    await conn.send(memoryview(host[block_id]))
         except handoff.AuthError as exc:
             self.refusals += 1
             log.warning("KV connection refused: %s", exc)
+        except ssl.SSLError as exc:
+            self.refusals += 1
+            log.warning("KV connection refused: its TLS handshake failed (%s)",
+                        exc.reason or exc)
         except (OSError, FrameError, TimeoutError) as exc:
             log.debug("KV reader connection ended: %r", exc)
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
+            else:
+                sock.close()
 
-    async def _authenticate(self, conn: socket.socket) -> str | None:
+    async def _accepted(self, sock: socket.socket) -> _Connection:
+        if self._server_tls is None:
+            return _Plain(sock)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(reader)
+        transport, _ = await loop.connect_accepted_socket(
+            lambda: protocol, sock, ssl=self._server_tls,
+            ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+        return _Tls(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
+
+    async def _authenticate(self, conn: _Connection) -> str | None:
         """The reader's proven name (None without a key)."""
         if self.key is None:
             return None
-        loop = asyncio.get_running_loop()
-
-        async def send(frame: dict[str, Any]) -> None:
-            await loop.sock_sendall(conn, encode_frame(frame))
-
-        return await handoff.accept(self.key, "kv", send, lambda: sock_read_frame(loop, conn))
+        return await handoff.accept(self.key, "kv", conn.send_frame, conn.read_frame)
 
     def _allowed(self, lease_id: object, ids: list[int], reader: object) -> bool:
         check = self.reads_allowed
@@ -175,13 +200,19 @@ class TcpTransport(KVTransport):
     # -- reading --------------------------------------------------------------------------
 
     def _metadata(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port}
+        return {"host": self.host, "port": self.port, "tls": self.tls is not None}
 
     def _add_peer(self, peer_id: str, metadata: Mapping[str, Any]) -> None:
         try:
-            self._addresses[peer_id] = (str(metadata["host"]), int(metadata["port"]))
+            address = (str(metadata["host"]), int(metadata["port"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise KVTransferError(f"peer {peer_id!r} sent unusable TCP metadata: {exc!r}") from None
+        if bool(metadata.get("tls")) != (self.tls is not None):
+            theirs, ours = ("TLS", "no") if metadata.get("tls") else ("plain TCP", "its own")
+            raise KVTransferError(f"peer {peer_id!r} serves KV over {theirs} and this worker has "
+                                  f"{ours} internal TLS: give every worker the same "
+                                  f"{TLS_SETTINGS}")
+        self._addresses[peer_id] = address
 
     def _remove_peer(self, peer_id: str) -> None:
         self._addresses.pop(peer_id, None)
@@ -190,15 +221,13 @@ class TcpTransport(KVTransport):
 
     async def _read(self, peer_id: str, remote: list[int], local: list[int],
                     lease_id: str) -> None:
-        loop = asyncio.get_running_loop()
         blocks = self._registered()
         conn = await self._connection(peer_id)
         reusable = False
         try:
-            await loop.sock_sendall(conn, encode_frame({"op": "read", "lease": lease_id,
-                                                        "reader": self.name,
-                                                        "blocks": remote}))
-            reply = await sock_read_frame(loop, conn)
+            await conn.send_frame({"op": "read", "lease": lease_id, "reader": self.name,
+                                   "blocks": remote})
+            reply = await conn.read_frame()
             if reply is None:
                 raise KVTransferError(f"peer {peer_id!r} closed the connection")
             if "hello" in reply:
@@ -211,12 +240,12 @@ class TcpTransport(KVTransport):
                 raise KVTransferError(f"peer {peer_id!r} announced {reply.get('nbytes')} bytes")
             if self.staged:  # into a host buffer, then one copy in
                 staging = torch.empty(len(local), blocks.shape[1], dtype=torch.uint8)
-                await sock_recv_into(loop, conn, memoryview(staging.numpy().reshape(-1)))
+                await conn.recv_into(memoryview(staging.numpy().reshape(-1)))
                 await self._off_loop(_copy_in, blocks, local, staging)
             else:
                 host = blocks.numpy()
                 for block_id in local:
-                    await sock_recv_into(loop, conn, memoryview(host[block_id]))
+                    await conn.recv_into(memoryview(host[block_id]))
             reusable = True
         except (OSError, FrameError) as exc:
             raise KVTransferError(f"TCP read from {peer_id!r} failed: {exc}") from None
@@ -227,35 +256,123 @@ class TcpTransport(KVTransport):
             else:
                 conn.close()
 
-    async def _connection(self, peer_id: str) -> socket.socket:
+    async def _connection(self, peer_id: str) -> _Connection:
         idle = self._idle.get(peer_id)
         if idle:
             return idle.pop()
         host, port = self._addresses[peer_id]
-        conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        conn.setblocking(False)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        loop = asyncio.get_running_loop()
         try:
-            await loop.sock_connect(conn, (host, port))
+            conn = await self._connect(host, port)
+        except ssl.SSLError as exc:
+            raise KVTransferError(f"peer {peer_id!r} at {host}:{port}: the TLS handshake "
+                                  f"failed ({exc.reason or exc})") from None
         except OSError as exc:
-            conn.close()
             raise KVTransferError(f"cannot connect to peer {peer_id!r} at {host}:{port}: "
                                   f"{exc}") from None
         if self.key is not None:
-            async def send(frame: dict[str, Any]) -> None:
-                await loop.sock_sendall(conn, encode_frame(frame))
-
             try:
-                await handoff.connect(self.key, "kv", self.name, send,
-                                   lambda: sock_read_frame(loop, conn))
+                await handoff.connect(self.key, "kv", self.name, conn.send_frame,
+                                      conn.read_frame)
+            except ssl.SSLError as exc:  # TLS 1.3: a refused certificate shows here
+                conn.close()
+                raise KVTransferError(f"peer {peer_id!r} at {host}:{port}: the TLS handshake "
+                                      f"failed ({exc.reason or exc})") from None
             except (handoff.AuthError, OSError, FrameError) as exc:
                 conn.close()
-                raise KVTransferError(f"peer {peer_id!r} at {host}:{port}: {exc}") from None
+                hint = (" (over TLS, a peer that refuses this worker's certificate just closes "
+                        "the connection: is internal_tls_cert_file signed by the CA in the "
+                        "peer's internal_tls_ca_file?)" if self.tls is not None else "")
+                raise KVTransferError(f"peer {peer_id!r} at {host}:{port}: {exc}{hint}") from None
             except BaseException:
                 conn.close()
                 raise
         return conn
+
+    async def _connect(self, host: str, port: int) -> _Connection:
+        if self._client_tls is not None:
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=self._client_tls, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S)
+            _no_delay(writer.get_extra_info("socket"))
+            return _Tls(reader, writer)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        _no_delay(sock)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return _Plain(sock)
+
+
+def _no_delay(sock: Any) -> None:
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _Connection(Protocol):
+    """One KV connection: frames, and raw bytes after a frame that announces them."""
+
+    async def send(self, data: bytes | memoryview) -> None: ...
+
+    async def send_frame(self, frame: dict[str, Any]) -> None: ...
+
+    async def read_frame(self) -> dict[str, Any] | None: ...
+
+    async def recv_into(self, view: memoryview) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Plain:
+    """A non-blocking socket: bytes straight between it and the cache."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    async def send(self, data: bytes | memoryview) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def send_frame(self, frame: dict[str, Any]) -> None:
+        await self.send(encode_frame(frame))
+
+    async def read_frame(self) -> dict[str, Any] | None:
+        return await sock_read_frame(asyncio.get_running_loop(), self.sock)
+
+    async def recv_into(self, view: memoryview) -> None:
+        await sock_recv_into(asyncio.get_running_loop(), self.sock, view)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _Tls:
+    """A TLS stream (asyncio's): bytes through its buffers."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def send(self, data: bytes | memoryview) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def send_frame(self, frame: dict[str, Any]) -> None:
+        await self.send(encode_frame(frame))
+
+    async def read_frame(self) -> dict[str, Any] | None:
+        return await read_frame(self.reader)
+
+    async def recv_into(self, view: memoryview) -> None:
+        while view:
+            chunk = await self.reader.read(len(view))
+            if not chunk:
+                raise ConnectionError("peer closed the connection mid-message")
+            view[:len(chunk)] = chunk
+            view = view[len(chunk):]
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _copy_out(blocks: torch.Tensor, ids: list[int]) -> torch.Tensor:

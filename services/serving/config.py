@@ -6,7 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -23,13 +23,11 @@ from tandem.services.engine.config import (
 from tandem.services.engine.tokenizer_loader import is_hub_id, read_chat_template
 from tandem.services.gateway.tool_parsers import ALIASES as TOOL_PARSER_ALIASES
 from tandem.services.gateway.tool_parsers import NAMES as TOOL_PARSERS
-from tandem.services.kv_transfer.factory import TRANSPORTS
+from tandem.services.kv_transfer.factory import NIXL_WITH_TLS, TRANSPORTS
+from tandem.services.tls import InternalTLS, ServerTLS
 
 REASONING_PARSERS = ("auto", "think", "none")
 VLLM_REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names for what `think` does
-
-if TYPE_CHECKING:
-    from tandem.services.gateway.tls import ServerTLS
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -185,6 +183,12 @@ class AppConfig:
     # from a Secret): both or neither. Set, the ports serve TLS only.
     tls_cert_file: str | None = None  # the certificate, then any intermediates
     tls_key_file: str | None = None  # its private key, unencrypted
+    # Mutual TLS for KV bytes between workers (the TCP transport; PEM files every worker reads;
+    # the chart mounts them from a Secret): all three or none. Set, kv_transport auto is TCP
+    # over TLS and nixl is refused (NIXL's UCX moves bytes unencrypted).
+    internal_tls_cert_file: str | None = None  # this worker's certificate, signed by the CA
+    internal_tls_key_file: str | None = None  # its private key, unencrypted
+    internal_tls_ca_file: str | None = None  # the CA whose certificates a worker accepts
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -250,6 +254,13 @@ class AppConfig:
             given, missing = (("tls_cert_file", "tls_key_file") if self.tls_key_file is None
                               else ("tls_key_file", "tls_cert_file"))
             raise ConfigError(f"{given} needs {missing} (TLS takes both or neither)")
+        internal = {name: getattr(self, name) for name in InternalTLS.SETTINGS}
+        if any(internal.values()):
+            if missing_tls := [name for name, path in internal.items() if path is None]:
+                raise ConfigError(f"internal TLS takes all three files or none: "
+                                  f"{', '.join(missing_tls)} not set")
+            if self.kv_transport == "nixl":
+                raise ConfigError(NIXL_WITH_TLS)
         _at_least("max_migrations", self.max_migrations, 0)
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ConfigError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
@@ -357,9 +368,15 @@ class AppConfig:
         the setting); None without TLS. The gateway calls it at start, where the files are."""
         if self.tls_cert_file is None or self.tls_key_file is None:
             return None
-        from tandem.services.gateway.tls import ServerTLS
-
         return ServerTLS.read(self.tls_cert_file, self.tls_key_file)
+
+    def internal_tls(self) -> InternalTLS | None:
+        """The workers' mutual TLS, its files read and checked now (``TLSConfigError`` names
+        the setting); None without it."""
+        files = [getattr(self, name) for name in InternalTLS.SETTINGS]
+        if None in files:
+            return None
+        return InternalTLS.read(*files)
 
     def in_flight_limit(self) -> int:
         """The gateway's admission bound (``max_in_flight`` or its default) at start-up; the

@@ -218,7 +218,8 @@ class ConfigCollector(Collector):
 
     def __init__(self, model_name: str, config: AppConfig) -> None:
         self._labels = {"model_name": model_name,
-                        **{name: _label(getattr(config, name)) for name in CONFIG_INFO_FIELDS}}
+                        **{name: _label(getattr(config, name)) for name in CONFIG_INFO_FIELDS},
+                        "internal_tls": _label(config.internal_tls_ca_file is not None)}
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily("tandem_config_info",

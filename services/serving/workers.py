@@ -109,7 +109,8 @@ class _Replica:
     def _transport(self):  # type: ignore[no-untyped-def]
         return make_transport(self.config.kv_transport, self.worker_id, host=self.host,
                               device=self.engine.config.device, key=self.key,
-                              kv_cache=kv_storage(self.area.cache))
+                              kv_cache=kv_storage(self.area.cache),
+                              tls=self.config.internal_tls())
 
     def _check_route(self, route_to: str | None) -> None:
         if route_to is not None and route_to != self.worker_id:

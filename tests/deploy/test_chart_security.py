@@ -648,6 +648,34 @@ def test_tls_needs_prometheus_told_how_to_check_the_certificate(helm: Helm) -> N
     assert "ServiceMonitor" not in {o["kind"] for o in objects}
 
 
+INTERNAL_TLS = {"internalTls": {"existingSecret": "tandem-internal-tls"}}
+
+
+def test_internal_tls_is_mounted_in_every_worker_pod_and_named_in_the_config(
+        helm: Helm, crd_schema: dict[str, Any]) -> None:
+    rendered = render(helm, INTERNAL_TLS)
+    assert_valid(rendered, crd_schema)
+    args = rendered.application["args"]
+    files = {"internal_tls_cert_file": ("internal-tls.crt", "tls.crt"),
+             "internal_tls_key_file": ("internal-tls.key", "tls.key"),
+             "internal_tls_ca_file": ("internal-ca.crt", "ca.crt")}
+    for setting, (path, key) in files.items():
+        assert args[setting] == f"{MOUNT}/{path}"
+        for role in ROLES:  # where KV moves; the gateway's pod moves none
+            assert mounted_file(rendered, role, args[setting]) == ("tandem-internal-tls", key)
+        with pytest.raises(AssertionError, match="no mounted Secret"):
+            mounted_file(rendered, "head", args[setting])
+    assert args["kv_transport"] == "auto"  # TCP over TLS (services/kv_transfer/factory.py)
+    without = render(helm, {}).application["args"]
+    assert not set(files) & set(without)
+
+
+def test_internal_tls_refuses_nixl(helm: Helm) -> None:
+    _fails(helm, _deep_merge(INTERNAL_TLS, {"app": {"kv_transport": "nixl"}}),
+           "internalTls.existingSecret: app.kv_transport nixl cannot take internal TLS")
+    assert render(helm, _deep_merge(INTERNAL_TLS, {"app": {"kv_transport": "tcp"}}))
+
+
 # ------------------------------------------------------------------------ refusals
 
 

@@ -48,11 +48,12 @@ ROLES = ("prefill", "decode")
 CHART_OWNED = {"model", "host", "port", "grpc_port", "worker_host", "redis_url",
                "prefill_replicas", "decode_replicas", "colocated", "ray_address",
                "gateway_resource", "prefill_resource", "decode_resource"}
-# Set by the chart from `auth:` and `tls:` (the Secrets it mounts), and only when configured:
-# the cluster secret always, the API keys, metrics_require_key and the TLS files when given
-# (test_chart_security.py).
+# Set by the chart from `auth:`, `tls:` and `internalTls:` (the Secrets it mounts), and only
+# when configured: the cluster secret always, the API keys, metrics_require_key and the TLS
+# files when given (test_chart_security.py).
 AUTH_OWNED = frozenset({"api_keys_file", "cluster_secret_file", "metrics_require_key",
-                        "tls_cert_file", "tls_key_file"})
+                        "tls_cert_file", "tls_key_file", "internal_tls_cert_file",
+                        "internal_tls_key_file", "internal_tls_ca_file"})
 WILDCARDS = ("0.0.0.0", "::", "")
 MIN_HEAD_MEMORY = 4 * 1024**3  # the gateway (tokenizer, prefix index, open streams) + Ray
 

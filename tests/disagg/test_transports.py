@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import ssl
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tandem.services.cli import main as tandem
 from tandem.services.handoff.prefill import LeaseTable
 from tandem.services.kv_transfer import nixl_transport
 from tandem.services.kv_transfer.factory import make_transport
@@ -22,7 +26,10 @@ from tandem.services.kv_transfer.transport import KVTransferError, KVTransport
 from tandem.services.protocol.handoff import ClusterKey
 from tandem.services.protocol.outputs import EngineStats
 from tandem.services.serving.cluster_view import WorkerSnapshot
+from tandem.services.serving.config import AppConfig, ConfigError
 from tandem.services.serving.metrics import WorkerCollector
+from tandem.services.tls import InternalTLS, TLSConfigError
+from tests.certs import issue
 
 NUM_BLOCKS, BLOCK_SHAPE = 12, (2, 2, 4, 3, 8)  # block-major: [blocks, layers, k/v, ...]
 
@@ -254,6 +261,129 @@ def test_keyed_reads_need_the_cluster_secret_and_a_lease_for_this_reader() -> No
             await server.close()
 
     asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def cluster_ca(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], InternalTLS]:
+    """Workers' internal TLS files: ``worker(name)``, a certificate this module's CA signed
+    (no names in it: workers are reached by IP), with the CA; ``"stranger"`` one that another
+    CA signed."""
+    directory = tmp_path_factory.mktemp("internal-tls")
+    ca, ca_cert, ca_key = issue(directory, "ca", "Tandem test cluster CA", [], ca=True)
+    other_ca = issue(directory, "other-ca", "Another CA", [], ca=True)
+
+    def worker(name: str) -> InternalTLS:
+        signer = other_ca[1:] if name == "stranger" else (ca_cert, ca_key)
+        credentials = issue(directory, name, name, [], issuer=signer)[0]
+        return InternalTLS.read(credentials.cert_file, credentials.key_file, ca.cert_file)
+
+    return worker
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "host cache"])
+def test_tls_reads_move_the_named_blocks_and_refuse_other_cas(
+        cluster_ca: Callable[[str], InternalTLS], staged: bool) -> None:
+    """With internal TLS (and the cluster key) a reader whose certificate the CA signed reads
+    exactly the named blocks; one without a certificate, or with another CA's, is refused at
+    the TLS handshake (counted), and a plain client gets no frame back."""
+    async def scenario() -> None:
+        leases = LeaseTable(30)
+        source, dest = _cache(1), _cache(2)
+        expected = dest.clone()
+        key = ClusterKey(SECRET)
+        server = TcpTransport("p0", key=key, tls=cluster_ca("p0"), staged=staged)
+        server.reads_allowed = leases.covers
+        reader = TcpTransport("d0", key=key, tls=cluster_ca("d0"), staged=staged)
+        stranger = TcpTransport("d0", key=key, tls=cluster_ca("stranger"))
+        await server.start(source)
+        for transport in (reader, stranger):
+            await transport.start(dest)
+            transport.add_peer("p0", server.metadata())
+        try:
+            remote, local = [7, 0, 11], [2, 9, 0]
+            lease = leases.grant("r", remote, reader="d0")
+            with pytest.raises(KVTransferError, match="refuses this worker's certificate"):
+                await stranger.read_blocks("p0", remote, local, timeout_s=10,
+                                           lease_id=lease.lease_id)
+            assert torch.equal(dest, expected)
+            # A client with no certificate (it trusts the CA): the server sends no frame (an
+            # accepted connection would get the cluster handshake's hello first).
+            context = ssl.create_default_context(cafile=cluster_ca("d1").ca_file)
+            context.check_hostname = False
+            raw, writer = await asyncio.open_connection("127.0.0.1", server.port, ssl=context)
+            try:
+                frame = await read_frame(raw)
+            except (ssl.SSLError, ConnectionError):
+                frame = None
+            assert frame is None
+            writer.close()
+            # A plain client (a worker without TLS, or anyone) gets no frame in the clear.
+            raw, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(encode_frame({"op": "read", "lease": lease.lease_id, "reader": "d0",
+                                       "blocks": remote}))
+            assert b"hello" not in await raw.read()
+            writer.close()
+            moved = await reader.read_blocks("p0", remote, local, timeout_s=10,
+                                             lease_id=lease.lease_id)
+            assert moved == len(remote) * source[0].numel() * source.element_size()
+            expected[local] = source[remote]
+            assert torch.equal(dest, expected)
+            assert server.refusals == 3  # the stranger, no certificate, plain TCP
+        finally:
+            for transport in (reader, stranger, server):
+                await transport.close()
+
+    asyncio.run(scenario())
+
+
+def test_tls_and_plain_workers_do_not_pair(cluster_ca: Callable[[str], InternalTLS]) -> None:
+    async def scenario() -> None:
+        tls, plain = TcpTransport("p0", tls=cluster_ca("p0")), TcpTransport("d0")
+        await tls.start(_cache(1))
+        await plain.start(_cache(2))
+        try:
+            for reader, server, says in (
+                    (plain, tls, "serves KV over TLS and this worker has no"),
+                    (tls, plain, "plain TCP and this worker has its own")):
+                with pytest.raises(KVTransferError, match=says + ".*internal_tls_cert_file"):
+                    reader.add_peer(server.name, server.metadata())
+        finally:
+            await tls.close()
+            await plain.close()
+
+    asyncio.run(scenario())
+
+
+def test_internal_tls_takes_tcp_and_refuses_nixl(cluster_ca: Callable[[str], InternalTLS],
+                                                 tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    tls = cluster_ca("p0")
+    for kind in ("auto", "tcp"):
+        transport = make_transport(kind, "p0", tls=tls)
+        assert isinstance(transport, TcpTransport) and transport.tls is tls
+    with pytest.raises(KVTransferError, match="nixl cannot take internal TLS"):
+        make_transport("nixl", "p0", tls=tls)
+    files = {"internal_tls_cert_file": tls.cert_file, "internal_tls_key_file": tls.key_file,
+             "internal_tls_ca_file": tls.ca_file}
+    assert AppConfig(**files).internal_tls() == tls  # type: ignore[arg-type]
+    assert AppConfig().internal_tls() is None
+    with pytest.raises(ConfigError, match="nixl cannot take internal TLS"):
+        AppConfig(kv_transport="nixl", **files)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="all three files or none: internal_tls_ca_file"):
+        AppConfig(internal_tls_cert_file=tls.cert_file, internal_tls_key_file=tls.key_file)
+    missing = str(tmp_path / "missing.crt")
+    with pytest.raises(TLSConfigError, match=f"cannot read internal_tls_ca_file {missing}"):
+        AppConfig(**{**files, "internal_tls_ca_file": missing}).internal_tls()  # type: ignore[arg-type]
+    with pytest.raises(TLSConfigError, match="internal_tls_cert_file .* and internal_tls_key_"):
+        AppConfig(**{**files, "internal_tls_key_file": tls.ca_file}).internal_tls()  # type: ignore[arg-type]
+    # `tandem up` refuses them before it starts anything (exit 2, the setting named).
+    assert tandem(["up", "--internal-tls-cert-file", tls.cert_file, "--internal-tls-key-file",
+                   tls.key_file, "--internal-tls-ca-file", missing]) == 2
+    assert f"cannot read internal_tls_ca_file {missing}" in capsys.readouterr().err
+    assert tandem(["up", "--kv-transport", "nixl", "--internal-tls-cert-file", tls.cert_file,
+                   "--internal-tls-key-file", tls.key_file, "--internal-tls-ca-file",
+                   tls.ca_file]) == 2
+    assert "nixl cannot take internal TLS" in capsys.readouterr().err
 
 
 def test_a_cpu_cache_is_not_staged_unless_asked() -> None:

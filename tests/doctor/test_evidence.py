@@ -43,7 +43,7 @@ def test_config_info_names_the_settings_and_no_secret_or_path() -> None:
         "routing_policy": "round_robin", "spec": "ngram", "spec_k": "4", "max_num_seqs": "8",
         "max_num_batched_tokens": "512", "block_size": "16", "num_kv_blocks": "64",
         "kv_cache_memory_gb": "", "kv_cache_dtype": "auto", "host_kv_cache_gb": "0.0",
-        "kv_transport": "auto", "weight_format": "dense"}
+        "kv_transport": "auto", "weight_format": "dense", "internal_tls": "false"}
     info = [line for line in text.splitlines() if line.startswith("tandem_config_info")]
     assert len(info) == 1 and "/" not in info[0], info
     assert scrape.roles == {"p": "prefill", "d": "decode"}

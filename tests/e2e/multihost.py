@@ -34,6 +34,7 @@ import psutil
 import redis
 
 from tandem.loadtest.ports import free_port
+from tandem.services.tls import InternalTLS
 from tests.e2e.cluster import UpProcess, all_blocks_free, metric_values, wait_for
 from tests.e2e.netns import Host, hosts
 
@@ -140,9 +141,11 @@ def ray_cluster(n: int, root: Path) -> Iterator[Cluster]:
         yield Cluster(made, gcs_redis, roles[0], root)
 
 
-def up_on(cluster: Cluster, transport: str, decode_resource: str = DECODE) -> UpProcess:
+def up_on(cluster: Cluster, transport: str, decode_resource: str = DECODE,
+          tls: InternalTLS | None = None) -> UpProcess:
     """`tandem up --address` on the head host, each role on its resource's hosts (decode on
-    the prefill host with ``decode_resource=PREFILL``)."""
+    the prefill host with ``decode_resource=PREFILL``); with ``tls``, KV between the workers
+    over mutual TLS (TCP)."""
     head = cluster.head
     settings = {"ray_address": f"{head.address}:{RAY_PORT}", "host": head.address,
                 "worker_host": "0.0.0.0", "prefill_replicas": 1, "decode_replicas": 1,
@@ -150,7 +153,10 @@ def up_on(cluster: Cluster, transport: str, decode_resource: str = DECODE) -> Up
                 "prefill_resource": PREFILL, "decode_resource": decode_resource,
                 "stream_idle_timeout_s": 10, "kv_transfer_timeout_s": 5.0,
                 "request_timeout_s": 60.0}
-    folder = cluster.root / f"{transport}-{decode_resource}"
+    if tls is not None:
+        settings |= {"internal_tls_cert_file": tls.cert_file,
+                     "internal_tls_key_file": tls.key_file, "internal_tls_ca_file": tls.ca_file}
+    folder = cluster.root / f"{transport}{'-tls' if tls else ''}-{decode_resource}"
     folder.mkdir(exist_ok=True)
     up = UpProcess.from_settings(folder, settings)
     up.launcher = head.command()

@@ -30,6 +30,8 @@ import httpx
 import pytest
 
 from tandem.services.protocol.request import SamplingParams
+from tandem.services.tls import InternalTLS
+from tests.certs import issue
 from tests.e2e.cluster import TANDEM, all_blocks_free, metric_values, wait_for
 from tests.e2e.multihost import (
     ENV,
@@ -84,14 +86,30 @@ def test_a_resource_no_node_declares_is_refused_at_start(
     assert "tandem_test_decode" in result.stderr  # what the cluster does declare
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+@pytest.fixture(scope="module")
+def internal_tls(tmp_path_factory: pytest.TempPathFactory) -> InternalTLS:
+    """The workers' certificate (no names: they are reached by IP) and the CA that signed it,
+    as the chart mounts them from one Secret into every worker pod."""
+    directory = tmp_path_factory.mktemp("internal-tls")
+    ca, ca_cert, ca_key = issue(directory, "ca", "Tandem test cluster CA", [], ca=True)
+    worker = issue(directory, "worker", "tandem worker", [], issuer=(ca_cert, ca_key))[0]
+    return InternalTLS.read(worker.cert_file, worker.key_file, ca.cert_file)
+
+
+@pytest.mark.parametrize("transport", ["tcp+tls", "nixl"])
 def test_kv_moved_across_hosts_gives_the_engines_tokens(
-        two_hosts: Cluster, expected: list[int], transport: str) -> None:
+        two_hosts: Cluster, expected: list[int], transport: str,
+        internal_tls: InternalTLS) -> None:
+    """Over TCP the KV crosses the link in mutual TLS (the internal_tls_* settings); plain
+    TCP is what the other e2e clusters move KV with."""
     head, other = two_hosts.hosts
-    up = up_on(two_hosts, transport)
+    tls = internal_tls if transport == "tcp+tls" else None
+    up = up_on(two_hosts, transport.removesuffix("+tls"), tls=tls)
     try:
         assert [_replicas(head, r) for r in ("gateway", "prefill", "decode")] == [1, 1, 0]
         assert [_replicas(other, r) for r in ("gateway", "prefill", "decode")] == [0, 0, 1]
+        (info,) = metric_values(up.http_url, "tandem_config_info").keys()
+        assert ("internal_tls", str(tls is not None).lower()) in info
         moved = bytes_moved(up.http_url)
         reply = complete(up.http_url)
         assert reply.status_code == 200, reply.text

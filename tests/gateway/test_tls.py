@@ -6,11 +6,9 @@ gateway replica's own (``AppConfig.server_tls()`` into ``FrontEnds``), without R
 
 from __future__ import annotations
 
-import datetime
 import ipaddress
 import ssl
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -18,9 +16,6 @@ import httpx
 import openai
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.services.cli import main as tandem
@@ -30,54 +25,14 @@ from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.pb import generation_pb2 as pb
 from tandem.services.gateway.pb import generation_pb2_grpc as pb_grpc
 from tandem.services.gateway.runner import GatewayServer, ServeAddresses
-from tandem.services.gateway.tls import TLSConfigError
 from tandem.services.serving.config import AppConfig, ConfigError
 from tandem.services.serving.up import Stop, _wait_healthy, ready_line
+from tandem.services.tls import TLSConfigError
+from tests.certs import Credentials, issue
 from tests.gateway.helpers import engine_tokens
 
 MAX_TOKENS = 4
 PROMPT = "The capital of France is"
-
-
-@dataclass(frozen=True)
-class Credentials:
-    cert_file: str
-    key_file: str
-
-    @property
-    def cert(self) -> bytes:
-        return Path(self.cert_file).read_bytes()
-
-    def config(self, **settings: object) -> AppConfig:
-        return AppConfig(tls_cert_file=self.cert_file, tls_key_file=self.key_file,
-                         **settings)  # type: ignore[arg-type]
-
-
-def _issue(directory: Path, name: str, subject: str, sans: list[x509.GeneralName],
-           issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None = None,
-           ca: bool = False) -> tuple[Credentials, x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A P-256 key and its certificate (self-signed without ``issuer``), as PEM files."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    issuer_cert, issuer_key = issuer if issuer else (None, key)
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder()
-               .subject_name(subject_name)
-               .issuer_name(issuer_cert.subject if issuer_cert else subject_name)
-               .public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(issuer_key, hashes.SHA256())
-    cert_file, key_file = directory / f"{name}.crt", directory / f"{name}.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return Credentials(str(cert_file), str(key_file)), cert, key
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +43,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def loopback(certs: Path) -> Credentials:
     """Self-signed, for 127.0.0.1: what a client here can verify by name."""
-    return _issue(certs, "loopback", "127.0.0.1",
+    return issue(certs, "loopback", "127.0.0.1",
                   [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])[0]
 
 
@@ -170,7 +125,7 @@ def test_tls_takes_both_files_or_neither(settings: dict[str, object], message: s
 def test_a_file_that_cannot_be_used_fails_at_start_naming_the_setting(
         certs: Path, loopback: Credentials) -> None:
     missing = str(certs / "missing.pem")
-    other = _issue(certs, "other", "other", [])[0]
+    other = issue(certs, "other", "other", [])[0]
     (certs / "garbage.pem").write_text("not a certificate\n")
     for cert_file, key_file, message in [
         (missing, loopback.key_file, f"cannot read tls_cert_file {missing}: No such file"),
@@ -205,8 +160,8 @@ def test_tandem_up_polls_health_trusting_the_served_certificate(
     """A CA-issued certificate for the service's name (as on Kubernetes), the file holding the
     leaf only: the loopback health poll trusts that certificate, whatever name it carries, and
     stops at once with a clear error on a certificate it cannot verify."""
-    ca = _issue(certs, "ca", "Tandem test CA", [], ca=True)
-    service = _issue(certs, "service", "tandem.serving.svc",
+    ca = issue(certs, "ca", "Tandem test CA", [], ca=True)
+    service = issue(certs, "service", "tandem.serving.svc",
                      [x509.DNSName("tandem.serving.svc")], issuer=ca[1:])[0]
     tls = service.config().server_tls()
     assert tls is not None
@@ -215,7 +170,7 @@ def test_tandem_up_polls_health_trusting_the_served_certificate(
     addresses = server.start()
     try:
         _wait_healthy(service.config(port=addresses.http_port), Stop())
-        stranger = _issue(certs, "stranger", "127.0.0.1", [])[0]
+        stranger = issue(certs, "stranger", "127.0.0.1", [])[0]
         with pytest.raises(RuntimeError, match=r"certificate \(tls_cert_file\) does not verify"):
             _wait_healthy(stranger.config(port=addresses.http_port), Stop())
     finally:

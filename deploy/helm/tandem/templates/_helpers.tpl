@@ -202,6 +202,11 @@ groups declare, which the deployments below also ask for). */}}
 {{- $_ = set $args "tls_cert_file" (include "tandem.secretFile" (dict "ctx" . "key" "tls.crt")) }}
 {{- $_ = set $args "tls_key_file" (include "tandem.secretFile" (dict "ctx" . "key" "tls.key")) }}
 {{- end }}
+{{- if .Values.internalTls.existingSecret }}
+{{- $_ = set $args "internal_tls_cert_file" (include "tandem.secretFile" (dict "ctx" . "key" "internal-tls.crt")) }}
+{{- $_ = set $args "internal_tls_key_file" (include "tandem.secretFile" (dict "ctx" . "key" "internal-tls.key")) }}
+{{- $_ = set $args "internal_tls_ca_file" (include "tandem.secretFile" (dict "ctx" . "key" "internal-ca.crt")) }}
+{{- end }}
 {{- toYaml $args }}
 {{- end }}
 
@@ -362,6 +367,9 @@ key Prometheus is not given.
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if and .Values.internalTls.existingSecret (eq (toString .Values.app.kv_transport) "nixl") }}
+{{- fail "internalTls.existingSecret: app.kv_transport nixl cannot take internal TLS (NIXL's UCX moves KV bytes unencrypted): set app.kv_transport to tcp or auto (TCP over mutual TLS)" }}
+{{- end }}
 {{- if and .Values.tls.existingSecret .Values.monitoring.serviceMonitor.enabled (include "tandem.prometheusOperator" .) (not .Values.monitoring.serviceMonitor.tlsConfig) }}
 {{- fail "tls.existingSecret: Prometheus scrapes /metrics over HTTPS and must be told how to check the certificate: set monitoring.serviceMonitor.tlsConfig (e.g. {ca: {secret: {name: <Secret>, key: ca.crt}}, serverName: <a name in the certificate>}, or {insecureSkipVerify: true}), or monitoring.serviceMonitor.enabled=false" }}
 {{- end }}
@@ -369,8 +377,8 @@ key Prometheus is not given.
 
 {{/*
 The secret files of a pod: (dict "ctx" $ "gateway" true) for the head (the gateway reads the
-API keys and the TLS certificate and key), false for workers. Every pod: the cluster secret and
-Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody writes.
+API keys and the TLS certificate and key), false for workers (the internal TLS files). Every
+pod: the cluster secret and Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody writes.
 */}}
 {{- define "tandem.secretsVolume" -}}
 {{- $ctx := .ctx }}
@@ -396,6 +404,17 @@ Ray's token. One projected volume, mode 0440: the pod's fsGroup reads, nobody wr
           items:
             - key: auth_token
               path: ray-auth-token
+      {{- end }}
+      {{- if and (not .gateway) $ctx.Values.internalTls.existingSecret }}
+      - secret:
+          name: {{ $ctx.Values.internalTls.existingSecret }}
+          items:
+            - key: tls.crt
+              path: internal-tls.crt
+            - key: tls.key
+              path: internal-tls.key
+            - key: ca.crt
+              path: internal-ca.crt
       {{- end }}
       {{- if and .gateway $ctx.Values.tls.existingSecret }}
       - secret:
