@@ -49,6 +49,9 @@ class GatewayConfig:
     # How replies under tool_choice auto write tool calls (gateway/tool_parsers.py): auto (the
     # chat template's format), hermes, mistral, llama3_json, pythonic, qwen3_coder
     tool_call_parser: str = "auto"
+    # /v1/responses' stored responses in this Redis (every gateway replica sees them, a restart
+    # keeps them); None: in the gateway's process (responses_api.py)
+    responses_redis_url: str | None = field(default=None, repr=False)  # may hold a password
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):

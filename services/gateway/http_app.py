@@ -37,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 from tandem.services.gateway.core import (
     Choices,
     Gateway,
+    LogSampler,
     RequestTrace,
     check_token_ids,
     cumulative_logprob,
@@ -47,7 +48,12 @@ from tandem.services.gateway.core import (
     tokenize_prompt,
     total_usage,
 )
-from tandem.services.gateway.errors import GatewayError, bad_request, body_too_large
+from tandem.services.gateway.errors import (
+    GatewayError,
+    bad_request,
+    body_too_large,
+    unavailable,
+)
 from tandem.services.gateway.messages_api import (
     MessageEvents,
     MessagesError,
@@ -77,10 +83,12 @@ from tandem.services.gateway.reasoning import split_reasoning, starts_in_reasoni
 from tandem.services.gateway.replies import ReplyReader
 from tandem.services.gateway.responses_api import (
     OutputIds,
+    RedisResponseStore,
     Reply,
     ResponseEvents,
     ResponsesRequest,
     ResponseStore,
+    StoreUnavailable,
     input_messages,
     new_id,
     output_items,
@@ -102,6 +110,8 @@ from tandem.services.version import version
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+STORE_LOG_INTERVAL_S = 10.0  # at most one line per this of responses not stored
+STORE_RETRY_AFTER_S = 1
 M = TypeVar("M", bound=BaseModel)
 G = TypeVar("G", ChatCompletionRequest, CompletionRequest)
 
@@ -144,7 +154,11 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                            allow_methods=["GET", "POST"], allow_headers=["*"],
                            expose_headers=["x-request-id", "retry-after"])
     token_text = TokenText(gateway.tokenizer)
-    stored = ResponseStore()  # /v1/responses' conversation state (responses_api.py)
+    # /v1/responses' conversation state (responses_api.py): in Redis where there is one
+    stored = (ResponseStore() if gateway.config.responses_redis_url is None
+              else RedisResponseStore(gateway.config.responses_redis_url))
+    app.state.responses = stored
+    store_failures = LogSampler(STORE_LOG_INTERVAL_S)
 
     def event_stream(choices: Choices, events: AsyncGenerator[bytes, None],
                      failed: Callable[[GatewayError], bytes] = _chat_failure) -> EventStream:
@@ -307,7 +321,8 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                         raise error
                     turns = input_messages(given.input)
                     earlier = ([] if given.previous_response_id is None else
-                               stored.history(tenant, given.previous_response_id))
+                               await _from_store(stored.history(tenant,
+                                                                given.previous_response_id)))
                     body = _validated(ChatCompletionRequest, to_chat(given, earlier + turns))
                     if error := body.unsupported_fields():
                         raise error
@@ -316,17 +331,34 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
                 greq, _, thinking, keep = await chat_request(body, tenant, trace, arrival,
                                                              response_id)
 
-            def keep_turns(reply: Reply, response: dict[str, Any]) -> None:
-                if given.store:
-                    stored.put(tenant, given.previous_response_id, turns + turns_of(reply),
-                               response)
+            async def keep_turns(reply: Reply, response: dict[str, Any]) -> None:
+                """Stored before the client has the response: a next request naming it
+                finds it. A store that fails loses only the chain (logged), not the answer."""
+                if not given.store:
+                    return
+                try:
+                    await stored.put(tenant, given.previous_response_id,
+                                     turns + turns_of(reply), response)
+                except StoreUnavailable as exc:
+                    gateway.metrics.store_failures.labels(gateway.model_name).inc()
+                    if (left_out := store_failures.allow("put")) is not None:
+                        log.error("response %s not stored: %s (%d more not logged)",
+                                  response_id, exc, left_out)
 
             if given.stream:
                 choices = await _unless_disconnected(
                     request, start_choices(gateway, greq, 1, trace, keep))
-                events = ResponseEvents(response_id, gateway.model_name, given, keep_turns)
-                return event_stream(choices, _api_events(
-                    choices, events, body, thinking, gateway.tool_parser),
+                events = ResponseEvents(response_id, gateway.model_name, given)
+
+                async def response_events() -> AsyncGenerator[bytes, None]:
+                    async for chunk in _api_events(choices, events, body, thinking,
+                                                   gateway.tool_parser):
+                        yield chunk
+                    if events.finished is not None:
+                        await keep_turns(events.finished, events.response)
+                        yield sse_event(events.terminal())
+
+                return event_stream(choices, response_events(),
                     lambda error: sse_event(events.event(
                         "error", code=error.code or error.type, message=error.message,
                         param=error.param)))
@@ -335,13 +367,13 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
             reply = Reply(content, calls, reasoning, merged.finish_reason, merged.usage)
             response = response_json(response_id, int(time.time()), gateway.model_name, given,
                                      output_items(reply, OutputIds()), reply)
-            keep_turns(reply, response)
+            await keep_turns(reply, response)
             return JSONResponse(response)
 
     @app.get(f"{_RESPONSES}/{{response_id}}", responses=_error_responses(401, 404))
     async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
         tenant = gateway.authenticate(request.headers.get("authorization"))
-        response = stored.get(tenant, response_id)
+        response = await _from_store(stored.get(tenant, response_id))
         if response is None:
             raise _no_response(response_id)
         return response
@@ -349,7 +381,7 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
     @app.delete(f"{_RESPONSES}/{{response_id}}", responses=_error_responses(401, 404))
     async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
         tenant = gateway.authenticate(request.headers.get("authorization"))
-        if not stored.delete(tenant, response_id):
+        if not await _from_store(stored.delete(tenant, response_id)):
             raise _no_response(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -720,6 +752,15 @@ def _validated(model: type[M], data: dict[str, Any]) -> M:
         raise _validation_error(exc) from exc
 
 
+async def _from_store(call: Awaitable[T]) -> T:
+    """A Responses store call; a store that does not answer is a 503 (retry later)."""
+    try:
+        return await call
+    except StoreUnavailable as exc:
+        raise unavailable(f"the stored responses cannot be read ({exc})",
+                          retry_after_s=STORE_RETRY_AFTER_S) from None
+
+
 def _no_response(response_id: str) -> GatewayError:
     return GatewayError(404, f"No response with id {response_id!r}", type="not_found_error",
                         param="response_id")
@@ -763,8 +804,6 @@ async def _completion_events(choices: Choices, ctx: ResponseContext, body: Compl
         yield sse(ctx.usage_chunk("text_completion", total_usage(usages)))
     yield SSE_DONE
 
-
-log = logging.getLogger(__name__)
 
 AbortConnection = Callable[[Scope], None]  # drop the connection that carries this request
 

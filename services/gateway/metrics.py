@@ -114,6 +114,11 @@ class GatewayMetrics:
                                        "time.", [*gauges, "reason"], registry=self.registry)
         for reason in ("header_timeout", "body_timeout"):
             self.connections_cut.labels(model_name, reason)
+        self.store_failures = Counter("tandem_responses_store_failures",
+                                      "Responses (/v1/responses, store: true) answered but "
+                                      "not stored: the store (Redis) did not answer.", gauges,
+                                      registry=self.registry)
+        self.store_failures.labels(model_name)
         self.in_flight = Gauge("tandem_requests_in_flight",
                                "Requests the gateway admitted that have not ended.", gauges,
                                registry=self.registry)

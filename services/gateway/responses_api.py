@@ -8,22 +8,25 @@ counterparts. The reply is the chat reply (content, tool calls, reasoning: the s
 written as Responses' output items (``response_json``) or, streamed, as its events
 (``ResponseEvents``).
 
-Conversation state (``ResponseStore``): a stored response keeps its own turns (its input and
-its output) and the id of the response before it; a later request naming it walks the chain
-back. Kept in the gateway's process, per tenant (another tenant's id is unknown; each tenant's
-own count and size bounds), for at most ``ttl_s`` each; a chain whose oldest responses were
-dropped is refused with a 400 naming ``previous_response_id``.
+Conversation state: a stored response keeps its own turns (its input and its output) and the
+id of the response before it; a later request naming it walks the chain back. Kept per tenant
+(another tenant's id is unknown; each tenant's own count and size bounds) for at most
+``ttl_s`` each, in Redis where the cluster has one (``RedisResponseStore``: every gateway
+replica sees it, a restart keeps it), else in the gateway's process (``ResponseStore``); a
+chain whose oldest responses were dropped is refused with a 400 naming
+``previous_response_id``, a store that does not answer with a 503.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field
 
@@ -33,6 +36,7 @@ from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.tools import ToolCall
 
 MAX_ID_CHARS = 128
+T = TypeVar("T")
 
 
 class ResponsesRequest(RequestBody):
@@ -268,11 +272,9 @@ def turns_of(reply: Reply) -> list[dict[str, Any]]:
 class ResponseEvents:
     """A streamed response's server-sent events, each numbered (``sequence_number``)."""
 
-    def __init__(self, response_id: str, model: str, body: ResponsesRequest,
-                 on_done: Callable[[Reply, dict[str, Any]], None]) -> None:
-        """``on_done``: given the finished reply and response (to store them)."""
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest) -> None:
         self._head = (response_id, int(time.time()), model, body)
-        self._on_done = on_done
+        self.finished: Reply | None = None  # the whole reply, once ``finish`` made it
         self.response = response_json(*self._head, [], None)
         self._sequence = 0
         self.ids = OutputIds()
@@ -317,7 +319,8 @@ class ResponseEvents:
                          logprobs=[])
 
     def finish(self, calls: list[ToolCall], last: Delta) -> Iterator[dict[str, Any]]:
-        """``last``: the reply's last delta (its finish reason and usage)."""
+        """``last``: the reply's last delta (its finish reason and usage). Every event but the
+        last (``terminal``), which the caller sends once the response is stored."""
         reply = Reply(self._all["content"] or None, calls, self._all["reasoning"] or None,
                       last.finish_reason, last.usage)
         yield from self._close_reasoning()
@@ -339,10 +342,13 @@ class ResponseEvents:
                              output_index=index, name=call.name, arguments=call.arguments)
             yield self._item_done(call_item(call, "completed"))
         self.response = response_json(*self._head, self._done, reply)
+        self.finished = reply
+
+    def terminal(self) -> dict[str, Any]:
+        """``response.completed`` (or ``.incomplete``), with the whole response."""
         kind = ("response.incomplete" if self.response["status"] == "incomplete"
                 else "response.completed")
-        self._on_done(reply, self.response)
-        yield self.event(kind, response=self.response)
+        return self.event(kind, response=self.response)
 
     def _close_reasoning(self) -> Iterator[dict[str, Any]]:
         if self._reasoning is None:
@@ -365,20 +371,58 @@ class ResponseEvents:
 # -- Conversation state ---------------------------------------------------------------------
 
 
+class StoreUnavailable(Exception):
+    """The store (Redis) did not answer; the message says what failed."""
+
+
+class _Chains:
+    """What both stores share: a chain walked back from a response, oldest turns first."""
+
+    async def record(self, tenant: str, response_id: str
+                     ) -> tuple[str | None, list[dict[str, Any]], dict[str, Any]] | None:
+        """(previous id, turns, response) of a stored response, or None."""
+        raise NotImplementedError
+
+    async def get(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+        found = await self.record(tenant, response_id)
+        return None if found is None else found[2]
+
+    async def history(self, tenant: str, response_id: str) -> list[dict[str, Any]]:
+        """The chain's turns, oldest first, up to and including ``response_id``'s."""
+        chain: list[list[dict[str, Any]]] = []
+        at: str | None = response_id
+        while at is not None:
+            found = await self.record(tenant, at)
+            if found is None:
+                what = ("not found" if at == response_id
+                        else f"its earlier response {at!r} is no longer stored")
+                raise bad_request(f"previous_response_id {response_id!r}: {what}",
+                                  param="previous_response_id")
+            chain.append(found[1])
+            at = found[0]
+        return [turn for turns in reversed(chain) for turn in turns]
+
+
+def _size(turns: list[dict[str, Any]], response: dict[str, Any]) -> int:
+    """What a stored response counts against its tenant's bound: its turns and response as
+    JSON, in characters."""
+    return len(json.dumps(turns)) + len(json.dumps(response))
+
+
 @dataclass
 class _Stored:
     previous: str | None
     turns: list[dict[str, Any]]  # this response's input and output, as chat messages
     response: dict[str, Any]
-    size: int  # characters of its turns and response as JSON
+    size: int
     expires: float
 
 
-class ResponseStore:
-    """Stored responses by id (``store``, default true), kept per tenant: each tenant at most
-    ``max_responses`` of them and ``max_chars`` characters (their turns and the response as
-    JSON) for ``ttl_s`` each, its oldest dropped first; so one tenant's traffic never drops
-    another's conversations."""
+class ResponseStore(_Chains):
+    """Stored responses by id (``store``, default true) in the gateway's process, kept per
+    tenant: each tenant at most ``max_responses`` of them and ``max_chars`` characters for
+    ``ttl_s`` each, its oldest dropped first; so one tenant's traffic never drops another's
+    conversations. Lost when the gateway restarts (``RedisResponseStore`` keeps them)."""
 
     def __init__(self, max_responses: int = 10_000, max_chars: int = 256 << 20,
                  ttl_s: float = 3600.0) -> None:
@@ -388,9 +432,9 @@ class ResponseStore:
         self._tenants: dict[str, OrderedDict[str, _Stored]] = {}
         self._chars: dict[str, int] = {}
 
-    def put(self, tenant: str, previous: str | None, turns: list[dict[str, Any]],
-            response: dict[str, Any]) -> None:
-        size = len(json.dumps(turns)) + len(json.dumps(response))
+    async def put(self, tenant: str, previous: str | None, turns: list[dict[str, Any]],
+                  response: dict[str, Any]) -> None:
+        size = _size(turns, response)
         stored = self._tenants.setdefault(tenant, OrderedDict())
         stored[response["id"]] = _Stored(previous, turns, response, size,
                                          time.monotonic() + self.ttl_s)
@@ -400,30 +444,19 @@ class ResponseStore:
                           or self._chars[tenant] > self.max_chars):
             self._drop(tenant, next(iter(stored)))
 
-    def get(self, tenant: str, response_id: str) -> dict[str, Any] | None:
+    async def record(self, tenant: str, response_id: str
+                     ) -> tuple[str | None, list[dict[str, Any]], dict[str, Any]] | None:
         stored = self._find(tenant, response_id)
-        return None if stored is None else stored.response
+        return None if stored is None else (stored.previous, stored.turns, stored.response)
 
-    def delete(self, tenant: str, response_id: str) -> bool:
+    async def delete(self, tenant: str, response_id: str) -> bool:
         if self._find(tenant, response_id) is None:
             return False
         self._drop(tenant, response_id)
         return True
 
-    def history(self, tenant: str, response_id: str) -> list[dict[str, Any]]:
-        """The chain's turns, oldest first, up to and including ``response_id``'s."""
-        chain: list[list[dict[str, Any]]] = []
-        at: str | None = response_id
-        while at is not None:
-            stored = self._find(tenant, at)
-            if stored is None:
-                what = ("not found" if at == response_id
-                        else f"its earlier response {at!r} is no longer stored")
-                raise bad_request(f"previous_response_id {response_id!r}: {what}",
-                                  param="previous_response_id")
-            chain.append(stored.turns)
-            at = stored.previous
-        return [turn for turns in reversed(chain) for turn in turns]
+    async def close(self) -> None:
+        pass
 
     def _find(self, tenant: str, response_id: str) -> _Stored | None:
         self._expire(tenant)
@@ -436,3 +469,112 @@ class ResponseStore:
 
     def _drop(self, tenant: str, response_id: str) -> None:
         self._chars[tenant] -= self._tenants[tenant].pop(response_id).size
+
+
+# One tenant's stored responses in Redis, all under one hash tag (one cluster slot):
+#   <tenant>:r:<id>  the response (JSON: previous, turns, response), expiring at its TTL
+#   <tenant>:order   sorted set of its ids by arrival (a counter's value as the score)
+#   <tenant>:sizes   hash id -> its size;  <tenant>:chars  the sizes' sum;  <tenant>:seq
+# The bookkeeping expires with the tenant's newest response. Every change is one script, so
+# concurrent gateways keep the counts right.
+_DROP = """
+local function drop(rid)
+  local size = redis.call('HGET', KEYS[2], rid)
+  if size then redis.call('DECRBY', KEYS[3], size) end
+  redis.call('HDEL', KEYS[2], rid)
+  redis.call('ZREM', KEYS[1], rid)
+  redis.call('DEL', ARGV[1] .. rid)
+end
+"""
+_PUT = _DROP + """
+local id, body, size = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local expires, max_n, max_chars = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+while true do  -- the expired, oldest first (every response lives as long)
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if not oldest or redis.call('EXISTS', ARGV[1] .. oldest) == 1 then break end
+  drop(oldest)
+end
+if redis.call('ZSCORE', KEYS[1], id) then drop(id) end
+redis.call('SET', ARGV[1] .. id, body, 'PXAT', expires)
+redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[4]), id)
+redis.call('HSET', KEYS[2], id, size)
+redis.call('INCRBY', KEYS[3], size)
+while redis.call('ZCARD', KEYS[1]) > max_n
+    or tonumber(redis.call('GET', KEYS[3]) or '0') > max_chars do
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if not oldest then break end
+  drop(oldest)
+end
+for _, key in ipairs(KEYS) do redis.call('PEXPIREAT', key, expires) end
+return 1
+"""
+_DELETE = _DROP + """
+if redis.call('EXISTS', ARGV[1] .. ARGV[2]) == 0 then return 0 end
+drop(ARGV[2])
+return 1
+"""
+
+
+class RedisResponseStore(_Chains):
+    """``ResponseStore``'s bounds and TTL, kept in Redis: shared by every gateway replica and
+    kept across a gateway's restart. A Redis that does not answer within ``timeout_s`` raises
+    ``StoreUnavailable``."""
+
+    PREFIX = "tandem:responses"
+
+    def __init__(self, url: str, max_responses: int = 10_000, max_chars: int = 256 << 20,
+                 ttl_s: float = 3600.0, timeout_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        import redis.asyncio as aioredis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.max_responses = max_responses
+        self.max_chars = max_chars
+        self.ttl_s = ttl_s
+        self.clock = clock  # wall clock, as Redis' expiry times are
+        self._client = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1), health_check_interval=0)
+        self._put = self._client.register_script(_PUT)
+        self._delete = self._client.register_script(_DELETE)
+
+    def _keys(self, tenant: str) -> tuple[list[str], str]:
+        tag = hashlib.sha256(tenant.encode()).hexdigest()[:16]
+        base = f"{self.PREFIX}:{{{tag}}}"
+        return [f"{base}:order", f"{base}:sizes", f"{base}:chars", f"{base}:seq"], f"{base}:r:"
+
+    async def put(self, tenant: str, previous: str | None, turns: list[dict[str, Any]],
+                  response: dict[str, Any]) -> None:
+        keys, prefix = self._keys(tenant)
+        body = json.dumps({"previous": previous, "turns": turns, "response": response})
+        expires_ms = int((self.clock() + self.ttl_s) * 1000)
+        await self._call(self._put(keys=keys, args=[
+            prefix, response["id"], body, _size(turns, response), expires_ms,
+            self.max_responses, self.max_chars]), "store a response")
+
+    async def record(self, tenant: str, response_id: str
+                     ) -> tuple[str | None, list[dict[str, Any]], dict[str, Any]] | None:
+        _, prefix = self._keys(tenant)
+        body = await self._call(self._client.get(prefix + response_id), "read a response")
+        if body is None:
+            return None
+        stored = json.loads(body)
+        return stored["previous"], stored["turns"], stored["response"]
+
+    async def delete(self, tenant: str, response_id: str) -> bool:
+        keys, prefix = self._keys(tenant)
+        return bool(await self._call(self._delete(keys=keys, args=[prefix, response_id]),
+                                     "delete a response"))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    @staticmethod
+    async def _call(command: Awaitable[T], what: str) -> T:
+        import redis
+
+        try:
+            return await command
+        except (redis.RedisError, OSError) as exc:
+            raise StoreUnavailable(f"cannot {what} in Redis: {exc}") from None

@@ -53,7 +53,7 @@ class FrontEnds:
         self._host = host
         self._tls = tls
         self._http_socket = _bind(host, http_port)
-        app = create_http_app(gateway, self._abort_connection)
+        app = self._app = create_http_app(gateway, self._abort_connection)
         limits = gateway.config
         cut = gateway.metrics.connections_cut
         protocol = deadline_protocol(limits.header_timeout_s, limits.body_timeout_s,
@@ -96,6 +96,7 @@ class FrontEnds:
         finally:
             self._http_socket.close()
             await self._grpc.stop(self._grace_s)
+            await self._app.state.responses.close()
 
     def _abort_connection(self, scope: Scope) -> None:
         """Drop the connection now carrying the request of ``scope`` (not a graceful close,

@@ -105,7 +105,9 @@ class AppConfig:
     port: int = 8000  # HTTP (OpenAI API, /health, /metrics)
     grpc_port: int = 50051  # gRPC streaming API
     worker_host: str = "127.0.0.1"  # where workers' control and KV ports listen
-    redis_url: str | None = None  # None: in-process prefix index fed by the gateway
+    # The router's prefix index and worker registry, and /v1/responses' stored responses, in
+    # this Redis; None: in the gateway's process
+    redis_url: str | None = None
     routing_policy: str = "prefix"  # prefix (cache affinity + load) | round_robin (baseline)
     # The model's name in the API, or several (a request may name any; responses and
     # /v1/models' first card carry the first); None: its own id

@@ -110,7 +110,8 @@ class GatewayIngress:
                                        metrics_require_key=config.metrics_require_key,
                                        cors_allow_origins=config.cors_origins(),
                                        reasoning_parser=config.reasoning_parser,
-                                       tool_call_parser=config.tool_call_parser)
+                                       tool_call_parser=config.tool_call_parser,
+                                       responses_redis_url=config.redis_url)
         tenants = tenants_of(config)
         tls = config.server_tls()
         if defaults:

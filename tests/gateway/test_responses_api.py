@@ -5,15 +5,25 @@ deleted; what is not served is a 400 naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
 
+from tandem.services.engine.async_engine import AsyncEngine
+from tandem.services.engine.model_loader import LoadedModel
+from tandem.services.gateway.backend import EngineBackend
+from tandem.services.gateway.config import GatewayConfig
+from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.errors import GatewayError
-from tandem.services.gateway.responses_api import ResponseStore
+from tandem.services.gateway.responses_api import RedisResponseStore, ResponseStore
 from tandem.services.gateway.runner import ServeAddresses
+from tests.gateway.helpers import serving
+from tests.redis_server import RedisServer, running_redis
 
 GREEDY = {"temperature": 0.0, "max_output_tokens": 12}
 INSTRUCTIONS = "You are a terse assistant."
@@ -130,29 +140,151 @@ def test_what_is_not_served_is_a_400_naming_the_field(server: ServeAddresses, fi
     assert reply.json()["error"]["param"] == param
 
 
-def test_stored_responses_are_the_tenants_own_and_bounded() -> None:
-    store = ResponseStore(max_responses=2)
-    for i, previous in enumerate((None, "r0", "r1")):
-        store.put("a", previous, [{"role": "user", "content": f"turn {i}"}], {"id": f"r{i}"})
-    assert store.get("b", "r2") is None and store.get("a", "r2") == {"id": "r2"}
-    with pytest.raises(GatewayError, match="not found"):
-        store.history("b", "r2")  # another tenant's id is unknown
-    with pytest.raises(GatewayError, match="'r0' is no longer stored"):
-        store.history("a", "r2")  # r0 dropped (at most two kept): the chain is broken
-    store.put("a", None, [{"role": "user", "content": "x"}], {"id": "r3"})
-    assert [t["content"] for t in store.history("a", "r3")] == ["x"]
-    assert not store.delete("b", "r3") and store.delete("a", "r3")
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
-def test_one_tenants_responses_never_drop_anothers() -> None:
-    store = ResponseStore(max_chars=2_000)
-    store.put("calm", None, [{"role": "user", "content": "keep me"}], {"id": "c0"})
-    for i in range(50):  # a flood of large responses, ~500 characters each
-        store.put("flood", None, [{"role": "user", "content": "y" * 450}], {"id": f"f{i}"})
-        assert store.get("calm", "c0") == {"id": "c0"}
-    kept = [i for i in range(50) if store.get("flood", f"f{i}") is not None]
-    # The flood's own oldest went: four of its ~494-character responses fit in 2,000.
-    assert kept == list(range(46, 50))
-    expiring = ResponseStore(ttl_s=0.0)
-    expiring.put("a", None, [], {"id": "gone"})
-    assert expiring.get("a", "gone") is None
+Store = ResponseStore | RedisResponseStore
+
+
+@pytest.fixture(params=["process", "redis"])
+def make_store(request: pytest.FixtureRequest) -> Callable[..., Store]:
+    """Either store, with the bounds given; each Redis one on a fresh database."""
+    if request.param == "process":
+        return ResponseStore
+    server: RedisServer = request.getfixturevalue("redis_server")
+    server.client().flushall()
+    return lambda **bounds: RedisResponseStore(server.url, **bounds)
+
+
+def _turn(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+def test_stored_responses_are_the_tenants_own_and_bounded(make_store: Callable[..., Store]
+                                                          ) -> None:
+    async def scenario() -> None:
+        store = make_store(max_responses=2)
+        for i, previous in enumerate((None, "r0", "r1")):
+            await store.put("a", previous, _turn(f"turn {i}"), {"id": f"r{i}"})
+        assert await store.get("b", "r2") is None and await store.get("a", "r2") == {"id": "r2"}
+        with pytest.raises(GatewayError, match="not found"):
+            await store.history("b", "r2")  # another tenant's id is unknown
+        with pytest.raises(GatewayError, match="'r0' is no longer stored"):
+            await store.history("a", "r2")  # r0 dropped (at most two kept): the chain broke
+        await store.put("a", None, _turn("x"), {"id": "r3"})
+        assert [t["content"] for t in await store.history("a", "r3")] == ["x"]
+        assert not await store.delete("b", "r3") and await store.delete("a", "r3")
+        assert await store.get("a", "r3") is None and not await store.delete("a", "r3")
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_tenants_responses_never_drop_anothers(make_store: Callable[..., Store]) -> None:
+    async def scenario() -> None:
+        store = make_store(max_chars=2_000)
+        await store.put("calm", None, _turn("keep me"), {"id": "c0"})
+        for i in range(50):  # a flood of large responses, ~500 characters each
+            await store.put("flood", None, _turn("y" * 450), {"id": f"f{i}"})
+            assert await store.get("calm", "c0") == {"id": "c0"}
+        kept = [i for i in range(50) if await store.get("flood", f"f{i}") is not None]
+        # The flood's own oldest went: four of its ~494-character responses fit in 2,000.
+        assert kept == list(range(46, 50))
+        expiring = make_store(ttl_s=0.0)
+        await expiring.put("a", None, [], {"id": "gone"})
+        assert await expiring.get("a", "gone") is None
+        for each in (store, expiring):
+            await each.close()
+
+    asyncio.run(scenario())
+
+
+def test_redis_keeps_the_counts_as_responses_expire(redis_server: RedisServer) -> None:
+    """Expired responses leave the tenant's bookkeeping at its next store: what is left counts
+    against the bounds, nothing else (responses stored with a clock past their TTL, not a
+    wait)."""
+    async def scenario() -> None:
+        redis_server.client().flushall()
+        now = [time.time() - 120.0]  # stored two minutes ago with a 60 s TTL: expired
+        store = RedisResponseStore(redis_server.url, max_responses=3, ttl_s=60.0,
+                                   clock=lambda: now[0])
+        for i in range(3):
+            await store.put("a", None, _turn(f"old {i}"), {"id": f"o{i}"})
+        assert await store.get("a", "o2") is None
+        now[0] = time.time()
+        for i in range(3):
+            await store.put("a", None, _turn(f"new {i}"), {"id": f"n{i}"})
+        assert [await store.get("a", f"n{i}") for i in range(3)] == [
+            {"id": f"n{i}"} for i in range(3)]  # three new ones fit: the old ones were dropped
+        keys, _ = store._keys("a")
+        client = redis_server.client()
+        assert client.zcard(keys[0]) == 3 and client.hlen(keys[1]) == 3
+        assert int(client.get(keys[2])) == sum(
+            len(json.dumps(_turn(f"new {i}"))) + len(json.dumps({"id": f"n{i}"}))
+            for i in range(3))
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_with_redis_a_conversation_outlives_its_gateway(
+        redis_server: RedisServer, async_engine: AsyncEngine, loaded_model: LoadedModel) -> None:
+    """Stored in Redis, a conversation continues on another gateway (a restart, or another
+    replica); a streamed response is stored before its last event reaches the client; with
+    Redis stopped (SIGSTOP), a request naming a stored response is a 503 within the store's
+    timeout, and one naming none is answered (its response counted as not stored)."""
+    redis_server.client().flushall()
+
+    def gateway() -> Gateway:
+        return Gateway(EngineBackend(async_engine), loaded_model.tokenizer,
+                       GatewayConfig(responses_redis_url=redis_server.url))
+
+    def client_of(server: ServeAddresses) -> openai.OpenAI:
+        return openai.OpenAI(api_key="unused", base_url=f"{server.http_url}/v1",
+                             max_retries=0, timeout=120)
+
+    with serving(gateway()) as first_server:
+        first = client_of(first_server).responses.create(
+            model="", input="Name a colour.", **GREEDY)  # type: ignore[arg-type]
+    with serving(gateway()) as second_server:  # the first gateway is gone
+        client = client_of(second_server)
+        second = client.responses.create(model="", input="And another?",
+                                         previous_response_id=first.id,
+                                         **GREEDY)  # type: ignore[arg-type]
+        assert second.output_text == _chat(client, [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another?"}])
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        *_, last = client.responses.create(model="", input="Say hi.", stream=True,
+                                           **GREEDY)  # type: ignore[arg-type]
+        assert last.type in ("response.completed", "response.incomplete")
+        streamed = last.response
+        assert client.responses.retrieve(streamed.id).output_text == streamed.output_text
+        failures = "tandem_responses_store_failures_total"
+        before = _metric(second_server, failures)
+        redis_server.pause()
+        try:
+            with pytest.raises(openai.InternalServerError) as down:
+                client.responses.create(model="", input="More?", previous_response_id=second.id,
+                                        **GREEDY)  # type: ignore[arg-type]
+            assert down.value.status_code == 503
+            assert "stored responses cannot be read" in down.value.message
+            answered = client.responses.create(model="", input="Hi",
+                                               **GREEDY)  # type: ignore[arg-type]
+            assert answered.output_text
+        finally:
+            redis_server.resume()
+        assert _metric(second_server, failures) == before + 1
+        # Redis back: the chain goes on.
+        assert client.responses.create(model="", input="More?", previous_response_id=second.id,
+                                       **GREEDY).output_text  # type: ignore[arg-type]
+
+
+def _metric(server: ServeAddresses, name: str) -> float:
+    text = httpx.get(f"{server.http_url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
