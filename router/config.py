@@ -28,8 +28,11 @@ class RouterConfig:
     host_hit_cost: float = 0.25
     # Prompts shorter than this many tokens skip prefill (decode computes them); 0 disables.
     short_prompt_tokens: int = 0
-    # A prompt whose full blocks are all cached on a decode worker goes straight to it.
-    skip_prefill_when_cached_on_decode: bool = True
+    # A prompt whose full blocks are all cached on a decode worker, but for at most this many
+    # tokens, goes straight to it (it computes the rest: a session's next turn skips the
+    # prefill worker and the transfer; Dynamo's max_local_prefill_length); 0: all of them.
+    max_local_prefill_tokens: int = 0
+    skip_prefill_when_cached_on_decode: bool = True  # False: never for a cached prompt
     # Decode score = kv_weight * KV usage (0..1) + running_weight * running sequences.
     decode_kv_weight: float = 1.0
     decode_running_weight: float = 0.01

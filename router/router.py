@@ -368,7 +368,9 @@ class Router:
         elif decode and num_tokens < cfg.short_prompt_tokens:
             skip_detail = d.SHORT_PROMPT
         elif decode and lengths and hashes and cfg.skip_prefill_when_cached_on_decode:
-            holders = {w: decode_scores[w] for w in decode if lengths[w] == len(hashes)}
+            most = cfg.max_local_prefill_tokens // cfg.settings.block_size  # uncached blocks
+            holders = {w: decode_scores[w] for w in decode
+                       if lengths[w] > 0 and len(hashes) - lengths[w] <= most}
             if holders:
                 skip_detail = d.CACHED_ON_DECODE
                 decode_choice = lowest(holders, key)

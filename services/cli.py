@@ -101,6 +101,7 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "weight_format": "weight_format",
              "host_kv_cache_gb": "host_kv_cache_gb", "block_size": "block_size",
              "routing_policy": "routing_policy",
+             "max_local_prefill_tokens": "max_local_prefill_tokens",
              "threads": "threads_per_worker", "kernel_threads": "kernel_threads",
              "tensor_parallel_size": "tensor_parallel_size",
              "max_num_batched_tokens": "max_num_batched_tokens",
@@ -239,6 +240,10 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--routing-policy", choices=ROUTING_POLICIES,
                     help="prefill choice: prefix (cache affinity + load, default) or "
                          "round_robin (in turn; a baseline)")
+    up.add_argument("--max-local-prefill-tokens", type=int, metavar="N",
+                    help="a prompt cached on a decode worker but for at most N tokens (a "
+                         "session's next turn) is prefilled there, skipping the prefill worker "
+                         "(0: only when all its full blocks are cached there)")
     up.add_argument("--block-size", type=int,
                     help="tokens per KV block (16; 256 with --attention-backend flash_attn)")
     up.add_argument("--threads", type=int,

@@ -109,6 +109,10 @@ class AppConfig:
     # this Redis; None: in the gateway's process
     redis_url: str | None = None
     routing_policy: str = "prefix"  # prefix (cache affinity + load) | round_robin (baseline)
+    # A prompt cached on a decode worker but for at most this many tokens (a session's next
+    # turn: the last prompt and reply, plus the new message) is prefilled there, skipping the
+    # prefill worker and the KV transfer; 0: only when all its full blocks are cached there.
+    max_local_prefill_tokens: int = 0
     # The model's name in the API, or several (a request may name any; responses and
     # /v1/models' first card carry the first); None: its own id
     served_model_name: str | list[str] | None = None
@@ -230,6 +234,7 @@ class AppConfig:
                      "max_num_batched_tokens", "max_num_seqs", "max_waiting",
                      "tensor_parallel_size", "max_connections", "max_grpc_streams"):
             _at_least(name, getattr(self, name), 1)
+        _at_least("max_local_prefill_tokens", self.max_local_prefill_tokens, 0)
         for name in ("num_kv_blocks", "max_model_len", "threads_per_worker"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)

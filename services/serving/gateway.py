@@ -159,7 +159,8 @@ class GatewayIngress:
                              decode: DeploymentHandle) -> DisaggBackend:
         settings = HashSettings(config.block_size, model_id,
                                 kv_cache_dtype=config.kv_cache_dtype)
-        router_config = RouterConfig(settings, policy=config.routing_policy)
+        router_config = RouterConfig(settings, policy=config.routing_policy,
+                                     max_local_prefill_tokens=config.max_local_prefill_tokens)
         # The workers this gateway polls through Serve: the whole registry in-process, and with
         # Redis the fallback for workers Redis has no record of (it is soft state: down,
         # read-only or full, it must not keep a worker from being routed to).

@@ -64,6 +64,31 @@ def test_round_robin_never_skips_prefill_for_a_prompt_cached_on_decode() -> None
     assert (decision.prefill_worker, decision.decode_worker) == ("p0", "d0")
 
 
+def test_a_next_turn_mostly_cached_on_decode_is_prefilled_there_within_the_bound() -> None:
+    """A session's next turn: the last prompt and reply cached on its decode worker, a new
+    message after them. Up to max_local_prefill_tokens uncached it skips the prefill worker;
+    beyond (or with the default 0) it is prefilled on P; nothing cached on D is never local."""
+    s = Setup()
+    s.worker("p0")
+    d0, d1 = s.worker("d0", "decode"), s.worker("d1", "decode")
+    earlier = tokens(3, 16 * 8)  # the last turn, as the decode worker holds it
+    d0.cache(earlier)
+    turn = earlier + tokens(4, 16 * 4 + 5)  # 4 new full blocks and a partial one
+    d1.cache(tokens(5, 16 * 8))  # another conversation entirely
+    routers = {bound: s.router("prefix", max_local_prefill_tokens=bound)
+               for bound in (0, 63, 64, 1000)}
+    for router in routers.values():
+        router.sync()
+    local = {bound: router.route(turn) for bound, router in routers.items()}
+    assert {b: d.prefill_worker for b, d in local.items()} == {
+        0: "p0", 63: "p0", 64: None, 1000: None}
+    for bound in (64, 1000):
+        assert (local[bound].decode_worker, local[bound].detail) == ("d0", "cached_on_decode")
+        assert local[bound].cached_blocks == 8
+    fresh = tokens(6, 16 * 3)  # cached nowhere: to P, however large the bound
+    assert routers[1000].route(fresh).prefill_worker == "p0"
+
+
 def test_round_robin_picks_the_less_loaded_decode_worker() -> None:
     s = Setup()
     s.worker("p0")
