@@ -22,7 +22,7 @@ lint: test-setup
 # Two pytest workers, one per core: a test file runs whole on one worker; the files that start
 # Ray clusters run on one worker one after another (tests/conftest.py).
 test: test-setup lint
-	.venv/bin/pytest -q -n 2 --dist loadgroup --durations=25
+	.venv/bin/pytest -q -n 2 --durations=25
 
 bench: setup
 	$(PY) -m tandem.loadtest.engine_bench

@@ -50,19 +50,27 @@ def references(hf_model, prompts: list[list[int]]) -> list[Reference]:  # type: 
     return [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
 
 
-# `make test` runs two pytest workers (pytest-xdist, `--dist loadgroup`), a group on one worker,
-# whole and in order: each test file is a group of its own (its module fixtures start once), and
-# the files that start Ray clusters (tests/e2e/ and those marked xdist_group(RAY_GROUP)) share
-# one, so that one cluster runs at a time, beside the other worker's single-threaded tests.
-RAY_GROUP = "ray"
+# `make test` runs two pytest workers (pytest-xdist): a test file runs whole on one worker (its
+# module fixtures start once), and the files that start Ray clusters run on one worker one
+# after another, so that one cluster runs at a time, beside the other worker's single-threaded
+# tests. (xdist's own --dist loadgroup cannot do this under pytest 9.2: the group it appends to
+# a test's node id no longer takes.)
+RAY_FILES = ("tests/e2e/", "tests/serving/test_route_to.py")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = RAY_GROUP if "e2e" in item.path.parts else item.path.stem
-            item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndRay(LoadScopeScheduling):  # type: ignore[misc]
+        """Scopes: the Ray-starting files together, every other file on its own; the largest
+        scope (the Ray one) goes out first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray" if path.startswith(RAY_FILES) else path
+
+    return FilesAndRay(config, log)
 
 
 SLOWEST_MODULES = 20

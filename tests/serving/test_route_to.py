@@ -18,8 +18,7 @@ import pytest
 
 from tests.serving.route_to_scenario import GONE, PARAMS
 
-# It starts Ray: in the group that runs one cluster at a time (tests/conftest.py).
-pytestmark = [pytest.mark.timeout(660), pytest.mark.xdist_group("ray")]
+pytestmark = pytest.mark.timeout(660)
 
 ROOT = Path(__file__).resolve().parents[2]
 
