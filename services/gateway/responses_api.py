@@ -526,8 +526,8 @@ class RedisResponseStore(_Chains):
                  ttl_s: float = 3600.0, timeout_s: float = 1.0,
                  clock: Callable[[], float] = time.time) -> None:
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
-        from redis.retry import Retry
 
         self.max_responses = max_responses
         self.max_chars = max_chars

@@ -65,8 +65,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 def cluster(server: RedisServer, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[UpProcess]:
     log = Path(tmp_path_factory.mktemp("up")) / "tandem-up.log"
+    # The tests count the router's reasons: a prompt goes to P unless every full block is
+    # cached on D (no local prefill of a mostly cached one, as the default does).
     up = UpProcess(["--prefill", "1", "--decode", "1", "--kv-transport", "tcp",
-                    "--redis-url", server.url], log)
+                    "--redis-url", server.url, "--max-local-prefill-tokens", "0"], log)
     assert not server.running
     up.start()
     try:
