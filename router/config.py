@@ -31,8 +31,8 @@ class RouterConfig:
     # A prompt whose full blocks are all cached on a decode worker, but for at most this many
     # tokens, goes straight to it (it computes the rest: a session's next turn skips the
     # prefill worker and the transfer; Dynamo's max_local_prefill_length); 0: all of them.
-    # 256: docs/loadtest.md's agent benchmark halves turn-2+ TTFT against 0 on 1P+2D.
-    max_local_prefill_tokens: int = 256
+    # 256 halved the agent benchmark's turn-2+ TTFT on 1P+2D (docs/loadtest.md).
+    max_local_prefill_tokens: int = 0
     skip_prefill_when_cached_on_decode: bool = True  # False: never for a cached prompt
     # Decode score = kv_weight * KV usage (0..1) + running_weight * running sequences.
     decode_kv_weight: float = 1.0

@@ -374,6 +374,8 @@ class Router:
             if holders:
                 skip_detail = d.CACHED_ON_DECODE
                 decode_choice = lowest(holders, key)
+                if session is not None:  # among the holders, the session's worker if it may
+                    decode_choice = self._sessions.choose(session, holders, decode_choice, now)
         if skip_detail is not None:
             if decode_choice is None:
                 decode_choice = self._decode_choice(decode_scores, session, now)

@@ -112,7 +112,7 @@ class AppConfig:
     # A prompt cached on a decode worker but for at most this many tokens (a session's next
     # turn: the last prompt and reply, plus the new message) is prefilled there, skipping the
     # prefill worker and the KV transfer; 0: only when all its full blocks are cached there.
-    max_local_prefill_tokens: int = 256
+    max_local_prefill_tokens: int = 0
     # The model's name in the API, or several (a request may name any; responses and
     # /v1/models' first card carry the first); None: its own id
     served_model_name: str | list[str] | None = None
