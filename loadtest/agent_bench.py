@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from tandem.loadtest import results as results_table
+
+PROG = "python -m tandem.loadtest.agent_bench"
 MODES = ("sessions", "plain")
 WORDS = ("alpha", "bravo", "cache", "decode", "engine", "fleet", "gateway", "host", "index",
          "journal", "kernel", "lease", "memory", "node", "offset", "prefill", "queue", "router",
@@ -190,7 +193,7 @@ async def run(url: str, model: str, work: Workload, modes: list[str], rounds: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tandem.loadtest.agent_bench",
+    parser = argparse.ArgumentParser(prog=PROG,
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="", help="(default: the served one)")
@@ -204,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--modes", default="sessions,plain")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--label", default="",
+                        help="the server's settings in words, for --record's row")
+    results_table.add_argument(parser)
     args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -213,9 +220,24 @@ def main(argv: list[str] | None = None) -> int:
                     args.output_len, args.seed)
     results = asyncio.run(run(args.base_url.rstrip("/").removesuffix("/v1"), args.model, work,
                               modes, args.rounds, args.concurrency, args.api_key))
+    summary = medians(results)
     print(json.dumps({"workload": work.__dict__, "concurrency": args.concurrency,
-                      "rounds": args.rounds, "medians": medians(results)}))
+                      "rounds": args.rounds, "medians": summary}))
+    if args.record:
+        results_table.record([results_table.Result(
+            f"agent sessions ({args.label or args.base_url}), {mode}: turn-2+ TTFT p50 / p90, "
+            f"output tok/s, turn-2+ prompt cached", _figures(values),
+            results_table.command(PROG, argv)) for mode, values in summary.items()], args.record)
     return 0
+
+
+def _figures(values: dict[str, float | None]) -> str:
+    def fmt(key: str, spec: str) -> str:
+        value = values.get(key)
+        return "-" if value is None else format(value, spec)
+    return (f"{fmt('ttft_turn2plus_p50_s', '.2f')} / {fmt('ttft_turn2plus_p90_s', '.2f')} s, "
+            f"{fmt('output_tokens_per_s', '.1f')} tok/s, "
+            f"{fmt('turn2plus_cached_fraction', '.0%')}")
 
 
 if __name__ == "__main__":

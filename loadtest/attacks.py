@@ -43,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from tandem.loadtest import results as results_table
 from tandem.loadtest.tandem_up import TandemUp
 from tandem.services.serving.up_stats import metric_samples
 
@@ -249,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated, among {', '.join(SCENARIOS)} (quiet always "
                              f"runs first: the reference)")
+    results_table.add_argument(parser)
     args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS) - {""}
     if unknown:
         parser.error(f"--scenarios: unknown {', '.join(sorted(unknown))}")
@@ -287,6 +290,16 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "attacks.json").write_text(json.dumps([asdict(r) for r in results],
                                                           indent=1))
+    if args.record:
+        results_table.record([results_table.Result(
+            f"hostile traffic, plain `tandem up`: {r.name}: calm clients' TTFT p50 / largest "
+            f"inter-token gap (x quiet); what the attack got",
+            f"{r.ttft_p50_ms:.0f} ms ({r.ttft_p50_ms / max(quiet.ttft_p50_ms, 1e-9):.2f}) / "
+            f"{r.max_gap_ms:.0f} ms ({r.max_gap_ms / max(quiet.max_gap_ms, 1e-9):.2f}); "
+            f"{', '.join(f'{k}: {v}' for k, v in sorted(r.attack.items())) or '-'}; after: "
+            f"KV free {r.blocks_free_after}, served {r.served_after}",
+            results_table.command("python -m tandem.loadtest.attacks", argv))
+            for r in results], args.record)
     return 0
 
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from tandem.loadtest import results
 from tandem.services.engine.config import ATTENTION_BACKENDS, WEIGHT_FORMATS, EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
 from tandem.services.engine.model_loader import LoadedModel, load_model
@@ -213,8 +215,10 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32],
                         help="--weight-formats: decode batch sizes")
     parser.add_argument("--rounds", type=int, default=3, help="--weight-formats: rounds")
+    results.add_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    command = results.command("python -m tandem.loadtest.engine_bench", sys.argv[1:])
     if args.weight_formats:
         print(f"threads={args.threads} context~{args.input_len} rounds={args.rounds}")
         compare_weight_formats(args.weight_formats, args.batches, args.rounds, args.input_len)
@@ -250,6 +254,15 @@ def main() -> None:
                   f"| {b1.step_ms:.1f} ({b1.forward_ms:.1f}, {b1.overhead_pct:.1f}%) "
                   f"| {b32.step_ms:.1f} ({b32.forward_ms:.1f}, {b32.overhead_pct:.1f}%) "
                   f"| {prefill:.0f} |", flush=True)
+            if args.record:
+                setting = (f"{dtype}, {backend} attention, {args.threads} torch thread(s), "
+                           f"kernel_threads {args.kernel_threads}")
+                results.record([results.Result(
+                    f"engine alone ({setting}): output tok/s ({args.num_requests} requests, "
+                    f"~{args.input_len} in, {args.output_len} out, batch <= {args.max_batch}); "
+                    f"decode step at batch 1 / 32; prefill of 1,000 tokens",
+                    f"{ours:.0f} tok/s; {b1.step_ms:.1f} / {b32.step_ms:.1f} ms; "
+                    f"{prefill:,.0f} tok/s", command)], args.record)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
+from tandem.loadtest import results
 from tandem.loadtest.tandem_up import TandemUp
 
 TICKS = os.sysconf("SC_CLK_TCK")
+
+PROG = "python -m tandem.loadtest.idle_cpu"
 
 
 def session_cpu(session: int) -> dict[int, tuple[str, float]]:
@@ -99,11 +103,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="an AppConfig setting for the cluster (repeatable)")
     parser.add_argument("--ray-actor", action="store_true",
                         help="measure one idle Ray actor instead (the floor per replica)")
+    results.add_argument(parser)
     args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     if args.ray_actor:
         total, main_thread = ray_actor_floor(args.settle, args.window)
         print(f"idle Ray actor: {100 * total:.2f}% of a core over {args.window:g} s "
               f"({100 * main_thread:.2f}% on its main thread)")
+        if args.record:
+            results.record([results.Result(
+                "idle CPU: one do-nothing Ray actor (each Serve replica's floor)",
+                f"{100 * total:.2f}% of a core", results.command(PROG, argv))], args.record)
         return 0
     with tempfile.TemporaryDirectory(prefix="tandem-idle-") as tmp:
         config = Path(tmp) / "config.yaml"
@@ -123,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"idle {shape}: {100 * total:.1f}% of a core over {args.window:g} s")
     for share, name in per[:args.top]:
         print(f"  {100 * share:5.1f}%  {name}")
+    if args.record:
+        settings = ", ".join(args.set) or "no settings"
+        results.record([results.Result(
+            f"idle CPU (target < 2% of a core): {shape}, {settings}",
+            f"{100 * total:.1f}% of a core", results.command(PROG, argv))], args.record)
     return 0
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.loadtest import experiments
+from tandem.loadtest import experiments, results
 from tandem.loadtest.tandem_up import cpus_argument
 
 PROG = "python -m tandem.loadtest.peer_compare"
@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpus", type=cpus_argument, default=None, metavar="LIST",
                         help="pin every server to these CPUs (taskset)")
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "peers")
+    results.add_argument(parser)
     return parser
 
 
@@ -193,6 +194,12 @@ def main(argv: list[str] | None = None, launch: experiments.Launcher | None = No
         ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
         print(f"{row.tandem}: {row.target}: {ratio} ({row.detail})")
     print(f"report: {args.out / 'report.md'}")
+    if args.record:
+        results.record([results.Result(
+            f"{row.tandem} against the peers: {row.target} (goal "
+            f"{'>=' if row.higher_is_better else '<='} {row.goal:g}x)",
+            f"{'-' if row.ratio is None else f'{row.ratio:.2f}x'}: {row.detail}",
+            results.command(PROG, argv)) for row in rows], args.record)
     return 0
 
 
