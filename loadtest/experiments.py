@@ -53,7 +53,7 @@ from tandem.loadtest.bench.metrics import Summary
 from tandem.loadtest.bench.results import Cell
 from tandem.loadtest.bench.server_metrics import RoleCounters
 from tandem.loadtest.export_hf import export
-from tandem.loadtest.peers import LlamaCppServer, VllmServer
+from tandem.loadtest.peers import LlamaCppServer, VllmServer, vllm_preload
 from tandem.loadtest.tandem_up import LaunchError, TandemUp, cpus_argument
 from tandem.services.engine.model_loader import load_model
 from tandem.services.engine.tokenizer_loader import builtin_model_path
@@ -188,7 +188,9 @@ def tandem_vs_vllm(args: argparse.Namespace) -> list[Configuration]:
     # (--vllm-dtype) with its OpenMP threads bound to every CPU; llama.cpp with every thread.
     vllm = {"dtype": args.vllm_dtype, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "VLLM_CPU_OMP_THREADS_BIND": "auto (every CPU)"}
+            "VLLM_CPU_OMP_THREADS_BIND": "auto (every CPU)",
+            "LD_PRELOAD": " ".join(Path(p).name for p in vllm_preload(Path(args.vllm)))
+                          or "none found (tcmalloc, libiomp5)"}
     peers = [Configuration("vllm-cpu", vllm, peer="vllm")]
     if args.llama_server is not None:
         peers.append(Configuration("llama.cpp", {"max_num_seqs": args.max_num_seqs,
