@@ -25,12 +25,13 @@ class BuildWithKernels(build_py):
                                       run_name="tandem_kernel_build")
         engine = (ROOT / "services/engine" if self.editable_mode
                   else Path(self.build_lib) / "tandem/services/engine")
-        try:
-            built = kernel_build["build_into"](engine / "_kernels")
-        except OSError as exc:
-            self.warn(f"the CPU kernels were not built at install: {exc}")
-        else:
-            self.announce(f"built the CPU kernels: {built}", level=2)
+        for name in kernel_build["LIBRARIES"]:
+            try:
+                built = kernel_build["build_into"](engine / "_kernels", name)
+            except OSError as exc:
+                self.warn(f"the CPU kernels ({name}) were not built at install: {exc}")
+            else:
+                self.announce(f"built the CPU kernels: {built}", level=2)
 
 
 class PlatformDistribution(Distribution):

@@ -241,8 +241,9 @@ class EngineConfig:
         if self.kv_cache_dtype == "int8" and self.attention_backend in ("flash_attn", "cpu"):
             raise ValueError(f"kv_cache_dtype int8 needs attention_backend torch, triton or auto "
                              f"({self.attention_backend} reads only a 16-bit cache)")
-        if self.attention_backend == "cpu" and self.dtype != "bfloat16":
-            raise ValueError(f"attention_backend cpu needs dtype bfloat16, got {self.dtype!r}")
+        if self.attention_backend == "cpu" and self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"attention_backend cpu needs dtype bfloat16 or float32, got "
+                             f"{self.dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.weight_format not in WEIGHT_FORMATS:

@@ -54,14 +54,16 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from tandem.services.engine.kernel_build import (
+    AVX2_BUILDS,
     BUILDS,
     PREBUILT,
     build,
@@ -74,18 +76,24 @@ log = logging.getLogger(__name__)
 AMX_FUNCTIONS = ("linear_bf16", "prefill_attention_bf16", "amx_enable", "layers_bf16")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 AMX_FLAGS = ("amx_tile", "amx_bf16")
+# The AVX2 library's (kernel_build.AVX2_BUILDS): float32 decode attention.
+F32_FUNCTIONS = ("decode_attention_f32",)
+AVX2_FLAGS = ("avx2", "fma")
 # The decode kernel's limits (csrc/decode_attention.c): head_dim a multiple of 32 up to 256, at most
 # 64 query rows per KV head (group size x query rows per sequence), 1,024 over the KV heads.
 MAX_HEAD_DIM = 256
 MAX_ROWS_PER_KV_HEAD = 64
 MAX_ROWS = 1024
 
+_Library = TypeVar("_Library", "Kernels", "Float32Kernels")
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # Each exported kernel's argument types, as csrc/tandem.h declares it (each returns an int;
 # tests/engine/test_cpu_abi.py reads the header and compares).
 SIGNATURES: dict[str, list[type[Any]]] = {
     "decode_attention_bf16": [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
                               _I64, _I64, _F32, _INT],
+    "decode_attention_f32": [_P, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                             _I64, _I64, _F32, _INT],
     "rms_norm_bf16": [_P, _I64, _P, _P, _I64, _I64, _F32, _INT],
     "silu_mul_bf16": [_P, _I64, _P, _I64, _I64],
     "rotary_bf16": [_P, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _INT],
@@ -153,7 +161,7 @@ class Kernels:
                           f"{expected})")
         built_amx = hasattr(lib, "linear_bf16")  # not when the compiler lacked AMX (BUILDS)
         for name, argtypes in SIGNATURES.items():
-            if built_amx or name not in AMX_FUNCTIONS:
+            if (built_amx or name not in AMX_FUNCTIONS) and name not in F32_FUNCTIONS:
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self._lib = lib
@@ -170,19 +178,8 @@ class Kernels:
         i * query_len on); keys, values: one layer's [num_blocks, block_size, Hkv, D] views of
         the paged cache; tables: [n, >= blocks] int32 with contiguous rows; seq_lens: [n]
         int32, each sequence's keys (its query rows the last)."""
-        num_blocks, block_size, num_kv_heads, head_dim = keys.shape
-        if not (q.is_contiguous() and out.is_contiguous() and tables.stride(1) == 1
-                and seq_lens.is_contiguous() and keys.stride()[2:] == (head_dim, 1)
-                and keys.stride() == values.stride()):
-            raise ValueError("decode kernel: a tensor has an unsupported layout")
-        _check_bf16(q, out, keys, values)
-        if tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-            raise ValueError("decode kernel: int32 tables and lengths")
-        group = q.shape[1] // num_kv_heads
-        _ok(self._lib.decode_attention_bf16(
-            q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
-            tables.stride(0), seq_lens.data_ptr(), seq_lens.numel(), query_len, num_kv_heads,
-            group, head_dim, block_size, keys.stride(0), keys.stride(1), scale, threads))
+        _ok(self._lib.decode_attention_bf16(*_decode_args(
+            q, out, keys, values, tables, seq_lens, query_len, scale, threads, torch.bfloat16)))
 
     def prefill_attention(self, q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
                           values: torch.Tensor, tables: torch.Tensor, spans: torch.Tensor,
@@ -319,6 +316,46 @@ class Kernels:
                                   ctypes.addressof(step)))
 
 
+class Float32Kernels:
+    """The AVX2 library (``kernel_build.AVX2_BUILDS``): float32 decode attention, for the
+    ``cpu`` backend on a float32 cache (csrc/decode_attention_f32.c)."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        for name in F32_FUNCTIONS:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = SIGNATURES[name], ctypes.c_int
+        self._lib = lib
+        self.path = path
+
+    def decode_attention(self, q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor,
+                         values: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                         query_len: int, scale: float, threads: int = 1) -> None:
+        """As ``Kernels.decode_attention``, on float32 tensors."""
+        _ok(self._lib.decode_attention_f32(*_decode_args(
+            q, out, keys, values, tables, seq_lens, query_len, scale, threads, torch.float32)))
+
+
+def _decode_args(q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 tables: torch.Tensor, seq_lens: torch.Tensor, query_len: int, scale: float,
+                 threads: int, dtype: torch.dtype) -> tuple[Any, ...]:
+    """A decode kernel's arguments, the tensors checked (``Kernels.decode_attention``)."""
+    num_blocks, block_size, num_kv_heads, head_dim = keys.shape
+    if not (q.is_contiguous() and out.is_contiguous() and tables.stride(1) == 1
+            and seq_lens.is_contiguous() and keys.stride()[2:] == (head_dim, 1)
+            and keys.stride() == values.stride()):
+        raise ValueError("decode kernel: a tensor has an unsupported layout")
+    for t in (q, out, keys, values):
+        if t.dtype != dtype or not t.is_cpu:
+            raise ValueError(f"decode kernel: {str(dtype).removeprefix('torch.')} CPU tensors")
+    if tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("decode kernel: int32 tables and lengths")
+    group = q.shape[1] // num_kv_heads
+    return (q.data_ptr(), out.data_ptr(), keys.data_ptr(), values.data_ptr(), tables.data_ptr(),
+            tables.stride(0), seq_lens.data_ptr(), seq_lens.numel(), query_len, num_kv_heads,
+            group, head_dim, block_size, keys.stride(0), keys.stride(1), scale, threads)
+
+
 def pack_linear(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
     """A [out, in] weight as the linear kernel's AMX tiles: [out/16, in/32, 16, 16, 2], tile
     (i, j) row p holding, for each of outputs 16i.., the inputs 32j + 2p and 32j + 2p + 1.
@@ -361,9 +398,13 @@ def supports_prefill(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM
 
 
-def supports_decode(num_kv_heads: int, head_dim: int, group: int, query_len: int) -> bool:
-    """Whether the decode kernel takes this shape (else the caller uses SDPA)."""
+def supports_decode(num_kv_heads: int, head_dim: int, group: int, query_len: int,
+                    float32: bool = False) -> bool:
+    """Whether the decode kernel (``float32``: the AVX2 one) takes this shape (else the caller
+    uses SDPA)."""
     rows = group * query_len
+    if float32:  # csrc/decode_attention_f32.c: head_dim a multiple of 8 up to 256
+        return head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM and rows <= MAX_ROWS_PER_KV_HEAD
     return (head_dim % 32 == 0 and head_dim <= MAX_HEAD_DIM and rows <= MAX_ROWS_PER_KV_HEAD
             and num_kv_heads * rows <= MAX_ROWS)
 
@@ -373,19 +414,34 @@ def _load() -> Kernels | str:
     missing = _missing_cpu_flags()
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    for sources, flags in BUILDS:  # built at install: no compiler needed
-        prebuilt = PREBUILT / library_name(sources, flags)
+    return _open("tandem-cpu", BUILDS, Kernels)
+
+
+@functools.cache
+def _load_f32() -> Float32Kernels | str:
+    missing = _missing_cpu_flags(AVX2_FLAGS)
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return _open("tandem-avx2", AVX2_BUILDS, Float32Kernels)
+
+
+def _open(prefix: str, builds: tuple[tuple[tuple[Path, ...], tuple[str, ...]], ...],
+          opener: Callable[[Path], _Library]) -> _Library | str:
+    """The library built at install, else the first of ``builds`` built now (or before) into
+    a cache directory; why not, as a string."""
+    for sources, flags in builds:  # built at install: no compiler needed
+        prebuilt = PREBUILT / library_name(sources, flags, prefix=prefix)
         if prebuilt.exists():
             try:
-                return Kernels(prebuilt)
+                return opener(prebuilt)
             except OSError as e:
                 log.warning("the CPU kernels built at install do not load (%s); building them", e)
     cc = compiler()
     if cc is None:
         return "it was not built at install and there is no C compiler (cc, or $CC) to build it"
     errors = []
-    for sources, flags in BUILDS:
-        name = library_name(sources, flags, cc)
+    for sources, flags in builds:
+        name = library_name(sources, flags, cc, prefix)
         for directory in _cache_dirs():
             path = directory / name
             try:
@@ -393,7 +449,7 @@ def _load() -> Kernels | str:
                     log.info("the CPU kernels were not built at install (pip install builds "
                              "them); building them now into %s", directory)
                     build(cc, sources, flags, path)
-                return Kernels(path)
+                return opener(path)
             except (OSError, subprocess.SubprocessError) as e:
                 errors.append(f"{directory}: {e}")
     return "could not build it: " + "; ".join(errors)
@@ -414,6 +470,21 @@ def loaded() -> Kernels | None:
         return None
     kernel = _load()
     return None if isinstance(kernel, str) else kernel
+
+
+def load_f32() -> Float32Kernels:
+    """The float32 decode kernel; ValueError saying why when it cannot run here."""
+    kernel = _load_f32()
+    if isinstance(kernel, str):
+        raise ValueError(f"the float32 kernel cannot run here: {kernel}")
+    return kernel
+
+
+def f32_unavailable_reason() -> str | None:
+    """Why the float32 decode kernel cannot run in this process (None: it can); builds it the
+    first time."""
+    kernel = _load_f32()
+    return kernel if isinstance(kernel, str) else None
 
 
 def unavailable_reason() -> str | None:

@@ -36,6 +36,13 @@ AMX_CFLAGS = ("-mamx-tile", "-mamx-bf16")
 # What is built, the first that builds: everything, then (a compiler without AMX intrinsics:
 # GCC < 11, Clang < 12) everything but the AMX projections.
 BUILDS = ((SOURCES + AMX_SOURCES, CFLAGS + AMX_CFLAGS), (SOURCES, CFLAGS))
+# A second library for CPUs with AVX2 and FMA (every x86 CPU of the last decade): the float32
+# decode attention that CPUs without AVX-512 BF16 serve with (their `dtype: auto`).
+AVX2_SOURCES = (CSRC / "decode_attention_f32.c", CSRC / "pool.c")
+AVX2_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared")
+AVX2_BUILDS = ((AVX2_SOURCES, AVX2_CFLAGS),)
+# Each library's file-name prefix and what is built for it.
+LIBRARIES = {"tandem-cpu": BUILDS, "tandem-avx2": AVX2_BUILDS}
 BUILD_TIMEOUT_S = 120.0
 
 
@@ -44,13 +51,14 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def library_name(sources: tuple[Path, ...], flags: tuple[str, ...], cc: str = "") -> str:
+def library_name(sources: tuple[Path, ...], flags: tuple[str, ...], cc: str = "",
+                 prefix: str = "tandem-cpu") -> str:
     """The library's file name: a digest of its sources, headers and flags, and of the compiler
     for one built on first use (a new compiler may build more); none for the one built at
     install, which is looked up without a compiler (an image need not have one)."""
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in (*sources, *HEADERS))
                             + " ".join((cc, *flags)).encode())
-    return f"tandem-cpu-{digest.hexdigest()[:16]}.so"
+    return f"{prefix}-{digest.hexdigest()[:16]}.so"
 
 
 def build(cc: str, sources: tuple[Path, ...], flags: tuple[str, ...], path: Path) -> None:
@@ -73,28 +81,28 @@ def build(cc: str, sources: tuple[Path, ...], flags: tuple[str, ...], path: Path
     log.info("built the CPU kernels in %.1f s: %s", time.monotonic() - started, path)
 
 
-def build_into(directory: Path) -> Path:
-    """The first of ``BUILDS`` that compiles, into ``directory`` (older builds there removed);
-    OSError saying why none did."""
+def build_into(directory: Path, prefix: str = "tandem-cpu") -> Path:
+    """The first of the library's builds (``LIBRARIES[prefix]``) that compiles, into
+    ``directory`` (its older builds there removed); OSError saying why none did."""
     cc = compiler()
     if cc is None:
         raise OSError("no C compiler (cc, or $CC)")
     errors = []
-    for sources, flags in BUILDS:
-        path = directory / library_name(sources, flags)
+    for sources, flags in LIBRARIES[prefix]:
+        path = directory / library_name(sources, flags, prefix=prefix)
         try:
             build(cc, sources, flags, path)
         except (OSError, subprocess.SubprocessError) as exc:
             errors.append(str(exc))
             continue
-        for old in directory.glob("tandem-cpu-*.so"):
+        for old in directory.glob(f"{prefix}-*.so"):
             if old != path:
                 old.unlink()
         return path
     raise OSError("; ".join(errors))
 
-
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else PREBUILT
-    print(build_into(target))
+    for name in LIBRARIES:
+        print(build_into(target, name))

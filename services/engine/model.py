@@ -213,8 +213,10 @@ class LlamaModel(nn.Module):
         self.num_heads, self.num_kv_heads = local.num_heads, local.num_kv_heads
         self.attention = attention
         # The cpu backend's model runs RMSNorm, the rotary embedding and SwiGLU's product as
-        # our fused kernels too (engine/cpu_kernels.py; bfloat16 only, like the backend).
-        self.kernels = cpu_kernels.load() if attention.name == "cpu" else None
+        # our fused kernels too (engine/cpu_kernels.py; bfloat16 only: a float32 cpu backend
+        # has its decode kernel alone, and ``kernels`` None).
+        self.kernels: cpu_kernels.Kernels | None = (
+            getattr(attention, "kernels", None) if attention.name == "cpu" else None)
         # The triton backend's model runs each layer's small ops as our fused Triton kernels
         # (attention/triton_ops.py: the norms with the residual adds before them, the rotary
         # embedding with the K/V store, SiLU with the product): ``_fused_layers``.

@@ -46,9 +46,9 @@ class AppConfig:
     # path), else float32; float32 when asked (exact against transformers' float32)
     dtype: str = "auto"
     device: str = "auto"  # where engines run: auto (cuda when the worker sees a GPU) | cpu | cuda
-    # auto (triton on CUDA; cpu, our C kernels, for bfloat16 on a CPU that runs them; else
-    # torch) | torch | cpu | triton | flash_attn (the flash-attn package; blocks of a multiple of
-    # 256 tokens: block_size defaults to 256 with it)
+    # auto (triton on CUDA; cpu, our C kernels, for bfloat16 or float32 on a CPU that runs
+    # them; else torch) | torch | cpu | triton | flash_attn (the flash-attn package; blocks of a
+    # multiple of 256 tokens: block_size defaults to 256 with it)
     attention_backend: str = "auto"
     cuda_graphs: bool = True  # decode steps replayed as CUDA graphs (CUDA + triton attention)
     block_size: int = 16  # tokens per KV block (the prefix cache's and KV transfers' unit)
@@ -218,9 +218,9 @@ class AppConfig:
         if self.kv_cache_dtype == "int8" and self.attention_backend in ("flash_attn", "cpu"):
             raise ConfigError(f"kv_cache_dtype int8 needs attention_backend auto, triton or "
                               f"torch ({self.attention_backend} reads only a 16-bit cache)")
-        if self.attention_backend == "cpu" and self.dtype not in ("bfloat16", "auto"):
-            raise ConfigError(f"attention_backend cpu needs dtype bfloat16 (its kernel reads a "
-                              f"bfloat16 cache), got {self.dtype!r}")
+        if self.attention_backend == "cpu" and self.dtype not in ("bfloat16", "float32", "auto"):
+            raise ConfigError(f"attention_backend cpu needs dtype bfloat16 or float32 (its "
+                              f"kernels read those caches), got {self.dtype!r}")
         _at_least("host_kv_cache_gb", self.host_kv_cache_gb, 0)
         if self.weight_format not in WEIGHT_FORMATS:
             raise ConfigError(f"weight_format must be one of {', '.join(WEIGHT_FORMATS)}, "

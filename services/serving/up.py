@@ -85,13 +85,15 @@ def default_shape(settings: dict[str, Any], cpus: int | None = None,
 
 
 def _kernels_run(config: AppConfig, dtype: str) -> bool:
-    """Whether the engines run our CPU kernels (bfloat16 on a CPU that can), whose helper
-    thread ``kernel_threads`` adds."""
-    if dtype != "bfloat16" or config.engine_device() != "cpu":
+    """Whether the engines run our CPU kernels (bfloat16 or float32 on a CPU that can), whose
+    helper thread ``kernel_threads`` adds."""
+    if (dtype not in ("bfloat16", "float32") or config.engine_device() != "cpu"
+            or config.attention_backend not in ("auto", "cpu")):
         return False
     from tandem.services.engine import cpu_kernels
 
-    return cpu_kernels.unavailable_reason() is None
+    return (cpu_kernels.unavailable_reason() if dtype == "bfloat16"
+            else cpu_kernels.f32_unavailable_reason()) is None
 
 
 def _capacity(config: AppConfig, stop: Stop, wait_s: float = 10.0

@@ -30,6 +30,9 @@ def test_install_holds_tandem_alone(tmp_path: Path) -> None:
         "loadtest", "router", "services"]
     assert (target / "tandem" / "services" / "engine" / "csrc" / "fused_ops.c").is_file()
     assert (target / "bin" / "tandem").is_file()
+    # Both kernel libraries built at install (kernel_build.LIBRARIES; this machine has cc).
+    kernels = target / "tandem" / "services" / "engine" / "_kernels"
+    assert sorted(p.name.split("-")[1] for p in kernels.glob("*.so")) == ["avx2", "cpu"]
     # The installed tree imports from itself (not from this checkout), under the root alone.
     probe = ("import sys, tandem.services.version; "
              "assert 'services' not in sys.modules and 'router' not in sys.modules; "

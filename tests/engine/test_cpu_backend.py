@@ -159,17 +159,16 @@ def test_the_backend_runs_mixed_steps_like_the_reference() -> None:
     assert_matches(out.view_as(step.q), reference(step), torch.bfloat16)
 
 
-def test_auto_chooses_cpu_for_a_bfloat16_cache_only() -> None:
+def test_auto_chooses_cpu_for_a_bfloat16_cache() -> None:
     assert resolve_backend("auto", "cpu", torch.bfloat16) == "cpu"
-    assert resolve_backend("auto", "cpu", torch.float32) == "torch"  # exact: SDPA
     assert resolve_backend("auto", "cpu", torch.int8) == "torch"
     assert resolve_backend("cpu", "cpu", torch.bfloat16) == "cpu"
-    with pytest.raises(ValueError, match="attention_backend cpu needs a bfloat16 KV cache"):
-        resolve_backend("cpu", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="attention_backend cpu needs a bfloat16 or float32"):
+        resolve_backend("cpu", "cpu", torch.float16)
     with pytest.raises(ValueError, match="attention_backend cpu runs on a CPU"):
         resolve_backend("cpu", "cuda", torch.bfloat16)
-    with pytest.raises(ValueError, match="attention_backend cpu needs dtype bfloat16"):
-        EngineConfig(attention_backend="cpu")
+    with pytest.raises(ValueError, match="attention_backend cpu needs dtype bfloat16 or float32"):
+        EngineConfig(attention_backend="cpu", dtype="float16")
     with pytest.raises(ValueError, match="kv_cache_dtype int8 needs attention_backend"):
         EngineConfig(attention_backend="cpu", dtype="bfloat16", kv_cache_dtype="int8")
 

@@ -51,10 +51,10 @@ def gathering(engine: LLMEngine) -> LLMEngine:
     {"num_kv_blocks": 10, "max_num_seqs": 4, "enable_prefix_caching": False},
 ], ids=["float32", "int8", "preempting"])
 def test_rows_equal_gathering_bit_for_bit(make_engine, mixed_prompts, settings):
-    with_rows = make_engine(**settings)
+    with_rows = make_engine(attention_backend="torch", **settings)
     assert with_rows.runner.decode_rows is not None
     got = run(with_rows, mixed_prompts)
-    want = run(gathering(make_engine(**settings)), mixed_prompts)
+    want = run(gathering(make_engine(attention_backend="torch", **settings)), mixed_prompts)
     assert got == want
     if "num_kv_blocks" in settings:
         assert with_rows.num_preemptions > 0  # the case it names happened
@@ -70,20 +70,20 @@ def test_rows_never_read_uninitialized_memory(make_engine, mixed_prompts):
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
     try:
-        got = run(make_engine(), mixed_prompts)
+        got = run(make_engine(attention_backend="torch"), mixed_prompts)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert got == run(gathering(make_engine()), mixed_prompts)
+    assert got == run(gathering(make_engine(attention_backend="torch")), mixed_prompts)
 
 
 def test_a_batch_over_the_byte_bound_gathers_instead(make_engine, mixed_prompts):
-    engine = make_engine()
+    engine = make_engine(attention_backend="torch")
     rows = engine.runner.decode_rows
     assert isinstance(rows, DecodeRows)
     rows.max_bytes = 1  # no row fits: every step gathers
     got = run(engine, mixed_prompts)
     assert rows.owners == [] and rows.data.numel() == 0
-    assert got == run(gathering(make_engine()), mixed_prompts)
+    assert got == run(gathering(make_engine(attention_backend="torch")), mixed_prompts)
 
 
 def test_a_preempted_sequence_gets_a_new_key():

@@ -83,12 +83,16 @@ def test_kernel_threads_take_a_cpu_an_engine_of_one_thread_leaves(monkeypatch) -
     # prefill and a decode engine already have a CPU each.
     assert on(2, colocated=True).engine_kernel_threads() == 2
     assert on(2, colocated=True).engine_config().kernel_threads == 2
-    # The helper is named where the engines run our kernels (bfloat16 on a CPU that can).
+    # The helper is named where the engines run our kernels (bfloat16 or float32 on a CPU
+    # that can), not for the torch backend.
     helper = " (+1 for our CPU kernels)" if cpu_kernels.unavailable_reason() is None else ""
     assert ready_line(on(2, colocated=True, dtype="bfloat16")).endswith(
         f"(colocated; 1 torch thread per engine{helper}, from 2 CPUs; dtype bfloat16; no API "
         "keys)")
-    assert "CPU kernels" not in ready_line(on(2, colocated=True, dtype="float32"))
+    helper = " (+1 for our CPU kernels)" if cpu_kernels.f32_unavailable_reason() is None else ""
+    assert f"per engine{helper}, from" in ready_line(on(2, colocated=True, dtype="float32"))
+    assert "CPU kernels" not in ready_line(on(2, colocated=True, dtype="float32",
+                                              attention_backend="torch"))
     assert on(2).engine_kernel_threads() == 1
     assert on(4).engine_kernel_threads() == 2  # 1 torch thread each, 2 CPUs each
     assert on(8).engine_kernel_threads() == 1  # 3 torch threads each: oneDNN's projections

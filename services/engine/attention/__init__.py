@@ -6,16 +6,17 @@ also writes the step's new K/V into the cache. Backends:
 
 - ``torch`` (``torch_backend.py``): gather + ``scaled_dot_product_attention``; the reference,
   and the CPU path for float32 (exact against transformers).
-- ``cpu`` (``cpu_backend.py``): decoding sequences through our C kernel reading a bfloat16
-  cache in place (x86 with AVX-512 BF16, built with the machine's C compiler on first use:
-  ``cpu_kernels.py``); prefill as ``torch``.
+- ``cpu`` (``cpu_backend.py``): decoding sequences through our C kernel reading the cache in
+  place: bfloat16 on x86 with AVX-512 BF16, float32 on x86 with AVX2 and FMA (built at install,
+  else with the machine's C compiler on first use: ``cpu_kernels.py``); prefill as ``torch``
+  (bfloat16 on AMX: our kernel).
 - ``triton`` (``triton_backend.py``): our paged kernels reading K/V in place; the default on
   CUDA. On a CPU it runs only under ``TRITON_INTERPRET=1`` (tests).
 - ``flash_attn`` (``flash_backend.py``): flash-attn's paged varlen kernel, when the package is
   installed (CUDA only; blocks of a multiple of 256 tokens).
 
-``auto`` picks triton on a CUDA device when Triton imports; on a CPU, cpu for a bfloat16 cache
-when the kernel can run here, else torch.
+``auto`` picks triton on a CUDA device when Triton imports; on a CPU, cpu for a bfloat16 or
+float32 cache when its kernel can run here, else torch.
 
 Each layer tells ``forward`` what its attention computes (``LayerAttention``: Gemma's sliding
 windows, logit soft-capping and query scale). Only torch implements more than plain causal
@@ -81,16 +82,16 @@ def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None,
     if name == "auto":
         if on_cuda:
             return "triton" if has_triton else "torch"
-        if kv_dtype == torch.bfloat16 and cpu_kernels.unavailable_reason() is None:
+        if kv_dtype in CPU_KERNEL_DTYPES and _cpu_kernel_missing(kv_dtype) is None:
             return "cpu"
         return "torch"
     if name == "cpu":
         if on_cuda:
             raise ValueError(f"attention_backend cpu runs on a CPU (device is {device!r})")
-        if kv_dtype is not None and kv_dtype != torch.bfloat16:
-            raise ValueError(f"attention_backend cpu needs a bfloat16 KV cache (dtype bfloat16, "
-                             f"kv_cache_dtype auto), not {str(kv_dtype).removeprefix('torch.')}")
-        reason = cpu_kernels.unavailable_reason()
+        if kv_dtype is not None and kv_dtype not in CPU_KERNEL_DTYPES:
+            raise ValueError(f"attention_backend cpu needs a bfloat16 or float32 KV cache "
+                             f"(kv_cache_dtype auto), not {str(kv_dtype).removeprefix('torch.')}")
+        reason = _cpu_kernel_missing(kv_dtype)
         if reason is not None:
             raise ValueError(f"attention_backend cpu cannot run here: {reason}")
     if name == "triton":
@@ -108,6 +109,20 @@ def resolve_backend(name: str, device: str, kv_dtype: torch.dtype | None = None,
             raise ValueError(f"attention_backend flash_attn needs a CUDA device (device is "
                              f"{device!r})")
     return name
+
+
+CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _cpu_kernel_missing(kv_dtype: torch.dtype | None) -> str | None:
+    """Why the cpu backend's kernel for a ``kv_dtype`` cache cannot run here (None: it can;
+    a cache of unknown dtype: either kernel)."""
+    if kv_dtype == torch.float32:
+        return cpu_kernels.f32_unavailable_reason()
+    bf16 = cpu_kernels.unavailable_reason()
+    if kv_dtype is None and bf16 is not None:
+        return cpu_kernels.f32_unavailable_reason() and bf16
+    return bf16
 
 
 def check_features(name: str, features: Collection[str]) -> None:
@@ -128,7 +143,8 @@ def get_attention_backend(name: str, device: str, num_heads: int, num_kv_heads: 
     name = resolve_backend(name, device, kv_dtype, features)
     if name == "cpu":
         from tandem.services.engine.attention.cpu_backend import CpuAttention
-        return CpuAttention(num_heads // num_kv_heads, num_kv_heads, head_dim, kernel_threads)
+        return CpuAttention(num_heads // num_kv_heads, num_kv_heads, head_dim, kernel_threads,
+                            torch.float32 if kv_dtype == torch.float32 else torch.bfloat16)
     if name == "triton":
         from tandem.services.engine.attention.triton_backend import TritonAttention
         return TritonAttention(num_kv_heads, head_dim, device)

@@ -1,6 +1,8 @@
 """The ``cpu`` backend: decoding sequences through our C kernel, reading K/V in place.
 
-For a bfloat16 cache on an x86 CPU with AVX-512 BF16 (``cpu_kernels.py``). Each run of decoding
+For a bfloat16 cache on an x86 CPU with AVX-512 BF16, or a float32 cache on one with AVX2 and FMA
+(``cpu_kernels.py``: ``decode_attention_f32.c``, decode only: a float32 cache's stores and
+prefill chunks go through the torch backend's code). Each run of decoding
 sequences with the same query length (one row, or one plus draft tokens) is one kernel call
 over the block tables: no gather, no mask, no per-step copy of the contexts (the torch
 backend's decode rows, DecodeRows, are not kept). A step's prefill chunks are one call of the AMX
@@ -51,16 +53,21 @@ class CpuAttention(TorchAttention):
     name = "cpu"
 
     def __init__(self, heads_per_kv_group: int, num_kv_heads: int, head_dim: int,
-                 threads: int = 1) -> None:
-        """``threads``: 2 lets the kernels' helper thread take part of each call."""
+                 threads: int = 1, dtype: torch.dtype = torch.bfloat16) -> None:
+        """``threads``: 2 lets the kernels' helper thread take part of each call; ``dtype``:
+        the cache's, bfloat16 or float32."""
         super().__init__(heads_per_kv_group)
         self.threads = threads
-        self.kernels = cpu_kernels.load()
+        self.float32 = dtype == torch.float32
+        self.kernels = None if self.float32 else cpu_kernels.load()  # the bfloat16 library
+        self.decode_kernel: cpu_kernels.Kernels | cpu_kernels.Float32Kernels = (
+            self.kernels if self.kernels is not None else cpu_kernels.load_f32())
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
         # Prefill chunks through our AMX kernel where it runs, else SDPA.
-        self.prefill_kernel = self.kernels.amx and cpu_kernels.supports_prefill(head_dim)
+        self.prefill_kernel = (self.kernels is not None and self.kernels.amx
+                               and cpu_kernels.supports_prefill(head_dim))
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, plan: TorchPlan, attn: LayerAttention = PLAIN_ATTENTION
@@ -70,14 +77,17 @@ class CpuAttention(TorchAttention):
 
     def _plan_decodes(self, step: StepMetadata, s: int, e: int, row: int) -> Any:
         length = step.query_lens_host[s]
-        if not cpu_kernels.supports_decode(self.num_kv_heads, self.head_dim, self.group, length):
+        if not cpu_kernels.supports_decode(self.num_kv_heads, self.head_dim, self.group, length,
+                                           self.float32):
             return super()._plan_decodes(step, s, e, row)
         return KernelBatch(row, row + (e - s) * length, length, step.block_tables[s:e],
                            step.seq_lens[s:e])
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                plan: TorchPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        assert isinstance(kv_cache, torch.Tensor)  # bfloat16: resolve_backend refuses int8
+        if self.kernels is None:  # float32: torch's indexed store
+            return super()._store(layer, k, v, kv_cache, plan)
+        assert isinstance(kv_cache, torch.Tensor)  # resolve_backend refuses int8
         self.kernels.store_kv(k, v, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
                               plan.slot_blocks, plan.slot_offsets)
         return k, v
@@ -89,7 +99,7 @@ class CpuAttention(TorchAttention):
             return super()._decode(layer, q, k, v, kv_cache, batch, out)
         assert isinstance(kv_cache, torch.Tensor)
         rows = q[batch.start:batch.end].contiguous()  # a copy only for a strided q
-        self.kernels.decode_attention(rows, out, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
+        self.decode_kernel.decode_attention(rows, out, kv_cache[:, layer, 0], kv_cache[:, layer, 1],
                                       batch.block_tables, batch.seq_lens, batch.query_len,
                                       self.scale, self.threads)
         return None
@@ -108,7 +118,7 @@ class CpuAttention(TorchAttention):
                  attn: LayerAttention = PLAIN_ATTENTION) -> None:
         if not (prefills and isinstance(prefills[0], KernelPrefill)):
             return super()._prefill(layer, q, k, v, kv_cache, prefills, out)
-        assert isinstance(kv_cache, torch.Tensor)  # bfloat16: resolve_backend refuses int8
+        assert isinstance(kv_cache, torch.Tensor) and self.kernels is not None
         self.kernels.prefill_attention(q.contiguous(), out, kv_cache[:, layer, 0],
                                        kv_cache[:, layer, 1], prefills[0].block_tables,
                                        prefills[0].spans, self.scale, self.threads)

@@ -32,6 +32,13 @@ int decode_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, c
                           int64_t bs, int64_t block_stride, int64_t tok_stride, float scale,
                           int threads);
 
+/* decode_attention_f32.c (AVX2 and FMA; a library of its own: kernel_build.AVX2_BUILD) */
+int decode_attention_f32(const float *q, float *out, const float *k, const float *v,
+                         const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                         int64_t n, int64_t qlen, int64_t hkv, int64_t group, int64_t d,
+                         int64_t bs, int64_t block_stride, int64_t tok_stride, float scale,
+                         int threads);
+
 /* linear.c and prefill_attention.c (AMX: built where the compiler has its intrinsics) */
 int amx_enable(void);
 int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias,
