@@ -63,9 +63,11 @@ async def named_calls(handles: dict[str, Any]) -> dict[str, Any]:
 async def failover(handles: dict[str, Any]) -> dict[str, Any]:
     settings = HashSettings(16, "SmolLM2-135M-Instruct")
     registry, bus = InProcessRegistry(settings, ttl_s=600.0), InProcessEventBus()
-    # Every request prefilled on P (none locally on D), as the failover it follows needs.
-    router = Router(RouterConfig(settings, provisional_ttl_s=0.0, max_local_prefill_tokens=0),
-                    registry, bus)
+    # Every request prefilled on P (none on D, even once D's cache events for the prompt have
+    # arrived: how soon they do depends on the machine's load), as the failover it follows
+    # needs.
+    router = Router(RouterConfig(settings, provisional_ttl_s=0.0, max_local_prefill_tokens=0,
+                                 skip_prefill_when_cached_on_decode=False), registry, bus)
     view = ClusterView(router, handles, registry, bus, poll_s=0.5)
     await view.wait_for({"prefill": 1, "decode": 1}, timeout_s=300.0)
     live = next(w.worker_id for w in view.workers.values() if w.role == "prefill")
