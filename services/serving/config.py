@@ -427,8 +427,8 @@ class AppConfig:
 
         reason = cpu_kernels.unavailable_reason()
         if reason is None:
-            return "bfloat16", "auto: our CPU kernels run here"
-        return "float32", f"auto: our CPU kernels cannot run here ({reason})"
+            return "bfloat16", "auto: our bfloat16 CPU kernels run here"
+        return "float32", f"auto: our bfloat16 CPU kernels cannot run here ({reason})"
 
     def engine_device(self) -> str:
         """Resolved where the engine is built (a GPU worker pod, not the machine that wrote

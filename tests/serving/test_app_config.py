@@ -311,7 +311,7 @@ def test_dtype_auto_is_the_fast_path_where_it_runs_and_says_why() -> None:
     dtype, why = default.engine_dtype()
     assert default.engine_config().dtype == dtype
     if reason is None:
-        assert (dtype, why) == ("bfloat16", "auto: our CPU kernels run here")
+        assert (dtype, why) == ("bfloat16", "auto: our bfloat16 CPU kernels run here")
     else:
         assert dtype == "float32" and reason in why
     assert f"; dtype {dtype} ({why}); " in ready_line(default)
