@@ -74,7 +74,8 @@ def _cell(text: str) -> str:
 
 
 def _row(result: Result) -> str:
-    cells = (result.measure, result.figure, result.machine, f"`{result.command}`", result.date)
+    command = result.command if "`" in result.command else f"`{result.command}`"
+    cells = (result.measure, result.figure, result.machine, command, result.date)
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
@@ -93,7 +94,9 @@ def _parse_row(line: str) -> Result:
     if len(cells) != len(COLUMNS):
         raise ValueError(f"results table row has {len(cells)} cells, not {len(COLUMNS)}: {line}")
     measure, figure, where, cmd, date = cells
-    return Result(measure, figure, cmd.strip("`"), where, date)
+    if cmd.count("`") == 2 and cmd.startswith("`") and cmd.endswith("`"):
+        cmd = cmd[1:-1]  # a command alone; other cells keep their markdown
+    return Result(measure, figure, cmd, where, date)
 
 
 def _table_span(lines: list[str], doc: Path) -> tuple[int, int]:
@@ -115,19 +118,19 @@ def read(doc: Path = DOC) -> list[Result]:
 
 
 def record(results: Sequence[Result], doc: Path = DOC) -> None:
-    """Puts ``results`` into ``doc``'s table: a measure's row replaced in place, new ones last;
-    each stamped with this machine and the time where it has none."""
+    """Puts ``results`` into ``doc``'s table: a measure's row replaced in place, new ones last,
+    each stamped with this machine and the time where it has none; the other rows' lines are
+    left as they are."""
     text = doc.read_text()
     lines = text.splitlines()
     begin, end = _table_span(lines, doc)
-    rows = {row.measure: row for row in read(doc)}
+    rows = {_parse_row(line).measure: line for line in lines[begin + 3:end]}
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     here = machine()
     for result in results:
-        rows[result.measure] = Result(result.measure, result.figure, result.command,
-                                      result.machine or here, result.date or now)
-    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
-             *(_row(row) for row in rows.values())]
+        rows[result.measure] = _row(Result(result.measure, result.figure, result.command,
+                                           result.machine or here, result.date or now))
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS), *rows.values()]
     out = [*lines[:begin + 1], *table, *lines[end:]]
     doc.write_text("\n".join(out) + ("\n" if text.endswith("\n") else ""))
     print(f"recorded {len(results)} row(s) in {doc}")

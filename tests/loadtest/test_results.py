@@ -44,6 +44,12 @@ def test_recording_replaces_a_measures_row_in_place_and_appends_new_ones(tmp_pat
     after = doc.read_text()
     begin, end = before.index(results.BEGIN), before.index(results.END)
     assert after.startswith(before[:begin]) and after.endswith(before[end:])
+    # The other rows' lines as they were, whatever markdown their cells hold.
+    old_lines = before[begin:end].splitlines()
+    new_lines = after[begin:after.index(results.END)].splitlines()
+    assert new_lines[4:-1] == old_lines[4:] and len(new_lines) == len(old_lines) + 1
+    results.record([results.Result("a new measure", "43 tok/s", "`a` then `b`")], doc)
+    assert results.read(doc)[-1].command == "`a` then `b`"  # kept, not wrapped again
 
 
 def test_a_file_without_the_table_is_refused_by_name(tmp_path: Path) -> None:
