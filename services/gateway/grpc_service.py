@@ -101,8 +101,10 @@ class GenerateStream:
     def response(self, index: int, delta: Delta) -> pb.GenerateResponse:
         if self.readers is None:
             return _response(self.request_id, delta, index, delta.text)
-        piece = self.readers[index].read(delta)
-        return _response(self.request_id, delta, index, piece.content, piece.calls)
+        reader = self.readers[index]
+        piece = reader.read(delta)
+        return _response(self.request_id, delta, index, piece.content,
+                         reader.calls if piece.last is not None else ())
 
 
 async def start_generation(gateway: Gateway, request: pb.GenerateRequest,

@@ -99,7 +99,7 @@ from tandem.services.gateway.responses_api import (
 from tandem.services.gateway.token_text import TokenText
 from tandem.services.gateway.tool_parsers import ToolParser
 from tandem.services.gateway.tools import (
-    CallStream,
+    CallDelta,
     ToolCall,
     parse_reply,
     with_tools,
@@ -668,36 +668,22 @@ async def _chat_events(choices: Choices, ctx: ResponseContext, body: ChatComplet
     for index in range(body.n):
         yield event(ctx.chat_chunk(None, False, first=True, index=index))
     usages: list[Usage | None] = [None] * body.n
-    mode = body.tool_mode()
-    if mode in (None, "none", "auto"):
-        # Reasoning apart and, under auto, content until a call may be starting, the calls
-        # with the reply's last delta (replies.ReplyReader); neither: the text as it comes
-        # (no reader on the plain path).
-        readers = ([_reader(body, thinking, parser) for _ in range(body.n)]
-                   if mode == "auto" or thinking is not None else None)
-        async for index, delta in choices:
-            usages[index] = delta.usage or usages[index]
-            reasoning, content, calls = "", delta.text, []
-            if readers is not None:
-                piece = readers[index].read(delta)
-                reasoning, content, calls = piece.reasoning, piece.content, piece.calls
-            if (reasoning or content or calls or delta.finish_reason
-                    or (body.logprobs and delta.logprobs)
-                    or (body.return_token_ids and delta.token_ids)):
-                yield event(ctx.chat_chunk(delta, body.logprobs, reply=(content, calls),
-                                           index=index, reasoning=reasoning))
-    else:  # held to one call: its arguments stream as they form
-        calls = [CallStream(None if mode == "required" else mode) for _ in range(body.n)]
-        async for index, delta in choices:
-            usages[index] = delta.usage or usages[index]
-            call = calls[index]
-            started, arguments = call.feed(delta.text)
-            if delta.finish_reason is not None:
-                arguments += call.finish(complete=delta.finish_reason == "stop")
-            if (started or arguments or delta.finish_reason or (body.logprobs and delta.logprobs)
-                    or (body.return_token_ids and delta.token_ids)):
-                yield event(ctx.call_chunk(delta, body.logprobs, index, call, started,
-                                           arguments))
+    # Reasoning apart and tool calls as they form (replies.ReplyReader); neither: the text as
+    # it comes (no reader on the plain path).
+    readers = ([_reader(body, thinking, parser) for _ in range(body.n)]
+               if body.tool_mode() not in (None, "none") or thinking is not None else None)
+    async for index, delta in choices:
+        usages[index] = delta.usage or usages[index]
+        reasoning, content, calls, called = "", delta.text, [], False
+        if readers is not None:
+            piece = readers[index].read(delta)
+            reasoning, content, calls = piece.reasoning, piece.content, piece.calls
+            called = bool(readers[index].calls)
+        if (reasoning or content or calls or delta.finish_reason
+                or (body.logprobs and delta.logprobs)
+                or (body.return_token_ids and delta.token_ids)):
+            yield event(ctx.chat_chunk(delta, body.logprobs, content=content, calls=calls,
+                                       called=called, index=index, reasoning=reasoning))
     if include_usage:
         yield sse(ctx.usage_chunk("chat.completion.chunk", total_usage(usages)))
     yield SSE_DONE
@@ -725,23 +711,25 @@ class _ApiEvents(Protocol):
     def start(self) -> Iterable[dict[str, Any]]: ...
     def reasoning(self, text: str) -> Iterable[dict[str, Any]]: ...
     def content(self, text: str) -> Iterable[dict[str, Any]]: ...
+    def calls(self, deltas: list[CallDelta]) -> Iterable[dict[str, Any]]: ...
     def finish(self, calls: list[ToolCall], last: Delta) -> Iterable[dict[str, Any]]: ...
 
 
 async def _api_events(choices: Choices, events: _ApiEvents, body: ChatCompletionRequest,
                       thinking: bool | None, parser: ToolParser
                       ) -> AsyncGenerator[bytes, None]:
-    """One streamed reply as named server-sent events: reasoning and content as they form,
-    the calls at the end (``replies.ReplyReader``)."""
+    """One streamed reply as named server-sent events: reasoning, content and tool calls as
+    they form (``replies.ReplyReader``)."""
     for event in events.start():
         yield sse_event(event)
     reader = _reader(body, thinking, parser)
     async for _, delta in choices:
         piece = reader.read(delta)
-        for event in (*events.reasoning(piece.reasoning), *events.content(piece.content)):
+        for event in (*events.reasoning(piece.reasoning), *events.content(piece.content),
+                      *events.calls(piece.calls)):
             yield sse_event(event)
         if piece.last is not None:
-            for event in events.finish(piece.calls, piece.last):
+            for event in events.finish(reader.calls, piece.last):
                 yield sse_event(event)
 
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from tandem.services.gateway.errors import GatewayError, bad_request, unsupported
 from tandem.services.gateway.openai_protocol import Int, RequestBody, refused_extra
 from tandem.services.gateway.pipeline import Delta, Usage
-from tandem.services.gateway.tools import ToolCall
+from tandem.services.gateway.tools import CallDelta, ToolCall
 
 MAX_STOP_SEQUENCES = 16
 
@@ -264,7 +264,7 @@ def error_json(error: GatewayError) -> dict[str, Any]:
 
 class MessageEvents:
     """A streamed message's events: ``message_start``, a content block per kind as it forms
-    (``thinking``, ``text``; ``tool_use`` at the end, its input as one ``input_json_delta``),
+    (``thinking``, ``text``, ``tool_use`` with its input's ``input_json_delta`` pieces),
     ``message_delta`` (the stop reason and usage) and ``message_stop``."""
 
     def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
@@ -287,11 +287,18 @@ class MessageEvents:
             yield from self._block("text", {"type": "text", "text": ""})
             yield self._delta({"type": "text_delta", "text": text})
 
+    def calls(self, deltas: list[CallDelta]) -> Iterator[dict[str, Any]]:
+        """Each call as it forms: a ``tool_use`` block, its input's JSON text in pieces."""
+        for delta in deltas:
+            yield from self._block(f"tool_use {delta.call.id}",
+                                   tool_use_block(delta.call, streamed=True))
+            if delta.arguments:
+                yield self._delta({"type": "input_json_delta",
+                                   "partial_json": delta.arguments})
+
     def finish(self, calls: list[ToolCall], last: Delta) -> Iterator[dict[str, Any]]:
-        """``last``: the reply's last delta (its finish reason, stop string and usage)."""
-        for call in calls:
-            yield from self._block(f"tool_use {call.id}", tool_use_block(call, streamed=True))
-            yield self._delta({"type": "input_json_delta", "partial_json": call.arguments})
+        """``calls``: the reply's (as ``calls`` streamed them); ``last``: its last delta (its
+        finish reason, stop string and usage)."""
         yield from self._close()
         yield {"type": "message_delta",
                "delta": {"stop_reason": stop_reason(last.finish_reason, last.stop_string, calls),

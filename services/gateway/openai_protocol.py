@@ -21,7 +21,7 @@ from tandem.services.gateway.core import MAX_CHOICES, SamplingOptions, template_
 from tandem.services.gateway.errors import GatewayError, bad_request, unsupported
 from tandem.services.gateway.pipeline import Delta, Usage
 from tandem.services.gateway.token_text import TokenText
-from tandem.services.gateway.tools import CallStream, Function, ToolCall, assistant_calls_text
+from tandem.services.gateway.tools import CallDelta, Function, ToolCall, assistant_calls_text
 from tandem.services.gateway.tools import constraint as tool_constraint
 from tandem.services.protocol.outputs import TokenLogprobs
 from tandem.services.protocol.request import StructuredOutput
@@ -556,9 +556,19 @@ def usage_json(usage: Usage | None) -> dict[str, Any] | None:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def _finish(reason: str | None, calls: Sequence[ToolCall]) -> str | None:
+def _finish(reason: str | None, called: bool) -> str | None:
     """A reply that ended on its own with tool calls finishes as ``tool_calls``."""
-    return "tool_calls" if calls and reason == "stop" else reason
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _call_delta(delta: CallDelta) -> dict[str, Any]:
+    """A streamed ``tool_calls`` entry: the call's id and name with its first."""
+    function: dict[str, Any] = {"arguments": delta.arguments}
+    entry: dict[str, Any] = {"index": delta.index, "function": function}
+    if delta.started:
+        entry.update(id=delta.call.id, type="function")
+        function["name"] = delta.call.name
+    return entry
 
 
 def _lp(value: float) -> float:
@@ -610,7 +620,7 @@ class ResponseContext:
             "index": index,
             "message": message,
             "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
-            "finish_reason": _finish(delta.finish_reason, calls),
+            "finish_reason": _finish(delta.finish_reason, bool(calls)),
         }, delta)
 
     def chat_completion(self, choices: list[dict[str, Any]], usage: Usage | None,
@@ -622,50 +632,25 @@ class ResponseContext:
         return body
 
     def chat_chunk(self, delta: Delta | None, want_logprobs: bool, first: bool = False,
-                   reply: tuple[str | None, Sequence[ToolCall]] | None = None, index: int = 0,
-                   reasoning: str = "") -> dict[str, Any]:
-        """``reply``: the delta's content and the reply's tool calls (none: the delta's text);
-        ``reasoning``: the delta's reasoning text."""
+                   content: str | None = None, calls: Sequence[CallDelta] = (),
+                   called: bool = False, index: int = 0, reasoning: str = "") -> dict[str, Any]:
+        """``content``: the delta's content (None: its text); ``calls``: what it adds to the
+        reply's tool calls; ``called``: the reply made calls (a stop finishes as
+        ``tool_calls``); ``reasoning``: the delta's reasoning text."""
         message: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         choice: dict[str, Any] = {"index": index, "delta": message, "logprobs": None,
                                   "finish_reason": None}
         if delta is not None:
-            content, calls = reply if reply is not None else (delta.text, ())
-            text = content
+            text = delta.text if content is None else content
             if reasoning:
                 message["reasoning_content"] = reasoning
             if text:
                 message["content"] = text
             if calls:
-                message["tool_calls"] = [call.to_json(i) for i, call in enumerate(calls)]
+                message["tool_calls"] = [_call_delta(call) for call in calls]
             if want_logprobs and delta.logprobs:
                 choice["logprobs"] = self.chat_logprobs(delta.logprobs)
-            choice["finish_reason"] = _finish(delta.finish_reason, calls)
-        self.with_token_ids(choice, delta)
-        return self.envelope("chat.completion.chunk", [choice])
-
-    def call_chunk(self, delta: Delta, want_logprobs: bool, index: int, stream: CallStream,
-                   started: bool, arguments: str) -> dict[str, Any]:
-        """A chunk of a reply held to one tool call (``tools.CallStream``): the call's id and
-        name when it ``started``, then its new ``arguments`` text. A reply that ended before
-        a call began (cut short) is sent as content at its end."""
-        message: dict[str, Any] = {}
-        call = stream.call
-        if call is None:
-            if delta.finish_reason is not None and stream.text:
-                message["content"] = stream.text
-        elif started or arguments:
-            function: dict[str, Any] = {"arguments": arguments}
-            entry: dict[str, Any] = {"index": 0, "function": function}
-            if started:
-                entry.update(id=call.id, type="function")
-                function["name"] = call.name
-            message["tool_calls"] = [entry]
-        choice: dict[str, Any] = {
-            "index": index, "delta": message,
-            "logprobs": (self.chat_logprobs(delta.logprobs)
-                         if want_logprobs and delta.logprobs else None),
-            "finish_reason": _finish(delta.finish_reason, [call] if call else [])}
+            choice["finish_reason"] = _finish(delta.finish_reason, called)
         self.with_token_ids(choice, delta)
         return self.envelope("chat.completion.chunk", [choice])
 

@@ -33,7 +33,7 @@ from pydantic import Field
 from tandem.services.gateway.errors import GatewayError, bad_request, unsupported
 from tandem.services.gateway.openai_protocol import Int, RequestBody, refused_extra
 from tandem.services.gateway.pipeline import Delta, Usage
-from tandem.services.gateway.tools import ToolCall
+from tandem.services.gateway.tools import CallDelta, ToolCall
 
 MAX_ID_CHARS = 128
 T = TypeVar("T")
@@ -222,8 +222,12 @@ def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def call_item_id(call: ToolCall) -> str:
+    return f"fc_{call.id.removeprefix('call_')}"
+
+
 def call_item(call: ToolCall, status: str, arguments: str | None = None) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}",
+    return {"type": "function_call", "id": call_item_id(call),
             "call_id": call.id, "name": call.name,
             "arguments": call.arguments if arguments is None else arguments, "status": status}
 
@@ -280,6 +284,7 @@ class ResponseEvents:
         self.ids = OutputIds()
         self._reasoning: str | None = None  # the reasoning item's text while it is open
         self._text: str | None = None  # the message's text while it is open
+        self._call: ToolCall | None = None  # the call being streamed
         self._done: list[dict[str, Any]] = []  # the output items finished
         self._all = {"reasoning": "", "content": ""}  # the whole reply's, for ``reply``
 
@@ -318,29 +323,29 @@ class ResponseEvents:
                          output_index=len(self._done), content_index=0, delta=text,
                          logprobs=[])
 
+    def calls(self, deltas: list[CallDelta]) -> Iterator[dict[str, Any]]:
+        """Each call as it forms: a ``function_call`` item, its arguments' deltas."""
+        for delta in deltas:
+            if delta.started:
+                yield from self._close_reasoning()
+                yield from self._close_text()
+                yield from self._close_call()
+                yield self._added(call_item(delta.call, "in_progress", ""))
+            self._call = delta.call
+            if delta.arguments:
+                yield self.event("response.function_call_arguments.delta",
+                                 item_id=call_item_id(delta.call),
+                                 output_index=len(self._done), delta=delta.arguments)
+
     def finish(self, calls: list[ToolCall], last: Delta) -> Iterator[dict[str, Any]]:
-        """``last``: the reply's last delta (its finish reason and usage). Every event but the
-        last (``terminal``), which the caller sends once the response is stored."""
+        """``calls``: the reply's (as ``calls`` streamed them); ``last``: its last delta (its
+        finish reason and usage). Every event but the last (``terminal``), which the caller
+        sends once the response is stored."""
         reply = Reply(self._all["content"] or None, calls, self._all["reasoning"] or None,
                       last.finish_reason, last.usage)
         yield from self._close_reasoning()
-        if self._text is not None:
-            index, text = len(self._done), self._text
-            yield self.event("response.output_text.done", item_id=self.ids.message,
-                             output_index=index, content_index=0, text=text, logprobs=[])
-            yield self.event("response.content_part.done", item_id=self.ids.message,
-                             output_index=index, content_index=0, part=output_text(text))
-            yield self._item_done(message_item(self.ids.message, text, "completed"))
-            self._text = None
-        for call in calls:
-            index = len(self._done)
-            yield self._added(call_item(call, "in_progress", ""))
-            item_id = call_item(call, "completed")["id"]
-            yield self.event("response.function_call_arguments.delta", item_id=item_id,
-                             output_index=index, delta=call.arguments)
-            yield self.event("response.function_call_arguments.done", item_id=item_id,
-                             output_index=index, name=call.name, arguments=call.arguments)
-            yield self._item_done(call_item(call, "completed"))
+        yield from self._close_text()
+        yield from self._close_call()
         self.response = response_json(*self._head, self._done, reply)
         self.finished = reply
 
@@ -357,6 +362,27 @@ class ResponseEvents:
         yield self.event("response.reasoning_text.done", item_id=self.ids.reasoning,
                          output_index=len(self._done), content_index=0, text=text)
         yield self._item_done(reasoning_item(self.ids.reasoning, text))
+
+    def _close_text(self) -> Iterator[dict[str, Any]]:
+        if self._text is None:
+            return
+        index, text, item_id = len(self._done), self._text, self.ids.message
+        yield self.event("response.output_text.done", item_id=item_id, output_index=index,
+                         content_index=0, text=text, logprobs=[])
+        yield self.event("response.content_part.done", item_id=item_id, output_index=index,
+                         content_index=0, part=output_text(text))
+        yield self._item_done(message_item(item_id, text, "completed"))
+        self._text = None
+        self.ids.message = new_id("msg")  # text after a call is a message of its own
+
+    def _close_call(self) -> Iterator[dict[str, Any]]:
+        if self._call is None:
+            return
+        call, self._call = self._call, None
+        yield self.event("response.function_call_arguments.done",
+                         item_id=call_item_id(call), output_index=len(self._done),
+                         name=call.name, arguments=call.arguments)
+        yield self._item_done(call_item(call, "completed"))
 
     def _added(self, item: dict[str, Any]) -> dict[str, Any]:
         return self.event("response.output_item.added", output_index=len(self._done),

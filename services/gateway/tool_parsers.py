@@ -40,12 +40,16 @@ ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic",
 class ToolParser:
     """``markers``: text at which a call may begin (a reply is held from there while it
     streams); ``bare``: a reply that opens with this (after whitespace) may be all calls;
-    ``tags``: the tags the parser reads, which some vocabularies hold as special tokens."""
+    ``tags``: the tags the parser reads, which some vocabularies hold as special tokens;
+    ``head``: a call's start, up to where its JSON arguments begin (``next_call``); None: the
+    family's arguments are not JSON text as written, and its calls go out whole once the
+    reply ends."""
 
     name: str
     markers: tuple[str, ...]
     bare: str | None
     tags: tuple[str, ...]
+    head: re.Pattern[str] | None = None
 
     def parse(self, text: str, schemas: dict[str, dict[str, Any]]
               ) -> tuple[str, list[Call]] | None:
@@ -62,6 +66,19 @@ class ToolParser:
             return None
         return content.strip(), calls
 
+    def next_call(self, text: str, at: int) -> tuple[str, int] | None:
+        """The next call's function name in ``text`` from ``at``, and where its arguments (a
+        JSON object) begin; None: no call's start there yet, or a family without ``head``."""
+        found = self.head.search(text, at) if self.head is not None else None
+        if found is None:
+            return None
+        groups = found.groupdict()
+        try:
+            name = json.loads(groups["name"]) if groups["name"] is not None else groups["bare"]
+        except json.JSONDecodeError:
+            return None
+        return (name, found.end()) if isinstance(name, str) else None
+
     def token_ids(self, token_to_id: Callable[[str], int | None]) -> frozenset[int]:
         """The ids of the tags that are tokens of their own (``token_to_id``: the
         tokenizer's): a reply's text keeps them, special or not."""
@@ -70,10 +87,17 @@ class ToolParser:
 
 
 _XML = ("<tool_call>", "</tool_call>")
+# A call object's head, up to its arguments' opening brace: {"name": "f", "arguments": {
+_JSON_HEAD = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,'
+                        r'\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_MISTRAL_HEAD = re.compile(  # both of Mistral's forms: a JSON list of calls, or name[ARGS]{
+    rf"{_JSON_HEAD.pattern}|\[TOOL_CALLS\]\s*(?P<bare>[A-Za-z0-9_.-]+)\s*\[ARGS\]\s*(?=\{{)")
 PARSERS = {
-    "hermes": ToolParser("hermes", ("<tool_call>",), "{", _XML),
-    "mistral": ToolParser("mistral", ("[TOOL_CALLS]",), None, ("[TOOL_CALLS]", "[ARGS]")),
-    "llama3_json": ToolParser("llama3_json", ("<|python_tag|>",), "{", ("<|python_tag|>",)),
+    "hermes": ToolParser("hermes", ("<tool_call>",), "{", _XML, _JSON_HEAD),
+    "mistral": ToolParser("mistral", ("[TOOL_CALLS]",), None, ("[TOOL_CALLS]", "[ARGS]"),
+                          _MISTRAL_HEAD),
+    "llama3_json": ToolParser("llama3_json", ("<|python_tag|>",), "{", ("<|python_tag|>",),
+                              _JSON_HEAD),
     "pythonic": ToolParser("pythonic", ("<|python_start|>",), "[",
                            ("<|python_start|>", "<|python_end|>")),
     "qwen3_coder": ToolParser("qwen3_coder", ("<tool_call>",), None, _XML),

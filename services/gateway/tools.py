@@ -29,10 +29,8 @@ from tandem.services.protocol.request import StructuredOutput
 
 HERMES = PARSERS["hermes"]
 
-# The start of a reply held to {"name": ..., "arguments": ...} (tool_choice required).
-_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
-_TAIL = re.compile(r"[}\s]*\Z")  # what may be the end of the call object, not its arguments
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+_CALL_CLOSE = re.compile(r"\s*\}")
 
 
 @dataclass(frozen=True)
@@ -126,30 +124,68 @@ def constraint(functions: list[Function], choice: str | None) -> StructuredOutpu
 def parse_reply(text: str, functions: list[Function], choice: str | None,
                 parser: ToolParser = HERMES, parallel: bool = True
                 ) -> tuple[str | None, list[ToolCall]]:
-    """The reply's content and its tool calls (none: the text is all content). Under auto
-    the family's ``parser`` reads it; ``parallel`` false (``parallel_tool_calls``): the first
-    call only."""
+    """The reply's content and its tool calls (none: the text is all content), as streaming
+    it gives them (``ReplyStream`` under auto, ``CallStream`` otherwise). ``parser``: the
+    family's; ``parallel`` false (``parallel_tool_calls``): the first call only."""
     if choice in (None, "none"):
         return text, []
-    if choice != "auto":  # required or a named function: one call, as CallStream reads it
+    if choice != "auto":  # required or a named function: one call
         stream = CallStream(None if choice == "required" else choice)
         stream.feed(text)
-        stream.finish(complete=_is_json(text))
+        stream.finish()
         return (None, [stream.call]) if stream.call is not None else (text, [])
+    reply = ReplyStream(functions, parser, parallel)
+    content = reply.feed(text)[0] + reply.finish()[0]
+    return (content.strip() or None) if reply.calls else text, reply.calls
+
+
+def _parsed(text: str, functions: list[Function], parser: ToolParser, parallel: bool
+            ) -> tuple[str, list[ToolCall]] | None:
+    """The whole reply read by the family's ``parser``: its content and calls; None: no
+    well-formed call of one of the functions."""
     found = parser.parse(text, {f.name: f.schema() for f in functions})
     if found is None:
-        return text, []  # no well-formed call: the text as it is
+        return None
     content, calls = found
-    return content or None, [new_call(name, arguments)
-                             for name, arguments in calls[:None if parallel else 1]]
+    return content, [new_call(name, arguments)
+                     for name, arguments in calls[:None if parallel else 1]]
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """What a reply's new text adds to one of its tool calls, as OpenAI streams
+    ``tool_calls``: the call's id and name with its first delta (``started``), then its
+    arguments' new text."""
+
+    index: int  # the call's place among the reply's calls
+    call: ToolCall  # the call so far
+    started: bool
+    arguments: str
+
+
+def merged(deltas: list[CallDelta]) -> list[CallDelta]:
+    """``deltas`` with each call's run of deltas made one."""
+    out: list[CallDelta] = []
+    for delta in deltas:
+        if out and out[-1].index == delta.index:
+            before = out.pop()
+            delta = CallDelta(delta.index, delta.call, before.started or delta.started,
+                              before.arguments + delta.arguments)
+        out.append(delta)
+    return out
 
 
 class ReplyStream:
-    """A reply under ``tool_choice`` auto, read as it streams: its text goes out as content
+    """A reply under ``tool_choice`` auto, read as it streams. Its text goes out as content
     until a call may be starting (one of the parser's markers, or a reply that opens as its
-    calls may: ``{`` or ``[``); from there it is held, and at the end parsed as
-    ``parse_reply`` does: the calls, and the content not yet sent (or, if the calls are
-    malformed, the held text as content)."""
+    calls may: ``{`` or ``[``); from there it is held. In the families whose calls' arguments
+    are JSON text (the parser's ``next_call``), each call of one of the functions goes out as
+    it forms: its id and name, then its arguments' text until their object closes (a reply
+    cut short ends with them as far as they came, as OpenAI's do). At the end the whole reply
+    is read by the parser: where no call streamed, its calls go out whole (the other
+    families' always do) with the content not yet sent; where it holds no well-formed call,
+    the held text goes out as content (after streamed calls: the text after them, such as a
+    call of a function the request did not offer)."""
 
     def __init__(self, functions: list[Function], parser: ToolParser = HERMES,
                  parallel: bool = True) -> None:
@@ -158,19 +194,44 @@ class ReplyStream:
         self._parallel = parallel
         self._text = ""
         self._sent = ""  # content already sent: a prefix of the text
-        self._held = False
+        self._scan: int | None = None  # held from here: where the next call may begin
+        self._open: int | None = None  # where the last call's arguments begin, while open
+        self.calls: list[ToolCall] = []  # the calls so far
 
-    def feed(self, text: str) -> str:
-        """The content to send now."""
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """The content to send now, and what the text adds to the calls."""
         self._text += text
-        if self._held:
-            return ""
+        content = self._content() if self._scan is None else ""
+        return content, self._stream() if self._scan is not None else []
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """The content still to send and the calls' last deltas."""
+        parsed = _parsed(self._text, self._functions, self._parser, self._parallel)
+        if not self.calls:
+            if parsed is None:
+                return self._text[len(self._sent):], []
+            self.calls = parsed[1]
+            return self._rest(parsed[0]), [CallDelta(i, call, True, call.arguments)
+                                           for i, call in enumerate(self.calls)]
+        if self._open is not None:  # cut short: the arguments as far as they came
+            return "", self._grow(self._text[self._open:].rstrip())
+        if parsed is not None:
+            return self._rest(parsed[0]), []
+        assert self._scan is not None
+        after = self._text[self._scan:]
+        for tag in self._parser.tags:
+            after = after.replace(tag, "")
+        after = after.strip()
+        return (f"\n{after}" if after and self._sent else after), []
+
+    def _content(self) -> str:
+        """The content to send now; holds the text from where a call may begin."""
         opened = min((at for at in map(self._text.find, self._parser.markers) if at >= 0),
                      default=-1)
         bare = self._parser.bare
         if opened >= 0 or (not self._sent and bare is not None
                            and self._text.lstrip().startswith(bare)):
-            self._held = True
+            self._scan = max(opened, 0)
             return self._send(self._text[:opened].rstrip() if opened >= 0 else "")
         if not self._text.strip():
             return ""  # whitespace so far: a call may follow
@@ -181,15 +242,41 @@ class ReplyStream:
                     if marker.startswith(safe[-size:])), default=0)
         return self._send(safe[:len(safe) - held].rstrip())
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The content still to send and the reply's tool calls."""
-        content, calls = parse_reply(self._text, self._functions, "auto", self._parser,
-                                     self._parallel)
-        if not calls:
-            return self._text[len(self._sent):], []
+    def _stream(self) -> list[CallDelta]:
+        """The calls that formed further in the held text (those of the functions only; a
+        call of anything else ends the streaming, and the end decides)."""
+        assert self._scan is not None
+        deltas: list[CallDelta] = []
+        names = {f.name for f in self._functions}
+        while True:
+            if self._open is not None:
+                end = json_end(self._text, self._open)
+                deltas += self._grow(self._text[self._open:end])
+                if end is None:
+                    break
+                closing = _CALL_CLOSE.match(self._text, end)  # the call object's own brace
+                self._open, self._scan = None, closing.end() if closing else end
+            if self.calls and not self._parallel:
+                break
+            head = self._parser.next_call(self._text, self._scan)
+            if head is None or head[0] not in names:
+                break
+            self.calls.append(new_call(head[0], ""))
+            self._open = head[1]
+            deltas.append(CallDelta(len(self.calls) - 1, self.calls[-1], True, ""))
+        return merged(deltas)
+
+    def _grow(self, arguments: str) -> list[CallDelta]:
+        call = self.calls[-1]
+        new = arguments[len(call.arguments):]
+        if not new:
+            return []
+        self.calls[-1] = ToolCall(call.id, call.name, call.arguments + new)
+        return [CallDelta(len(self.calls) - 1, self.calls[-1], False, new)]
+
+    def _rest(self, content: str | None) -> str:
         sent = self._sent.strip()
-        rest = (content or "")[len(sent):] if (content or "").startswith(sent) else ""
-        return rest, calls
+        return (content or "")[len(sent):] if (content or "").startswith(sent) else ""
 
     def _send(self, upto: str) -> str:
         new = upto[len(self._sent):] if upto.startswith(self._sent) else ""
@@ -200,12 +287,9 @@ class ReplyStream:
 class CallStream:
     """A reply held to one call (``tool_choice`` required, or a named function, whose reply is
     the arguments), read as it streams: the call's id and name as soon as they are known, then
-    its arguments' JSON text as it forms (OpenAI's streamed ``tool_calls`` deltas).
-
-    ``call`` is the call so far: its ``arguments`` grow with each ``feed``. Required: the reply
-    is ``{"name": ..., "arguments": {...}}``; the trailing braces are held back until more text
-    shows they are the arguments' own, and the call object's last one is dropped at ``finish``.
-    """
+    its arguments' JSON text as it forms, until their object closes (OpenAI's streamed
+    ``tool_calls`` deltas). ``call`` is the call so far: its ``arguments`` grow with each
+    ``feed``. Required: the reply is ``{"name": ..., "arguments": {...}}``."""
 
     def __init__(self, name: str | None) -> None:
         self._name = name  # None: read from the reply
@@ -226,26 +310,20 @@ class CallStream:
             if self._name is not None:
                 self.call = new_call(self._name, "")
             else:
-                head = _CALL_HEAD.match(self._text)
+                head = HERMES.next_call(self._text, 0)
                 if head is None:
                     return False, ""
-                self.call = new_call(json.loads(head.group(1)), "")
-                self._start = head.end()
+                self.call = new_call(head[0], "")
+                self._start = head[1]
             started = True
-        arguments = self._text[self._start:]
-        if self._name is None:
-            arguments = arguments[:_TAIL.search(arguments).start()]  # type: ignore[union-attr]
-        return started, self._grow(arguments)
+        return started, self._grow(self._text[self._start:json_end(self._text, self._start)])
 
-    def finish(self, complete: bool) -> str:
-        """The arguments' last text. ``complete``: the reply ended as the grammar allows (the
-        call object's closing brace is there); else it was cut short and is sent as it is."""
+    def finish(self) -> str:
+        """The arguments' last text: a reply cut short sends them as far as they came."""
         if self.call is None:
             return ""
-        arguments = self._text[self._start:]
-        if self._name is None and complete:
-            arguments = arguments.rstrip()[:-1].rstrip()  # the call object's "}"
-        return self._grow(arguments)
+        return self._grow(self._text[self._start:].rstrip()
+                          if json_end(self._text, self._start) is None else "")
 
     def _grow(self, arguments: str) -> str:
         assert self.call is not None
@@ -255,10 +333,25 @@ class CallStream:
         return new
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return True
-
+def json_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array that begins at ``start`` (after whitespace) ends in
+    ``text``; None: not closed yet."""
+    depth, quoted, escaped = 0, False, False
+    for at in range(start, len(text)):
+        char = text[at]
+        if quoted:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                quoted = False
+        elif char == '"':
+            quoted = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return at + 1
+    return None

@@ -92,9 +92,13 @@ def test_tool_use_goes_out_and_its_result_comes_back(
             model=model, max_tokens=40, extra_body=GREEDY, tools=[TOOL],  # type: ignore[list-item]
             tool_choice={"type": "tool", "name": "get_weather"},
             messages=[{"role": "user", "content": "Weather in Oslo?"}]) as stream:
+        pieces = [event.delta.partial_json for event in stream  # type: ignore[union-attr]
+                  if event.type == "content_block_delta"
+                  and event.delta.type == "input_json_delta"]
         final = stream.get_final_message()
     streamed, = [b for b in final.content if b.type == "tool_use"]
     assert (streamed.name, streamed.input) == (use.name, use.input)
+    assert json.loads("".join(pieces)) == use.input and len(pieces) > 3  # as it formed
     # The call and its result render as the chat turns that carry them.
     answer = claude.messages.create(
         model=model, max_tokens=12, extra_body=GREEDY, tools=[TOOL],  # type: ignore[list-item]

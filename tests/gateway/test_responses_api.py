@@ -94,6 +94,9 @@ def test_function_calls_go_out_and_their_results_come_back(client: openai.OpenAI
         **GREEDY | {"max_output_tokens": 40}))  # type: ignore[arg-type]
     done, = [e for e in streamed if e.type == "response.function_call_arguments.done"]
     assert (done.name, done.arguments) == (call.name, call.arguments)  # type: ignore[union-attr]
+    pieces = [e.delta for e in streamed  # type: ignore[union-attr]
+              if e.type == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == call.arguments and len(pieces) > 3  # as they formed
     # The call and its result as input items render as the chat turns that carry them.
     result = client.responses.create(model="", tools=[TOOL], tool_choice="none", input=[  # type: ignore[list-item]
         {"role": "user", "content": "Weather in Oslo?"},
@@ -110,6 +113,27 @@ def test_function_calls_go_out_and_their_results_come_back(client: openai.OpenAI
                        "function": {"name": call.name, "arguments": call.arguments}}]},
                   {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}])
     assert result.output_text == chat.choices[0].message.content
+
+
+def test_an_auto_call_streams_as_its_arguments_form(client: openai.OpenAI) -> None:
+    """Under auto, after one turn that called the tool, the model calls it again: a
+    ``function_call`` item whose arguments stream as deltas, the streamed response's."""
+    shot = [{"role": "user", "content": "What's the weather like in Oslo today?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 21 C"},
+            {"role": "assistant", "content": "It is sunny in Oslo, 21 C."},
+            {"role": "user", "content": "What's the weather like in Paris today?"}]
+    streamed = list(client.responses.create(model="", input=shot, tools=[TOOL], stream=True,  # type: ignore[arg-type, list-item]
+                                            **GREEDY | {"max_output_tokens": 40}))  # type: ignore[arg-type]
+    added = [e.item for e in streamed if e.type == "response.output_item.added"]  # type: ignore[union-attr]
+    assert [item.type for item in added] == ["function_call"]
+    pieces = [e.delta for e in streamed  # type: ignore[union-attr]
+              if e.type == "response.function_call_arguments.delta"]
+    done = streamed[-1].response  # type: ignore[union-attr]
+    call, = [item for item in done.output if item.type == "function_call"]
+    assert call.name == "get_weather" and "".join(pieces) == call.arguments
+    assert len(pieces) > 3 and set(json.loads(call.arguments)) <= {"city"}
 
 
 def test_a_cut_reply_is_incomplete(client: openai.OpenAI) -> None:

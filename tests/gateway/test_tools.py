@@ -1,15 +1,18 @@
 """Tool calling: the reply parsed (Hermes and Llama-3 styles), tool_choice required and named
-enforced by the tool's schema over HTTP, streamed tool-call deltas, tool-result turns."""
+enforced by the tool's schema over HTTP, tool-call deltas streamed under every choice,
+tool-result turns."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.runner import ServeAddresses
@@ -46,8 +49,11 @@ def test_replies_are_parsed_in_both_styles() -> None:
     content, calls = parse_reply(llama3, FUNCTIONS, "auto")
     assert content is None and calls[0].name == "get_time"
     for text in ("It is sunny.", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
-                 '<tool_call>{"name": "get_time", "argu'):  # cut off at max_tokens
+                 '<tool_call>{"name": "get_time", "argu'):  # cut off before its arguments
         assert parse_reply(text, FUNCTIONS, "auto") == (text, [])
+    cut = '<tool_call>{"name": "get_time", "arguments": {"timezone": "CE'  # within them
+    assert [(c.name, c.arguments) for c in parse_reply(cut, FUNCTIONS, "auto")[1]] == [
+        ("get_time", '{"timezone": "CE')]
     assert parse_reply(llama3, FUNCTIONS, "none") == (llama3, [])
     content, calls = parse_reply('{"timezone": "UTC"}', FUNCTIONS, "get_time")
     assert content is None and (calls[0].name, calls[0].arguments) == (
@@ -79,7 +85,7 @@ def test_a_call_streams_its_arguments_as_they_form() -> None:
             started, new = stream.feed(reply[i:i + 3])
             starts += started
             pieces.append(new)
-        pieces.append(stream.finish(complete=True))
+        pieces.append(stream.finish())
         assert starts == 1 and stream.call is not None
         assert stream.call.name == "get_weather"
         assert "".join(pieces) == stream.call.arguments == arguments, (mode, reply)
@@ -87,7 +93,7 @@ def test_a_call_streams_its_arguments_as_they_form() -> None:
         assert parse_reply(reply, FUNCTIONS, mode)[1][0].arguments == arguments
     cut = CallStream(None)  # cut short at max_tokens: the arguments as far as they came
     cut.feed('{"name": "get_time", "arguments": {"timezone": "CE')
-    assert cut.finish(complete=False) == ""
+    assert cut.finish() == ""
     assert cut.call is not None and cut.call.arguments == '{"timezone": "CE'
     early = CallStream(None)  # cut before the call began: no call, the text is content
     assert early.feed('{"name": "get_ti') == (False, "") and early.call is None
@@ -96,7 +102,8 @@ def test_a_call_streams_its_arguments_as_they_form() -> None:
 
 def test_under_auto_content_streams_until_a_call_may_begin() -> None:
     """ReplyStream, fed 3 characters at a time: text goes out as it comes (all but a tail that
-    may open a call); from a call on it is held; reassembled, what parse_reply gives whole."""
+    may open a call); from a call on it is held, and the call goes out as it forms (its id
+    and name once, then its arguments); reassembled, what parse_reply gives whole."""
     hermes = ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": '
               '"CET"}}\n</tool_call>')
     replies = [hermes, "It is sunny in Paris, about 21 C.", "A tag: <tool_ca is no call.",
@@ -105,18 +112,23 @@ def test_under_auto_content_streams_until_a_call_may_begin() -> None:
                '  {"not": "a call"}']
     for reply in replies:
         stream = ReplyStream(FUNCTIONS)
-        pieces = [stream.feed(reply[i:i + 3]) for i in range(0, len(reply), 3)]
-        rest, calls = stream.finish()
+        fed = [stream.feed(reply[i:i + 3]) for i in range(0, len(reply), 3)]
+        rest, last = stream.finish()
         content, expected = parse_reply(reply, FUNCTIONS, "auto")
-        assert [(c.name, c.arguments) for c in calls] == [
-            (c.name, c.arguments) for c in expected], reply
-        streamed = "".join(pieces) + rest
-        assert (streamed.strip() if calls else streamed) == (content or ""), reply
+        deltas = [d for _, ds in fed for d in ds] + last
+        names = [d.call.name for d in deltas if d.started]
+        arguments = "".join(d.arguments for d in deltas)
+        assert [(c.name, c.arguments) for c in expected] == (
+            [(names[0], arguments)] if names else []), reply
+        streamed = "".join(sent for sent, _ in fed) + rest
+        assert (streamed.strip() if expected else streamed) == (content or ""), reply
         if not reply.lstrip().startswith(("{", "<")):
-            assert len([p for p in pieces if p]) > 3, reply  # not all at the end
+            assert len([sent for sent, _ in fed if sent]) > 3, reply  # not all at the end
+        if expected:
+            assert len([d for _, ds in fed for d in ds if d.arguments]) > 3, reply
     stream = ReplyStream(FUNCTIONS)
-    assert stream.feed("Let me check. <tool_") == "Let me check."  # the tag's start held
-    assert stream.feed("call>{") == ""
+    assert stream.feed("Let me check. <tool_") == ("Let me check.", [])  # the tag's start held
+    assert stream.feed("call>{") == ("", [])
 
 
 def streamed_calls(stream: openai.Stream, pieces: list[str] | None = None  # type: ignore[type-arg]
@@ -141,29 +153,36 @@ def streamed_calls(stream: openai.Stream, pieces: list[str] | None = None  # typ
     return [calls[i] for i in sorted(calls)], finish
 
 
+def one_call_whole_and_streamed(client: openai.OpenAI, request: dict[str, Any]
+                                ) -> ChatCompletionMessageFunctionToolCall:
+    """The reply's one call; streamed, the same call, its id and name first and then its
+    arguments piece by piece as they formed (not whole at the end)."""
+    choice = client.chat.completions.create(**request).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls  # type: ignore[misc]
+    assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+    pieces: list[str] = []
+    calls, finish = streamed_calls(client.chat.completions.create(**request, stream=True),
+                                   pieces)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)]
+    assert len(pieces) > 3
+    return call
+
+
 @pytest.mark.parametrize("tool_choice", [
     "required", {"type": "function", "function": {"name": "get_time"}}])
 def test_required_and_named_calls_validate_and_stream_the_same(
         client: openai.OpenAI, gateway: Gateway, tool_choice: object) -> None:
     request = {"model": gateway.model_name, "messages": ASK, "tools": TOOLS,
                "tool_choice": tool_choice, "max_tokens": 60, "temperature": 0}
-    completion = client.chat.completions.create(**request)  # type: ignore[call-overload]
-    choice = completion.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert choice.message.content is None
-    (call,) = choice.message.tool_calls
+    call = one_call_whole_and_streamed(client, request)
     schemas = {"get_weather": WEATHER, "get_time": TIME}
     if isinstance(tool_choice, dict):
         assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     assert call.id.startswith("call_") and call.type == "function"
-    pieces: list[str] = []
-    calls, finish = streamed_calls(client.chat.completions.create(**request, stream=True),  # type: ignore[call-overload]
-                                   pieces)
-    assert finish == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in calls] == [
-        (call.function.name, call.function.arguments)]
-    assert len(pieces) > 3  # the arguments streamed as they formed
     # The call and its result, sent back, render as a conversation the model continues.
     follow_up = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": call.id, "type": "function", "function": {
@@ -187,6 +206,26 @@ def test_an_auto_reply_streams_its_content_and_ends_as_the_whole_reply(
     assert whole.message.content and not whole.message.tool_calls  # this reply is text
     assert "".join(pieces) == whole.message.content
     assert len(pieces) > 3  # streamed as it formed, not one delta at its end
+
+
+# One turn that called get_weather before: with it the model (greedy) calls it again, so the
+# auto tests below see a call the model wrote itself under auto.
+SHOT = [{"role": "user", "content": "What's the weather like in Oslo today?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny in Oslo, 21 C."}]
+
+
+def test_an_auto_call_streams_as_it_forms(client: openai.OpenAI, gateway: Gateway) -> None:
+    """Under auto, the call the model writes goes out as OpenAI's do: its id and name, then
+    its arguments piece by piece; reassembled, the non-streamed reply's call."""
+    request = {"model": gateway.model_name, "messages": [*SHOT, *ASK], "tools": TOOLS,
+               "tool_choice": "auto", "max_tokens": 60, "temperature": 0}
+    call = one_call_whole_and_streamed(client, request)
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
 @pytest.fixture(scope="module")
