@@ -67,6 +67,7 @@ from tandem.services.gateway.pipeline import Delta, Usage, generate_deltas
 from tandem.services.gateway.reasoning import parser_enabled
 from tandem.services.gateway.tenants import FairSlots, Tenants
 from tandem.services.gateway.tool_parsers import pick as pick_tool_parser
+from tandem.services.gateway.tools import Function, auto_constraint
 from tandem.services.protocol.outputs import EngineStats
 from tandem.services.protocol.request import (
     DEFAULT_TENANT,
@@ -263,6 +264,18 @@ class Gateway:
         problem = await asyncio.to_thread(self.grammars.problem, constraint)
         if problem is not None:
             raise bad_request(f"{param}: {problem}", param=param)
+
+    async def auto_tool_constraint(self, functions: list[Function], parallel: bool
+                                   ) -> StructuredOutput | None:
+        """Under ``tool_choice`` auto, the grammar that holds the reply's calls to the tools'
+        schemas (``tools.auto_constraint``); None where the parser has none, where its tag is
+        a token of its own (the grammar spells it out, and would forbid that token), or where
+        the tools' schemas do not compile (the calls are then parsed unconstrained)."""
+        constraint = None if self.tool_tag_ids else auto_constraint(functions, self.tool_parser,
+                                                                     parallel)
+        if constraint is None or await asyncio.to_thread(self.grammars.problem, constraint):
+            return None
+        return constraint
 
     def build_request(self, request_id: str, prompt_token_ids: list[int],
                       options: SamplingOptions, cache_salt: str | None = None,

@@ -139,6 +139,10 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
                         ("chat.tool_choice" if forced is not None
                          else request.sampling.WhichOneof("structured_output")
                          or "structured_output", options.structured_output))
+                elif mode == "auto":  # the calls held to the tools' schemas
+                    options = dataclasses.replace(
+                        options, structured_output=await gateway.auto_tool_constraint(
+                            functions, _parallel(request.chat)))
             with trace.phase("gateway.tokenize") as span:
                 prompt = await _prompt_token_ids(gateway, request)
                 span.set_attribute("tandem.prompt_tokens", len(prompt))
@@ -156,10 +160,9 @@ async def start_generation(gateway: Gateway, request: pb.GenerateRequest,
                 raise bad_request(f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
         keep = gateway.tool_tag_ids if mode == "auto" else frozenset()
         choices = await start_choices(gateway, greq, n, trace, keep)
-    parallel = (not request.chat.HasField("parallel_tool_calls")
-                or request.chat.parallel_tool_calls)
     readers = None if mode is None else [
-        ReplyReader(functions, mode, None, gateway.tool_parser, parallel) for _ in range(n)]
+        ReplyReader(functions, mode, None, gateway.tool_parser, _parallel(request.chat))
+        for _ in range(n)]
     return GenerateStream(choices, request.request_id or greq.request_id, readers)
 
 
@@ -456,6 +459,11 @@ def _constraint_of(s: pb.SamplingOptions) -> StructuredOutput | None:
             raise bad_request("choice needs non-empty strings", param="choice")
         return StructuredOutput("choice", json.dumps(list(s.choice.choices)))
     return StructuredOutput(which, getattr(s, which))
+
+
+def _parallel(chat: pb.ChatMessages) -> bool:
+    """``parallel_tool_calls`` (unset: true)."""
+    return not chat.HasField("parallel_tool_calls") or chat.parallel_tool_calls
 
 
 def _response(request_id: str, delta: Delta, index: int, text: str,

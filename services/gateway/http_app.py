@@ -269,8 +269,13 @@ def create_http_app(gateway: Gateway, abort_connection: AbortConnection | None =
         # a <think> the template opened.
         thinking = (starts_in_reasoning(prompt, gateway.tokenizer)
                     if gateway.reasoning and body.structured_output_field() is None else None)
-        greq = gateway.build_request(request_id, prompt, body.sampling_options(), body.salt(),
-                                     arrival, prompt_param="messages", tenant=tenant,
+        options = body.sampling_options()
+        if body.tool_mode() == "auto" and options.structured_output is None:
+            options = dataclasses.replace(options, structured_output=(
+                await gateway.auto_tool_constraint(functions,
+                                                   body.parallel_tool_calls is not False)))
+        greq = gateway.build_request(request_id, prompt, options, body.salt(), arrival,
+                                     prompt_param="messages", tenant=tenant,
                                      session=body.session())
         if not body.stream:
             gateway.check_buffered(greq, body.n)

@@ -107,18 +107,42 @@ def with_tools(messages: list[dict[str, Any]], functions: list[Function],
 
 
 def constraint(functions: list[Function], choice: str | None) -> StructuredOutput | None:
-    """``choice``: none, auto, required, or a function's name."""
+    """``choice``: none, auto, required, or a function's name (auto: see ``auto_constraint``)."""
     if choice in (None, "none", "auto"):
         return None
     if choice == "required":
-        calls = [{"type": "object", "additionalProperties": False,
-                  "required": ["name", "arguments"],
-                  "properties": {"name": {"const": f.name}, "arguments": f.schema()}}
-                 for f in functions]
-        return StructuredOutput("json", json.dumps(calls[0] if len(calls) == 1
-                                                   else {"anyOf": calls}))
+        return StructuredOutput("json", json.dumps(_call_schema(functions)))
     function = next(f for f in functions if f.name == choice)
     return StructuredOutput("json", json.dumps(function.schema()))
+
+
+def auto_constraint(functions: list[Function], parser: ToolParser, parallel: bool = True
+                    ) -> StructuredOutput | None:
+    """Under ``tool_choice`` auto, a grammar (llguidance's Lark) that leaves the reply free
+    until it opens a call, then holds the call to one of the functions with arguments valid
+    against its parameters, as ``required`` does; with ``parallel`` false, one call at most.
+    Hermes' ``<tool_call>`` blocks only (None for the other families: their calls are parsed
+    unconstrained)."""
+    if parser is not HERMES:
+        return None
+    arguments = json.dumps(_call_schema(functions))
+    return StructuredOutput("grammar", "\n".join((
+        "%llguidance {}",
+        "start: prose? | calls",
+        f"calls: opened /[ \\n]*/ %json {arguments} /[ \\n]*/ \"</tool_call>\" "
+        + ("(prose | calls)?" if parallel else "prose?"),
+        "prose: PROSE",
+        "PROSE: /(.|\\n)+/ & ~/(.|\\n)*<tool_call>(.|\\n)*/",  # text without the tag
+        "opened[lazy]: /(.|\\n)*<tool_call>/",  # text up to the tag, which ends it
+    )))
+
+
+def _call_schema(functions: list[Function]) -> dict[str, Any]:
+    """A call of one of ``functions``: ``{"name": ..., "arguments": {...}}``."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f.name}, "arguments": f.schema()}}
+             for f in functions]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def parse_reply(text: str, functions: list[Function], choice: str | None,

@@ -14,12 +14,17 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
+from tandem.services.engine.grammar import Grammars
+from tandem.services.engine.model_loader import LoadedModel
 from tandem.services.gateway.core import Gateway
 from tandem.services.gateway.runner import ServeAddresses
+from tandem.services.gateway.tool_parsers import PARSERS
 from tandem.services.gateway.tools import (
+    HERMES,
     CallStream,
     Function,
     ReplyStream,
+    auto_constraint,
     parse_reply,
     with_tools,
 )
@@ -58,6 +63,35 @@ def test_replies_are_parsed_in_both_styles() -> None:
     content, calls = parse_reply('{"timezone": "UTC"}', FUNCTIONS, "get_time")
     assert content is None and (calls[0].name, calls[0].arguments) == (
         "get_time", '{"timezone": "UTC"}')
+
+
+def test_under_auto_the_grammar_holds_calls_to_the_tools(loaded_model: LoadedModel) -> None:
+    """auto_constraint: text stays free (a tag's near miss too), and each call, opened by the
+    tag, names one of the tools with arguments valid against its parameters; parallel false
+    allows one call; families other than Hermes get none."""
+    grammars = Grammars(loaded_model.tokenizer)
+    call = ('<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n'
+            "</tool_call>")
+
+    def accepts(text: str, parallel: bool = True) -> bool:
+        constraint = auto_constraint(FUNCTIONS, HERMES, parallel)
+        assert constraint is not None and grammars.problem(constraint) is None
+        matcher = grammars.matcher(constraint, [])
+        return (all(matcher.consume_token(t) for t in loaded_model.tokenizer.encode(text))
+                and matcher.is_accepting())
+
+    assert accepts("") and accepts("It is sunny.\nA tag: <tool_cal> is no call.")
+    assert accepts(f"Let me check. {call}") and accepts(f"{call}\n{call}\nDone.")
+    assert accepts('<tool_call>{"name":"get_weather","arguments":{"city":"Oslo",'
+                   '"unit":"celsius"}}</tool_call>')
+    assert not accepts(f"{call}\n{call}", parallel=False) and accepts(call, parallel=False)
+    for wrong in ('{"name": "get_date", "arguments": {}}',  # not a tool
+                  '{"name": "get_time", "arguments": {"tz": "CET"}}',  # not its parameters
+                  '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "kelvin"}}'):
+        assert not accepts(f"<tool_call>\n{wrong}\n</tool_call>"), wrong
+    assert not accepts("<tool_call>\nplain text")
+    assert all(auto_constraint(FUNCTIONS, parser) is None
+               for parser in PARSERS.values() if parser is not HERMES)
 
 
 def test_the_tools_go_into_the_system_prompt() -> None:
@@ -226,6 +260,23 @@ def test_an_auto_call_streams_as_it_forms(client: openai.OpenAI, gateway: Gatewa
     call = one_call_whole_and_streamed(client, request)
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+def test_under_auto_a_call_is_held_to_its_tools_schema(client: openai.OpenAI,
+                                                       gateway: Gateway) -> None:
+    """A tool whose parameters need a field the model leaves out when free (``days``): under
+    auto the call it writes has it, valid against the schema."""
+    days = {**WEATHER, "required": [*WEATHER["required"], "days"],
+            "properties": {**WEATHER["properties"],
+                           "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": days}}]
+    request = {"model": gateway.model_name, "messages": [*SHOT, *ASK], "tools": tools,
+               "max_tokens": 60, "temperature": 0}
+    free = client.chat.completions.create(**request, tool_choice="none")  # type: ignore[call-overload]
+    assert "<tool_call>" in free.choices[0].message.content  # the call, as text
+    assert '"days"' not in free.choices[0].message.content
+    call = one_call_whole_and_streamed(client, {**request, "tool_choice": "auto"})
+    jsonschema.validate(json.loads(call.function.arguments), days)
 
 
 @pytest.fixture(scope="module")
