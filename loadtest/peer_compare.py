@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None, launch: experiments.Launcher | None = No
         print(f"{row.tandem}: {row.target}: {ratio} ({row.detail})")
     print(f"report: {args.out / 'report.md'}")
     if args.record:
+        peers = f"vLLM in {args.vllm_dtype}" + (" and llama.cpp" if args.llama_server else "")
         results.record([results.Result(
-            f"{row.tandem} against the peers: {row.target} (goal "
+            f"{row.tandem} against {peers}: {row.target} (goal "
             f"{'>=' if row.higher_is_better else '<='} {row.goal:g}x)",
             f"{'-' if row.ratio is None else f'{row.ratio:.2f}x'}: {row.detail}",
             results.command(PROG, argv)) for row in rows], args.record)

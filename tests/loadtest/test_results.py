@@ -84,5 +84,7 @@ def test_peer_compare_records_each_target_with_its_command(tokenizer: Tokenizer,
         "output tok/s at c=1 vs the better peer (goal >= 1x)",
         "shared-prefix TTFT p50 at c=1 vs vLLM (goal <= 0.5x)",
         "shared-prefix TTFT p50 at c=8 vs vLLM (goal <= 0.5x)"]
+    assert all(row.measure.startswith("tandem-default against vLLM in bfloat16: ")
+               for row in recorded)  # which of vLLM's dtypes: not the same measure
     assert all(re.match(r"\d+\.\d\dx: ", row.figure) for row in recorded)
     assert {row.command for row in recorded} == {results.command(peer_compare.PROG, argv)}
