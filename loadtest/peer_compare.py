@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None, launch: experiments.Launcher | None = No
             f"{row.tandem} against {peers}: {row.target} (goal "
             f"{'>=' if row.higher_is_better else '<='} {row.goal:g}x)",
             f"{'-' if row.ratio is None else f'{row.ratio:.2f}x'}: {row.detail}",
-            results.command(PROG, argv)) for row in rows], args.record)
+            results.command(PROG, argv)) for row in rows if row.ratio is not None],
+            args.record)  # a target this run did not measure keeps its row
     return 0
 
 
