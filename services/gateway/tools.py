@@ -219,13 +219,14 @@ class ReplyStream:
         self._text = ""
         self._sent = ""  # content already sent: a prefix of the text
         self._scan: int | None = None  # held from here: where the next call may begin
-        self._open: int | None = None  # where the last call's arguments begin, while open
+        self._open: ObjectEnd | None = None  # the last call's arguments, while open
         self.calls: list[ToolCall] = []  # the calls so far
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         """The content to send now, and what the text adds to the calls."""
+        since = max(len(self._text) - max(map(len, self._parser.markers)), 0)
         self._text += text
-        content = self._content() if self._scan is None else ""
+        content = self._content(since) if self._scan is None else ""
         return content, self._stream() if self._scan is not None else []
 
     def finish(self) -> tuple[str, list[CallDelta]]:
@@ -238,7 +239,7 @@ class ReplyStream:
             return self._rest(parsed[0]), [CallDelta(i, call, True, call.arguments)
                                            for i, call in enumerate(self.calls)]
         if self._open is not None:  # cut short: the arguments as far as they came
-            return "", self._grow(self._text[self._open:].rstrip())
+            return "", self._grow(self._text[self._open.start:].rstrip())
         if parsed is not None:
             return self._rest(parsed[0]), []
         assert self._scan is not None
@@ -248,10 +249,11 @@ class ReplyStream:
         after = after.strip()
         return (f"\n{after}" if after and self._sent else after), []
 
-    def _content(self) -> str:
-        """The content to send now; holds the text from where a call may begin."""
-        opened = min((at for at in map(self._text.find, self._parser.markers) if at >= 0),
-                     default=-1)
+    def _content(self, since: int) -> str:
+        """The content to send now; holds the text from where a call may begin (a marker
+        found from ``since``: the text before it was read for them already)."""
+        opened = min((at for at in (self._text.find(m, since) for m in self._parser.markers)
+                      if at >= 0), default=-1)
         bare = self._parser.bare
         if opened >= 0 or (not self._sent and bare is not None
                            and self._text.lstrip().startswith(bare)):
@@ -274,8 +276,8 @@ class ReplyStream:
         names = {f.name for f in self._functions}
         while True:
             if self._open is not None:
-                end = json_end(self._text, self._open)
-                deltas += self._grow(self._text[self._open:end])
+                end = self._open.read(self._text)
+                deltas += self._grow(self._text[self._open.start:end])
                 if end is None:
                     break
                 closing = _CALL_CLOSE.match(self._text, end)  # the call object's own brace
@@ -286,7 +288,7 @@ class ReplyStream:
             if head is None or head[0] not in names:
                 break
             self.calls.append(new_call(head[0], ""))
-            self._open = head[1]
+            self._open = ObjectEnd(head[1])
             deltas.append(CallDelta(len(self.calls) - 1, self.calls[-1], True, ""))
         return merged(deltas)
 
@@ -318,7 +320,7 @@ class CallStream:
     def __init__(self, name: str | None) -> None:
         self._name = name  # None: read from the reply
         self._text = ""
-        self._start = 0  # where the arguments begin in the text
+        self._arguments = ObjectEnd(0)  # where they begin in the text, and end
         self.call: ToolCall | None = None
 
     @property
@@ -338,16 +340,16 @@ class CallStream:
                 if head is None:
                     return False, ""
                 self.call = new_call(head[0], "")
-                self._start = head[1]
+                self._arguments = ObjectEnd(head[1])
             started = True
-        return started, self._grow(self._text[self._start:json_end(self._text, self._start)])
+        end = self._arguments.read(self._text)
+        return started, self._grow(self._text[self._arguments.start:end])
 
     def finish(self) -> str:
         """The arguments' last text: a reply cut short sends them as far as they came."""
-        if self.call is None:
+        if self.call is None or self._arguments.read(self._text) is not None:
             return ""
-        return self._grow(self._text[self._start:].rstrip()
-                          if json_end(self._text, self._start) is None else "")
+        return self._grow(self._text[self._arguments.start:].rstrip())
 
     def _grow(self, arguments: str) -> str:
         assert self.call is not None
@@ -357,25 +359,37 @@ class CallStream:
         return new
 
 
-def json_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array that begins at ``start`` (after whitespace) ends in
-    ``text``; None: not closed yet."""
-    depth, quoted, escaped = 0, False, False
-    for at in range(start, len(text)):
-        char = text[at]
-        if quoted:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+class ObjectEnd:
+    """Where the JSON object or array that begins at ``start`` (after whitespace) ends in a
+    text that grows: ``read`` it again as it grows (each character is read once)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self._at, self._depth, self._quoted, self._escaped = start, 0, False, False
+        self._end: int | None = None
+
+    def read(self, text: str) -> int | None:
+        """Where it ends; None: not closed yet."""
+        if self._end is not None:
+            return self._end
+        depth, quoted, escaped = self._depth, self._quoted, self._escaped
+        for at in range(self._at, len(text)):
+            char = text[at]
+            if quoted:
+                if escaped:
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == '"':
+                    quoted = False
             elif char == '"':
-                quoted = False
-        elif char == '"':
-            quoted = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return at + 1
-    return None
+                quoted = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    self._end = at + 1
+                    return self._end
+        self._at, self._depth, self._quoted, self._escaped = len(text), depth, quoted, escaped
+        return None
