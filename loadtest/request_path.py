@@ -10,7 +10,9 @@ Every module that ran in the request window counts (docs/architecture.md lists t
 also ran in the idle window (the engine loop, status polls, the stats line) are marked. A process
 every one of whose functions that ran in the request window ran in the idle window too did nothing
 for the request (``tandem up``'s own, when its status line's poll falls in the window): its
-modules are listed apart, as background, and not counted.
+modules are listed apart, as background, and not counted; so are the hooks Ray Serve calls on its
+own timer (``SERVE_TIMERS``: a replica's health check every 10 s), which run whether or not a
+request is served.
 
     python -m tandem.loadtest.request_path                # colocated and disaggregated
     python -m tandem.loadtest.request_path --shape disagg --json out.json
@@ -37,6 +39,7 @@ from tandem.loadtest.tandem_up import TandemUp
 
 SLOT_S = 0.02
 IDLE_S = 12.0  # longer than two idle status polls (gateway.idle_poll_interval_s, 5 s)
+SERVE_TIMERS = frozenset({"check_health", "record_routing_stats"})  # Serve calls them, not requests
 
 # Loaded by every Python process started with this folder first on PYTHONPATH. Standard library
 # only; it must not import Tandem (that would change what a process imports).
@@ -93,7 +96,7 @@ class PathReport:
     modules: list[str]  # every module that ran in the request window
     idle: list[str]  # those of them that ran in the idle window too
     processes: int  # processes of ours that ran code for the request
-    background: list[str]  # modules that ran only in processes doing background work alone
+    background: list[str]  # modules that ran only for background work (Serve's timers included)
     functions: dict[str, list[str]]  # module -> its functions that ran in the request window
 
     def to_json(self) -> dict[str, object]:
@@ -185,7 +188,10 @@ def measure(shape: str, work: Path, max_tokens: int) -> PathReport:
         for file, names in seen.items():
             module = module_name(file, roots)
             for name, slots in names.items():
-                if ran_in(slots, start, end):
+                if name in SERVE_TIMERS:
+                    if ran_in(slots, start, end):
+                        background.add(module)
+                elif ran_in(slots, start, end):
                     ran.setdefault(module, set()).add(name)
                 if ran_in(slots, idle_start, idle_end):
                     ran_idle.setdefault(module, set()).add(name)

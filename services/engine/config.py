@@ -35,14 +35,6 @@ class LayerAttention:
 PLAIN_ATTENTION = LayerAttention()
 
 
-def check_plain(backend: str, attn: LayerAttention) -> None:
-    """Refuse a layer's attention that asks more than ``backend``, which computes plain
-    attention only, implements."""
-    if attn.features:
-        raise ValueError(f"attention_backend {backend} does not implement "
-                         f"{', '.join(sorted(attn.features))}")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder (Gemma 2/3 included), read from a GGUF file or a Hugging

@@ -346,6 +346,10 @@ class Gateway:
         generation = Generation(request, first, deltas, trace, ended, timer)
         return generation
 
+    def busy(self) -> bool:
+        """Whether some admitted request has not ended."""
+        return self.in_flight > 0
+
     def set_admission_limit(self, limit: int) -> None:
         """The in-flight bound from now on (``max_in_flight``'s default follows the healthy
         decode workers: serving/gateway.py)."""

@@ -89,11 +89,18 @@ class ClusterView:
         self._unreachable: set[str] = set()  # workers whose last status poll failed
         self._resync: asyncio.Task[None] | None = None
         self._after_poll: list[Callable[[], None]] = []
+        self._capacity: tuple[Callable[[int], None], int] | None = None
 
     def after_poll(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` after every poll (the workers' health and Serve's replica set
         are then as fresh as this view knows them)."""
         self._after_poll.append(callback)
+
+    def follow_decode_capacity(self, set_limit: Callable[[int], None],
+                               seqs_per_worker: int) -> None:
+        """Tell ``set_limit`` after every poll how many sequences the healthy decode workers
+        batch in all, ``seqs_per_worker`` each (one worker's worth while none is healthy)."""
+        self._capacity = (set_limit, seqs_per_worker)
 
     def ingest(self, report: WorkerReport) -> None:
         """A worker's load and KV events, from a response or a status poll."""
@@ -155,6 +162,9 @@ class ClusterView:
             self.router.sync()
         for callback in self._after_poll:
             callback()
+        if self._capacity is not None:
+            set_limit, seqs_per_worker = self._capacity
+            set_limit(seqs_per_worker * max(1, self.healthy_count("decode")))
 
     def _live_ids(self) -> set[str]:
         live: set[str] = set()

@@ -141,10 +141,10 @@ class GatewayIngress:
             view = self.view
             assert view is not None
             self.gateway.refresh_stats = lambda: view.refresh(config.poll_interval_s)
+            view.busy = self.gateway.busy  # polls at the idle pace once no request is in flight
             if config.max_in_flight is None:  # one decode batch per healthy decode worker
-                gateway = self.gateway
-                view.after_poll(lambda: gateway.set_admission_limit(
-                    config.max_num_seqs * max(1, view.healthy_count("decode"))))
+                view.follow_decode_capacity(self.gateway.set_admission_limit,
+                                            config.max_num_seqs)
             source = backend.snapshots
             migrations = backend.migrations
         metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,
@@ -181,8 +181,7 @@ class GatewayIngress:
             router = Router(router_config, registry, bus)
         self.router = router
         self.view = ClusterView(router, {"prefill": prefill, "decode": decode}, registry, bus,
-                                config.poll_interval_s, config.idle_poll_interval_s,
-                                busy=lambda: self.gateway.in_flight > 0)
+                                config.poll_interval_s, config.idle_poll_interval_s)
         await self.view.wait_for({"prefill": config.prefill_replicas,
                                   "decode": config.decode_replicas}, WORKERS_READY_TIMEOUT_S)
         if config.redis_url:

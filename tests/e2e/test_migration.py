@@ -277,7 +277,15 @@ def test_a_poison_request_fails_instead_of_killing_every_decode_worker(
     """A request whose step brings down each decode engine it reaches: the first failure sends
     it on (it may have been a bystander), the second fails it with a clear 500 instead of
     moving it to the next replacement; then both workers are back, every block free, and the
-    next request is served. (Last in the module: it stops both decode engines.)"""
+    next request is served. Meanwhile the admission limit (``max_in_flight`` unset: a decode
+    batch, 32, per healthy decode worker) falls to one batch and comes back to two. (Last in
+    the module: it stops both decode engines.)"""
+
+    def limit() -> float:
+        values = list(metric_values(cluster.http_url, "tandem_requests_in_flight_limit").values())
+        assert len(values) == 1, values
+        return values[0]
+
     failures = sum(metric_values(cluster.http_url, "tandem_request_failures_total").values())
     response = httpx.post(f"{cluster.http_url}/v1/completions", timeout=120, json={
         "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0.8, "seed": POISON_SEED})
@@ -287,6 +295,7 @@ def test_a_poison_request_fails_instead_of_killing_every_decode_worker(
     assert "the 2 decode workers that ran this request all failed" in error["message"]
     assert sum(metric_values(cluster.http_url, "tandem_request_failures_total").values()) == \
         failures + 1
+    wait_for(lambda: limit() == 32, 30, "one decode batch while no decode worker is healthy")
 
     def replaced() -> bool:  # two healthy decode workers (new ones), every block free
         healthy = metric_values(cluster.http_url, "tandem_worker_healthy")
@@ -294,6 +303,7 @@ def test_a_poison_request_fails_instead_of_killing_every_decode_worker(
         return decode == [1.0, 1.0] and all_blocks_free(cluster, 3)
 
     wait_for(replaced, 240, "both decode workers replaced and every KV block free")
+    wait_for(lambda: limit() == 64, 30, "a decode batch admitted per healthy decode worker")
 
     def served() -> bool:
         """The next request served; until the router routes to the new workers (a window

@@ -39,12 +39,11 @@ from tandem.services.engine.config import (
     ATTENTION_BACKENDS,
     PLAIN_ATTENTION,
     LayerAttention,
-    check_plain,
 )
 from tandem.services.engine.kv_cache import KVCache
 
 __all__ = ["BACKENDS", "PLAIN_ATTENTION", "AttentionBackend", "LayerAttention", "StepMetadata",
-           "build_step_metadata", "check_features", "check_plain", "get_attention_backend",
+           "build_step_metadata", "check_features", "get_attention_backend",
            "resolve_backend"]
 
 BACKENDS = ATTENTION_BACKENDS
@@ -62,7 +61,8 @@ class AttentionBackend(Protocol):
                 ) -> torch.Tensor:
         """Write k/v [T, Hkv, D] for the step's tokens into the cache (an int8 cache quantizes
         them); return the attention output of q [T, Hq, D] as [T, Hq * D], computed as the
-        layer's ``attn`` says."""
+        layer's ``attn`` says. Only torch implements more than plain attention: the model
+        refuses the others for layers that ask more (``check_features``) when it is built."""
         ...
 
 

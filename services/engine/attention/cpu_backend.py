@@ -25,7 +25,7 @@ import torch
 from tandem.services.engine import cpu_kernels
 from tandem.services.engine.attention.metadata import StepMetadata
 from tandem.services.engine.attention.torch_backend import TorchAttention, TorchPlan
-from tandem.services.engine.config import PLAIN_ATTENTION, LayerAttention, check_plain
+from tandem.services.engine.config import PLAIN_ATTENTION, LayerAttention
 from tandem.services.engine.kv_cache import KVCache
 
 
@@ -68,12 +68,6 @@ class CpuAttention(TorchAttention):
         # Prefill chunks through our AMX kernel where it runs, else SDPA.
         self.prefill_kernel = (self.kernels is not None and self.kernels.amx
                                and cpu_kernels.supports_prefill(head_dim))
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, plan: TorchPlan, attn: LayerAttention = PLAIN_ATTENTION
-                ) -> torch.Tensor:
-        check_plain(self.name, attn)  # the kernels compute plain attention only
-        return super().forward(layer, q, k, v, kv_cache, plan)
 
     def _plan_decodes(self, step: StepMetadata, s: int, e: int, row: int) -> Any:
         length = step.query_lens_host[s]

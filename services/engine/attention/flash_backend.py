@@ -27,7 +27,6 @@ from tandem.services.engine.config import (
     FLASH_ATTN_BLOCK_MULTIPLE,
     PLAIN_ATTENTION,
     LayerAttention,
-    check_plain,
 )
 from tandem.services.engine.kv_cache import KVCache, QuantizedKV
 
@@ -66,7 +65,6 @@ class FlashAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, plan: FlashPlan, attn: LayerAttention = PLAIN_ATTENTION
                 ) -> torch.Tensor:
-        check_plain(self.name, attn)
         if isinstance(kv_cache, QuantizedKV):
             raise ValueError("attention_backend flash_attn cannot read an int8 KV cache "
                              "(kv_cache_dtype int8): use attention_backend triton or torch")

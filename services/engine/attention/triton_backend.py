@@ -20,7 +20,7 @@ from tandem.services.engine.attention.triton_kernels import (
     store_kv,
 )
 from tandem.services.engine.attention.triton_ops import cache_parts
-from tandem.services.engine.config import PLAIN_ATTENTION, LayerAttention, check_plain
+from tandem.services.engine.config import PLAIN_ATTENTION, LayerAttention
 from tandem.services.engine.kv_cache import KVCache
 
 
@@ -47,7 +47,6 @@ class TritonAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, plan: TritonPlan, attn: LayerAttention = PLAIN_ATTENTION
                 ) -> torch.Tensor:
-        check_plain(self.name, attn)
         values, scales = cache_parts(kv_cache)
         store_kv(values, layer, k, v, plan.step.slot_mapping, scales)
         return self.attend(layer, q, kv_cache, plan)
