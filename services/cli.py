@@ -103,6 +103,7 @@ _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "routing_policy": "routing_policy",
              "max_local_prefill_tokens": "max_local_prefill_tokens",
              "threads": "threads_per_worker", "kernel_threads": "kernel_threads",
+             "prefill_threads": "prefill_threads",
              "tensor_parallel_size": "tensor_parallel_size",
              "max_num_batched_tokens": "max_num_batched_tokens",
              "spec": "spec", "spec_k": "spec_k", "draft_model": "draft_model",
@@ -251,6 +252,10 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--kernel-threads", type=int, choices=(1, 2),
                     help="threads our CPU kernels split over per engine (default: 2 where an "
                          "engine has one torch thread and the CPUs give each engine two)")
+    up.add_argument("--prefill-threads", type=int, metavar="N",
+                    help="torch threads per engine in steps that compute 32+ prompt tokens "
+                         "(default: 2 for a float32 engine of one torch thread with two CPUs, "
+                         "else --threads)")
     up.add_argument("--max-num-batched-tokens", type=int,
                     help="per-step token budget (the prefill chunk size)")
     up.add_argument("--request-timeout", type=float, metavar="S",

@@ -196,6 +196,10 @@ class EngineConfig:
     # 1, or 2 (a helper thread takes part of each projection when it can: late, it costs
     # nothing, the calling thread takes the rest).
     kernel_threads: int = 1
+    # torch intra-op threads for a step that computes at least PREFILL_THREADS_MIN_TOKENS
+    # prompt tokens (model_runner.py): prefill is compute-bound where torch runs the
+    # projections (float32 on a CPU), decode bound by memory; None: num_threads for every step.
+    prefill_threads: int | None = None
     attention_backend: str = "auto"  # auto | torch | cpu | triton | flash_attn (engine/attention)
     cuda_graphs: bool = True  # decode steps as CUDA graphs (on CUDA with triton attention)
     seed: int = 0  # for requests that sample without their own seed
@@ -250,6 +254,8 @@ class EngineConfig:
             raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
         if self.kernel_threads not in (1, 2):
             raise ValueError(f"kernel_threads must be 1 or 2, got {self.kernel_threads}")
+        if self.prefill_threads is not None and self.prefill_threads < 1:
+            raise ValueError(f"prefill_threads must be >= 1, got {self.prefill_threads}")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

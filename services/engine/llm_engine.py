@@ -170,7 +170,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, config.device,
-                                  self.tp)
+                                  self.tp, config.prefill_threads)
         features = loaded.config.attention_features
         why_not = (cpu_kernels.unavailable_reason()
                    if config.attention_backend == "auto" and model.attention.name == "torch"

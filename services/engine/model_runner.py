@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,11 @@ from tandem.services.engine.model import LlamaModel
 from tandem.services.engine.scheduler import ScheduledSequence
 from tandem.services.engine.sequence import Sequence
 from tandem.services.engine.tensor_parallel import TensorParallelGroup
+
+# A step that computes at least this many prompt tokens runs on ``prefill_threads`` torch
+# threads: its projections are matrix products long enough to split (a decode step's are
+# matrix-vector products, bound by memory, where a second thread mostly waits).
+PREFILL_THREADS_MIN_TOKENS = 32
 
 
 @dataclass
@@ -32,9 +39,13 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache, block_size: int,
-                 device: str = "cpu", followers: TensorParallelGroup | None = None) -> None:
-        """``followers``: the other ranks of a tensor-parallel model; they run each step too."""
+                 device: str = "cpu", followers: TensorParallelGroup | None = None,
+                 prefill_threads: int | None = None) -> None:
+        """``followers``: the other ranks of a tensor-parallel model; they run each step too.
+        ``prefill_threads``: this process's torch threads in a step that computes at least
+        PREFILL_THREADS_MIN_TOKENS prompt tokens (None: as many as in every other step)."""
         self.model = model
+        self.prefill_threads = prefill_threads
         self.followers = followers
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -110,9 +121,11 @@ class ModelRunner:
         except BaseException:
             self._drop_rows()
             raise
+        prompt_tokens = sum(item.num_new_tokens for item in prefills)
         try:
-            logits = self.model(self._tensor(input_ids), self._tensor(positions),
-                                self.kv_cache, plan, self._tensor(logits_rows))
+            with self._threads(prompt_tokens):
+                logits = self.model(self._tensor(input_ids), self._tensor(positions),
+                                    self.kv_cache, plan, self._tensor(logits_rows))
         except BaseException as exc:
             self._drop_rows()
             if self.followers is None or not isinstance(exc, Exception):
@@ -120,6 +133,21 @@ class ModelRunner:
             raise self.followers.broken(exc) from exc
         return StepResult(logits=logits, sampled=sampled, first_rows=first_rows,
                           prompt_rows=prompt_rows)
+
+    @contextmanager
+    def _threads(self, prompt_tokens: int) -> Iterator[None]:
+        """torch's threads for a step computing ``prompt_tokens`` prompt tokens."""
+        threads = torch.get_num_threads()
+        wanted = (self.prefill_threads if self.prefill_threads is not None
+                  and prompt_tokens >= PREFILL_THREADS_MIN_TOKENS else threads)
+        if wanted == threads:
+            yield
+            return
+        torch.set_num_threads(wanted)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _drop_rows(self) -> None:
         """After a failed step: its decode rows may be half-written."""

@@ -86,6 +86,12 @@ class AppConfig:
     # when it can; busy elsewhere, it costs nothing). None: 2 where the engine has one torch
     # thread and the CPUs give each engine rank two (``engine_kernel_threads``), else 1.
     kernel_threads: int | None = None
+    # torch threads per engine rank in a step that computes at least 32 prompt tokens (a
+    # prefill chunk; engine/model_runner.py), where decode steps keep threads_per_worker. None:
+    # 2 where torch computes the projections (float32 on a CPU), the engine has one torch
+    # thread and the CPUs give each engine rank two (``engine_prefill_threads``), else
+    # threads_per_worker.
+    prefill_threads: int | None = None
     # Ranks per engine, every role (prefill, decode, colocated): its attention heads and MLP
     # split over this many processes, one GPU each on CUDA (engine/tensor_parallel.py); KV
     # transfers move canonical blocks, gathered from / scattered to the ranks, so a prefill
@@ -245,6 +251,8 @@ class AppConfig:
             raise ConfigError(f"port and grpc_port must differ, both are {self.port}")
         if self.kernel_threads not in (None, 1, 2):
             raise ConfigError(f"kernel_threads must be 1 or 2, got {self.kernel_threads}")
+        if self.prefill_threads is not None:
+            _at_least("prefill_threads", self.prefill_threads, 1)
         if self.max_in_flight is not None:
             _at_least("max_in_flight", self.max_in_flight, 1)
         if self.tenant_max_in_flight is not None:
@@ -351,6 +359,7 @@ class AppConfig:
             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_waiting=self.max_waiting,
             num_threads=self.engine_threads(), kernel_threads=self.engine_kernel_threads(),
+            prefill_threads=self.engine_prefill_threads(),
             attention_backend=self.attention_backend,
             enable_prefix_caching=self.enable_prefix_caching,
             cuda_graphs=self.cuda_graphs, weight_format=self.weight_format,
@@ -409,6 +418,20 @@ class AppConfig:
             return self.kernel_threads
         cpus = len(os.sched_getaffinity(0))
         return 2 if self.engine_threads() == 1 and cpus // self._engine_ranks() >= 2 else 1
+
+    def engine_prefill_threads(self) -> int:
+        """``prefill_threads``, or 2 where torch computes a float32 engine's projections on a
+        CPU with one torch thread and the CPUs here give each engine rank two (the CPU
+        ``engine_threads`` leaves to the gateway and Ray, which the kernels' helper takes in
+        decode steps), else ``engine_threads``."""
+        if self.prefill_threads is not None:
+            return self.prefill_threads
+        threads = self.engine_threads()
+        cpus = len(os.sched_getaffinity(0))
+        if (threads == 1 and cpus // self._engine_ranks() >= 2
+                and self.engine_device() == "cpu" and self.engine_dtype()[0] == "float32"):
+            return 2
+        return threads
 
     def _engine_ranks(self) -> int:
         """Engine ranks of the shape on one machine."""

@@ -119,6 +119,8 @@ def ready_line(config: AppConfig, capacity: tuple[int, int] | None = None) -> st
     dtype, why = config.engine_dtype()
     shape += (f"; {threads} torch thread{'s' if threads > 1 else ''} per engine"
               f"{' rank' if tp > 1 else ''}")
+    if config.engine_prefill_threads() != threads:
+        shape += f" ({config.engine_prefill_threads()} in prefill steps)"
     if config.engine_kernel_threads() > 1 and _kernels_run(config, dtype):
         shape += " (+1 for our CPU kernels)"
     if config.threads_per_worker is None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tandem.services.engine.llm_engine import LLMEngine
+from tandem.services.engine.model_runner import PREFILL_THREADS_MIN_TOKENS
 from tandem.services.protocol.request import SamplingParams
 from tests.conftest import MAX_NEW_TOKENS
 from tests.hf_reference import Comparison, Reference, compare
@@ -39,6 +41,26 @@ def test_all_concurrent(make_engine, prompts, references):
     engine = make_engine(enable_prefix_caching=False)
     check_all(engine.generate(prompts, GREEDY), references, "concurrent")
     assert_no_leak(engine)
+
+
+def test_prefill_steps_on_their_own_threads(make_engine, prompts, references):
+    """``prefill_threads`` 2 with ``num_threads`` 1 (what a served float32 engine on two CPUs
+    gets): every step computing 32+ prompt tokens runs on two torch threads, every decode step
+    on one, and the outputs stay transformers'."""
+    before = torch.get_num_threads()
+    try:
+        engine = make_engine(num_threads=1, prefill_threads=2)
+        seen: list[tuple[int, int]] = []  # (rows, torch threads) per step
+        engine.runner.model.register_forward_pre_hook(
+            lambda model, args: seen.append((args[0].numel(), torch.get_num_threads())))
+        outputs = [engine.generate([p], GREEDY)[0] for p in prompts[:4]]
+        check_all(outputs, references[:4], "prefill threads")
+        assert torch.get_num_threads() == 1
+        assert {threads for rows, threads in seen if rows >= PREFILL_THREADS_MIN_TOKENS} == {2}
+        assert {threads for rows, threads in seen if rows == 1} == {1}
+        assert_no_leak(engine)
+    finally:
+        torch.set_num_threads(before)
 
 
 # 512 is the default budget: test_all_concurrent runs it. Chunks of 16 (many steps per prompt)

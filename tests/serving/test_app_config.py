@@ -90,7 +90,8 @@ def test_kernel_threads_take_a_cpu_an_engine_of_one_thread_leaves(monkeypatch) -
         f"(colocated; 1 torch thread per engine{helper}, from 2 CPUs; dtype bfloat16; no API "
         "keys)")
     helper = " (+1 for our CPU kernels)" if cpu_kernels.f32_unavailable_reason() is None else ""
-    assert f"per engine{helper}, from" in ready_line(on(2, colocated=True, dtype="float32"))
+    assert f"per engine (2 in prefill steps){helper}, from" in ready_line(
+        on(2, colocated=True, dtype="float32"))
     assert "CPU kernels" not in ready_line(on(2, colocated=True, dtype="float32",
                                               attention_backend="torch"))
     assert on(2).engine_kernel_threads() == 1
@@ -103,6 +104,32 @@ def test_kernel_threads_take_a_cpu_an_engine_of_one_thread_leaves(monkeypatch) -
         AppConfig(kernel_threads=3)
     with pytest.raises(ValueError, match="kernel_threads must be 1 or 2, got 0"):
         EngineConfig(kernel_threads=0)
+
+
+def test_prefill_steps_take_the_cpu_a_float32_engine_of_one_thread_leaves(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    def on(cpus: int, **settings: object) -> AppConfig:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+        return AppConfig(**{"device": "cpu", **settings})  # type: ignore[arg-type]
+
+    # Torch computes a float32 engine's projections: its prefill steps take the second CPU.
+    assert on(2, colocated=True, dtype="float32").engine_prefill_threads() == 2
+    assert on(2, colocated=True, dtype="float32").engine_config().prefill_threads == 2
+    assert on(4, dtype="float32").engine_prefill_threads() == 2  # 1 torch thread, 2 CPUs each
+    # Our bfloat16 kernels compute the projections (their helper takes that CPU); an engine of
+    # several threads, or without a CPU to spare, keeps its threads.
+    assert on(2, colocated=True, dtype="bfloat16").engine_prefill_threads() == 1
+    assert on(2, dtype="float32").engine_prefill_threads() == 1
+    assert on(8, dtype="float32").engine_prefill_threads() == 3
+    assert on(2, colocated=True, dtype="float32", threads_per_worker=2
+              ).engine_prefill_threads() == 2
+    assert on(2, colocated=True, dtype="float32", prefill_threads=1
+              ).engine_config().prefill_threads == 1
+    assert "prefill steps" not in ready_line(on(2, colocated=True, dtype="float32",
+                                                prefill_threads=1))
+    with pytest.raises(ConfigError, match="prefill_threads must be >= 1, got 0"):
+        AppConfig(prefill_threads=0)
+    with pytest.raises(ValueError, match="prefill_threads must be >= 1, got 0"):
+        EngineConfig(prefill_threads=0)
 
 
 def test_keys_settings_and_tandem_ups_private_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
