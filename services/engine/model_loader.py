@@ -27,12 +27,13 @@ from tandem.services.engine.int4_linear import Q4Weight
 from tandem.services.engine.moe import DOWN, GATE_UP, ROUTER
 from tandem.services.engine.tokenizer import Tokenizer
 from tandem.services.engine.tokenizer_loader import (
+    GGUFTensorInfo,
     ModelLoadError,
     builtin_model_path,
     metadata_from_gguf,
     metadata_from_hf_dir,
     model_source,
-    read_gguf_metadata,
+    read_gguf,
     read_hf_config,
 )
 
@@ -117,11 +118,51 @@ def _undo_gguf_qk_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+@dataclass(frozen=True)
+class _GGUFTensor:
+    """One tensor of a GGUF file: its data a read-only numpy view of the mapped file, typed
+    and shaped as ``gguf.GGUFReader`` gives it (quantized types: rows of bytes)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order
+    data: np.ndarray
+
+
+def _gguf_tensors(path: Path, infos: list[GGUFTensorInfo]) -> list[_GGUFTensor]:
+    import gguf
+
+    kinds = gguf.GGMLQuantizationType
+    plain = {kinds.F32: np.float32, kinds.F16: np.float16, kinds.F64: np.float64,
+             kinds.I8: np.int8, kinds.I16: np.int16, kinds.I32: np.int32, kinds.I64: np.int64}
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for info in infos:
+        try:
+            kind = kinds(info.ggml_type)
+            block, type_size = gguf.GGML_QUANT_SIZES[kind]
+        except (ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{path}: tensor {info.name} has an unknown type "
+                                 f"{info.ggml_type}") from exc
+        dims = tuple(reversed(info.shape))
+        size = math.prod(info.shape) * type_size // block
+        if info.offset + size > len(raw):
+            raise ModelLoadError(f"not a valid GGUF file: {path} (tensor {info.name} runs "
+                                 f"past the end)")
+        data = raw[info.offset:info.offset + size]
+        if kind in plain:
+            data = data.view(plain[kind]).reshape(dims)
+        else:
+            data = data.reshape(gguf.quants.quant_shape_to_byte_shape(dims, kind))
+        tensors.append(_GGUFTensor(info.name, kind, info.shape, data))
+    return tensors
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, int4: bool = False
                ) -> LoadedModel:
     import gguf
 
-    meta = read_gguf_metadata(path)
+    meta, infos = read_gguf(path)
     field = meta.get
     arch = str(field("general.architecture", ""))
     if arch not in _GGUF_ARCHS:
@@ -130,16 +171,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, progress: bool, int4: bool = Fals
     num_kv_heads = int(field(f"{arch}.attention.head_count_kv", num_heads))  # type: ignore[arg-type]
     hidden = int(field(f"{arch}.embedding_length"))  # type: ignore[arg-type]
     metadata = metadata_from_gguf(path, meta)
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises assorted errors on garbage
-        raise ModelLoadError(f"not a valid GGUF file: {path} ({exc})") from exc
 
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, Q4Weight] = {}
     q8_0: dict[str, tuple[Q4Weight, Q4Weight]] = {}  # int4: the head's candidates
-    for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", disable=not progress,
-                       unit="tensor", leave=False):
+    for tensor in tqdm(_gguf_tensors(path, infos), desc=f"loading {path.name}",
+                       disable=not progress, unit="tensor", leave=False):
         hf_name = _gguf_name_to_hf(tensor.name)
         if hf_name is None:
             continue
