@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
+from filelock import FileLock
 
 from tandem.services.engine.config import EngineConfig
 from tandem.services.engine.llm_engine import LLMEngine
@@ -45,9 +49,26 @@ def hf_model(loaded_model: LoadedModel):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def references(hf_model, prompts: list[list[int]]) -> list[Reference]:  # type: ignore[no-untyped-def]
-    """transformers' greedy tokens for the prompt set (MAX_NEW_TOKENS each, EOS ignored)."""
-    return [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+def references(request: pytest.FixtureRequest, prompts: list[list[int]],
+               tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> list[Reference]:
+    """transformers' greedy tokens for the prompt set (MAX_NEW_TOKENS each, EOS ignored).
+
+    Under `make test`'s two workers the first to ask computes them and writes them (JSON) to
+    the run's temp folder, which both workers share; the other reads them there."""
+
+    def compute() -> list[Reference]:
+        hf_model = request.getfixturevalue("hf_model")
+        return [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+
+    if worker_id == "master":  # one process: nothing to share
+        return compute()
+    path = tmp_path_factory.getbasetemp().parent / "hf_references.json"
+    with FileLock(f"{path}.lock"):
+        if path.exists():
+            return [Reference(**r) for r in json.loads(path.read_text())]
+        found = compute()
+        path.write_text(json.dumps([dataclasses.asdict(r) for r in found]))
+        return found
 
 
 # `make test` runs two pytest workers (pytest-xdist): a test file runs whole on one worker (its
@@ -90,4 +111,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_sep("=", f"slowest {SLOWEST_MODULES} test files (s)")
     for module, seconds in sorted(totals.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]:
         terminalreporter.write_line(f"{seconds:8.1f}  {module}")
+    ray = sum(seconds for module, seconds in totals.items() if module.startswith(RAY_FILES))
+    terminalreporter.write_line(f"{ray:8.1f}  the Ray files (on one worker, one after another)")
     terminalreporter.write_line(f"{sum(totals.values()):8.1f}  all {len(totals)} files")

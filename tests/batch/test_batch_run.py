@@ -24,7 +24,7 @@ from tests.e2e.cluster import static_server
 from tests.gateway.helpers import wait_until
 
 TANDEM = Path(sys.executable).with_name("tandem")
-REQUESTS = 200
+REQUESTS = 100
 
 
 def _complete_lines(path: Path) -> int:

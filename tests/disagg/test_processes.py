@@ -93,6 +93,10 @@ def cluster(request, tmp_path_factory) -> Iterator[Cluster]:  # type: ignore[no-
 
 
 def test_one_at_a_time(cluster, prompts, references):
+    # Every other prompt (14 to 976 tokens): one at a time costs a run each; the concurrent
+    # test below takes all eight.
+    prompts, references = prompts[::2], references[::2]
+
     async def scenario() -> list[list[int]]:
         async with cluster.clients() as (p, d):
             start = await free_blocks(p)

@@ -32,7 +32,7 @@ import pytest
 from tandem.services.protocol.request import SamplingParams
 from tandem.services.tls import InternalTLS
 from tests.certs import issue
-from tests.e2e.cluster import TANDEM, all_blocks_free, metric_values, wait_for
+from tests.e2e.cluster import TANDEM, UpProcess, all_blocks_free, metric_values, wait_for
 from tests.e2e.multihost import (
     ENV,
     MAX_TOKENS,
@@ -126,27 +126,35 @@ def test_kv_moved_across_hosts_gives_the_engines_tokens(
     assert nodes_alive(head) == 2
 
 
-def test_a_cut_link_ends_the_request_clearly_and_the_next_one_is_served(
-        two_hosts: Cluster, expected: list[int]) -> None:
-    other = two_hosts.hosts[1]
+@pytest.fixture(scope="module")
+def tcp_up(two_hosts: Cluster) -> Iterator[UpProcess]:
+    """One `tandem up` moving KV over plain TCP for the last two tests (the last one kills it
+    with the head host)."""
     up = up_on(two_hosts, "tcp")
     try:
-        assert complete(up.http_url).status_code == 200  # paired and warm
-        other.link_down()
-        try:
-            reply = complete(up.http_url)
-        finally:
-            other.link_up()
-        # The decode host is unreachable: the stream's idle deadline (10 s) fires; with no
-        # other decode worker there is nowhere to go.
-        assert reply.status_code in (503, 504), reply.text
-        assert reply.json()["error"]["code"] in ("unavailable", "timeout")
-        wait_for(lambda: complete(up.http_url).status_code == 200, 180,
-                 "a request served once the link is back")
-        assert complete(up.http_url).json()["choices"][0]["token_ids"] == expected
-        wait_for(lambda: all_blocks_free(up, 2), 120, "every KV block free")
+        yield up
     finally:
-        assert up.stop() == 0
+        if up.process is not None and up.process.poll() is None:
+            assert up.stop() == 0
+
+
+def test_a_cut_link_ends_the_request_clearly_and_the_next_one_is_served(
+        two_hosts: Cluster, tcp_up: UpProcess, expected: list[int]) -> None:
+    other, up = two_hosts.hosts[1], tcp_up
+    assert complete(up.http_url).status_code == 200  # paired and warm
+    other.link_down()
+    try:
+        reply = complete(up.http_url)
+    finally:
+        other.link_up()
+    # The decode host is unreachable: the stream's idle deadline (10 s) fires; with no other
+    # decode worker there is nowhere to go.
+    assert reply.status_code in (503, 504), reply.text
+    assert reply.json()["error"]["code"] in ("unavailable", "timeout")
+    wait_for(lambda: complete(up.http_url).status_code == 200, 180,
+             "a request served once the link is back")
+    assert complete(up.http_url).json()["choices"][0]["token_ids"] == expected
+    wait_for(lambda: all_blocks_free(up, 2), 120, "every KV block free")
 
 
 def _stream(url: str, got: list[str], ended: list[BaseException | None]) -> None:
@@ -163,10 +171,10 @@ def _stream(url: str, got: list[str], ended: list[BaseException | None]) -> None
 
 
 def test_a_lost_head_comes_back_from_redis_and_the_engines_live_on(
-        two_hosts: Cluster, expected: list[int]) -> None:
-    """Runs last: it replaces the module's head."""
+        two_hosts: Cluster, tcp_up: UpProcess, expected: list[int]) -> None:
+    """Runs last: it replaces the module's head (and kills `tandem up` with it)."""
     head, other = two_hosts.hosts
-    up = up_on(two_hosts, "tcp")
+    up = tcp_up
     assert complete(up.http_url).json()["choices"][0]["token_ids"] == expected
     engines = replica_pids(other, "decode")
     assert len(engines) == 1

@@ -24,10 +24,12 @@ def test_bfloat16_engine_agrees_with_float32_at_the_start(prompts, references):
     packs = packing_available("cpu", torch.bfloat16)
     assert engine.runner.model.head.packed is packs
     assert engine.runner.model.layers[0].qkv.packed is packs
+    # The six prompts up to 480 tokens (bfloat16 linears are slow on an AVX2-only CPU: the two
+    # of ~1,000 tokens would double the time).
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outputs = engine.generate(prompts, greedy)
-    same_first = sum(out[0] == ref.tokens[0] for out, ref in zip(outputs, references,
+    outputs = engine.generate(prompts[:6], greedy)
+    same_first = sum(out[0] == ref.tokens[0] for out, ref in zip(outputs, references[:6],
                                                                   strict=True))
-    assert same_first >= 5, f"only {same_first}/8 first tokens agree with float32"
+    assert same_first >= 4, f"only {same_first}/6 first tokens agree with float32"
     assert "Paris" in engine.tokenizer.decode(outputs[1])  # "What is the capital of France?"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
