@@ -17,7 +17,11 @@ every hit, and no stored row is ever re-scaled.
 from __future__ import annotations
 
 import ctypes
+import errno
+import platform
 import sys
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -151,30 +155,64 @@ def allocate_kv_cache(spec: KVCacheSpec, device: str = "cpu") -> KVCache:
 
 
 HUGE_PAGE = 1 << 21
-MADV_HUGEPAGE = 14
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # MADV_COLLAPSE: Linux 6.1+
+COLLAPSE_CHUNK = 64 << 20  # bytes collapsed per call (the thread checks between calls)
+COLLAPSE_THREAD = "kv-huge-pages"
+SYS_MADVISE = {"x86_64": 28, "aarch64": 233}  # the raw system call's number
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
-    """A zeroed cache tensor; on a CPU, in transparent huge pages where Linux allows them
-    (asked before the pages are first touched). A decode step reads every sequence's blocks,
-    scattered over the cache: with 4 KiB pages most blocks cost TLB misses (the cpu backend's
-    attention in a batch-32 decode step: 28.4 -> 23.2 ms, docs/loadtest.md)."""
-    out = torch.empty(shape, dtype=dtype, device=device)
+    """A zeroed cache tensor; on a CPU, moved into transparent huge pages after it is zeroed
+    (``collapse_to_huge_pages``). A decode step reads every sequence's blocks, scattered over
+    the cache: with 4 KiB pages most blocks cost TLB misses (the cpu backend's attention in a
+    batch-32 decode step: 28.4 -> 23.2 ms, docs/loadtest.md). Zeroed first in small pages: a
+    1-GiB cache faulted in huge pages took 7.5-10 s on a fresh process here (a VM whose free
+    memory is handed back to its host), in small pages 0.6 s."""
+    out = torch.zeros(shape, dtype=dtype, device=device)
     if out.device.type == "cpu":
-        advise_huge_pages(out)
-    return out.zero_()
+        collapse_to_huge_pages(out)
+    return out
 
 
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Asks Linux to back ``t``'s whole 2 MiB pages with huge pages (``madvise``); whether it
-    took the advice (False off Linux, or with transparent huge pages off)."""
+def collapse_to_huge_pages(t: torch.Tensor) -> bool:
+    """Advises ``t``'s whole 2 MiB pages for transparent huge pages, and starts a daemon thread
+    that has Linux collapse their small pages into huge ones (``MADV_COLLAPSE``), a chunk at a
+    time while ``t`` lives; where the kernel lacks it, khugepaged does it over time. Whether
+    Linux took the advice (False off Linux, or with transparent huge pages off)."""
     start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
     if not sys.platform.startswith("linux") or end <= start:
         return False
+    if not _madvise(start, end - start, MADV_HUGEPAGE):
+        return False
+    alive = weakref.ref(t)
+
+    def collapse() -> None:
+        for chunk in range(start, end, COLLAPSE_CHUNK):
+            held = alive()  # held while Linux moves its pages (a freed range is left alone)
+            if held is None or not _madvise(chunk, min(COLLAPSE_CHUNK, end - chunk),
+                                            MADV_COLLAPSE) and ctypes.get_errno() == errno.EINVAL:
+                return  # freed, or a kernel without MADV_COLLAPSE
+            del held
+
+    if platform.machine() in SYS_MADVISE:
+        threading.Thread(target=collapse, name=COLLAPSE_THREAD, daemon=True).start()
+    return True
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    """``madvise`` as the raw system call, not libc's wrapper: NIXL's UCX rewrites that
+    wrapper's first instructions when its agent starts (to watch memory being unmapped), and a
+    thread waiting inside it through a seconds-long collapse then returns into rewritten code
+    (a decode replica's segfault in CI). libc's ``syscall`` is left alone."""
+    number = SYS_MADVISE.get(platform.machine())
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(start, end - start, MADV_HUGEPAGE) == 0
+    if number is None:  # an architecture not listed: the wrapper, only for the advice
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return bool(libc.madvise(start, length, advice) == 0)
+    libc.syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.syscall.restype = ctypes.c_long
+    return bool(libc.syscall(number, start, length, advice) == 0)
 
 
 def kv_parts(cache: KVCache) -> tuple[torch.Tensor, ...]:
