@@ -44,19 +44,23 @@ HEALTH_CHECK_TIMEOUT_S = 10.0
 PLACEMENT_SHARE = 0.001
 
 
-def actor_options(resource: str | None) -> dict[str, Any]:
+def actor_options(resource: str | None, share: float = PLACEMENT_SHARE) -> dict[str, Any]:
     """A replica's Ray options: no CPU from Ray's bookkeeping (the engine's threads take what
-    they use), and on a node that declares ``resource`` if one is named."""
+    they use), and on a node that declares ``resource`` if one is named, taking ``share`` of
+    it."""
     options: dict[str, Any] = {"num_cpus": 0}
     if resource is not None:
-        options["resources"] = {resource: PLACEMENT_SHARE}
+        options["resources"] = {resource: share}
     return options
 
 
 def build_app(config: AppConfig) -> Application:
     max_ongoing = config.in_flight_limit() + PROBE_ROOM
+    # A gateway replica takes its node's whole gateway resource: it listens on the node's
+    # port and grpc_port, so two never share a node.
     gateway = serve.deployment(GatewayIngress, name="gateway",
-                               ray_actor_options=actor_options(config.gateway_resource),
+                               num_replicas=config.gateway_replicas,
+                               ray_actor_options=actor_options(config.gateway_resource, 1.0),
                                health_check_period_s=HEALTH_CHECK_PERIOD_S,
                                health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
     if config.colocated:

@@ -95,7 +95,8 @@ def _generate(args: argparse.Namespace) -> int:
 _UP_FLAGS = {"model": "model", "dtype": "dtype", "device": "device",
              "attention_backend": "attention_backend", "cuda_graphs": "cuda_graphs",
              "prefill": "prefill_replicas",
-             "decode": "decode_replicas", "colocated": "colocated", "host": "host",
+             "decode": "decode_replicas", "gateways": "gateway_replicas",
+             "colocated": "colocated", "host": "host",
              "port": "port", "grpc_port": "grpc_port", "redis_url": "redis_url",
              "kv_transport": "kv_transport", "kv_cache_dtype": "kv_cache_dtype",
              "weight_format": "weight_format",
@@ -205,6 +206,9 @@ def _add_up_arguments(up: argparse.ArgumentParser) -> None:
                          "default on)")
     up.add_argument("--prefill", type=int, metavar="N", help="prefill worker replicas (1)")
     up.add_argument("--decode", type=int, metavar="M", help="decode worker replicas (1)")
+    up.add_argument("--gateways", type=int, metavar="G",
+                    help="gateway replicas (1), one per node declaring --gateway-resource; "
+                         "more than one needs --redis-url")
     up.add_argument("--colocated", action="store_true",
                     help="one engine in the gateway does prefill and decode (the default on "
                          "a CPU machine of fewer than 5 CPUs, where a prefill and a decode "

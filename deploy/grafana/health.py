@@ -20,6 +20,7 @@ SUCCESS = "tandem_request_success_total"
 FAILURES = "tandem_request_failures_total"
 DECISIONS = "tandem_router_decisions_total"
 HEALTHY = "tandem_worker_healthy"
+GATEWAYS = "tandem_gateway_replicas"  # one series per gateway scraped; its value: configured
 # The router's prefill choices: by its prefix index (prefix, load) or without it (fallback).
 PREFILL_CHOICES = ("prefix", "load", "fallback")
 CRITICAL, WARNING = "critical", "warning"
@@ -28,6 +29,7 @@ MODEL = "{{ $labels.model_name }}"
 WORKER = "{{ $labels.worker }}"
 ROLE = "{{ $labels.role }}"
 PERCENT = "{{ $value | humanizePercentage }}"
+VALUE = "{{ $value }}"
 
 
 def _rate(metric: str, window: str, selector: str = "") -> str:
@@ -129,7 +131,8 @@ def _routing() -> list[dict[str, Any]]:
 
 def _absence() -> list[dict[str, Any]]:
     """What fires when what the other alerts watch is gone: every series comes through the
-    gateway's /metrics, so without it (its pod, or the Ray head it runs on) none of them can."""
+    gateways' /metrics, so without them (their pods, or the Ray head) none of them can; one
+    gateway of several gone, the others still report (TandemGatewayMissing)."""
     info = "tandem_config_info"
     groups = {"prefill": f'{info}{{colocated="false", prefill_replicas!="0"}}',
               "decode": f'{info}{{colocated="false"}}'}
@@ -147,6 +150,12 @@ def _absence() -> list[dict[str, Any]]:
                  f"(none registered: every {role} replica is gone, or none could start); "
                  "requests that need one fail.", role=role)
           for role, selector in groups.items()),
+        _alert("TandemGatewayMissing",
+               f"count by (model_name) ({GATEWAYS})\n< max by (model_name) ({GATEWAYS})", "5m",
+               WARNING, f"A gateway of model {MODEL} is not scraped",
+               f"Prometheus has scraped {VALUE} gateway(s) of model {MODEL}, fewer than its "
+               "gateway_replicas, for five minutes: a gateway pod (or the head) is down or "
+               "unreachable. The other gateways serve; the streams open on the lost one ended."),
     ]
 
 

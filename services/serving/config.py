@@ -31,6 +31,7 @@ VLLM_REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names for what `thin
 
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # listen addresses meaning every address of the node
 
 
 class ConfigError(ValueError):
@@ -54,6 +55,10 @@ class AppConfig:
     block_size: int = 16  # tokens per KV block (the prefix cache's and KV transfers' unit)
     prefill_replicas: int = 1  # prefill workers (one engine each)
     decode_replicas: int = 1  # decode workers (one engine each)
+    # Gateway replicas, one per node that declares gateway_resource (each serves HTTP and gRPC
+    # on that node's port and grpc_port); more than one shares the router's index and stored
+    # responses through redis_url, and each admits its share of max_in_flight.
+    gateway_replicas: int = 1
     colocated: bool = False  # one engine in the gateway does both phases
     kv_transport: str = "auto"  # nixl | tcp | auto (NIXL when it loads)
     max_num_batched_tokens: int = 512  # per-step token budget (the prefill chunk size)
@@ -103,7 +108,8 @@ class AppConfig:
     ray_address: str | None = None
     # Where each role's replicas run on a cluster of several nodes: the name of a Ray custom
     # resource the node must declare (`ray start --resources='{"NAME": 1}'`); each replica needs
-    # 0.001 of it, so it only places it. None: any node.
+    # 0.001 of it, so it only places it (a gateway replica takes a whole one: its ports are the
+    # node's). None: any node.
     gateway_resource: str | None = None
     prefill_resource: str | None = None  # the same for prefill replicas
     decode_resource: str | None = None  # the same for decode replicas
@@ -170,12 +176,12 @@ class AppConfig:
     # A worker Serve stops (scale-down, upgrade, a draining node) finishes its calls for this
     # long; then it is stopped and its streams migrate.
     drain_timeout_s: float = 30.0
-    # Admission: requests in flight at the gateway, at most; beyond it 429 with Retry-After.
-    # None: one decode batch per healthy decode worker (max_num_seqs each, followed as workers
-    # come and go; colocated: max_num_seqs), so an admitted request waits for its prefill, not
-    # for a decode slot (loadtest/overload.py).
+    # Admission: requests in flight at the gateways, at most (each gateway replica admits its
+    # share); beyond it 429 with Retry-After. None: one decode batch per healthy decode worker
+    # (max_num_seqs each, followed as workers come and go; colocated: max_num_seqs), so an
+    # admitted request waits for its prefill, not for a decode slot (loadtest/overload.py).
     max_in_flight: int | None = None
-    # One tenant's requests in flight at the gateway, at most; beyond it 429. None: with
+    # One tenant's requests in flight at the gateways, at most; beyond it 429. None: with
     # several tenants in api_keys_file, the admission bound less a quarter (kept free for the
     # other tenants, so a flooding one cannot hold every slot); one tenant: no cap.
     tenant_max_in_flight: int | None = None
@@ -189,7 +195,8 @@ class AppConfig:
     # Origins whose browser pages may call the HTTP API (CORS: e.g. https://app.example.com);
     # None: none, the default ("*": any origin; API keys still apply).
     cors_allow_origins: str | list[str] | None = None
-    tenant_requests_per_minute: int | None = None  # per tenant; None: no limit
+    # Rate limits, per tenant (each gateway replica enforces an equal share); None: no limit
+    tenant_requests_per_minute: int | None = None
     tenant_tokens_per_minute: int | None = None  # prompt + max_tokens, per tenant; None: none
     # TLS for HTTP and gRPC (PEM files, read by the gateway at start; the chart mounts them
     # from a Secret): both or neither. Set, the ports serve TLS only.
@@ -236,11 +243,13 @@ class AppConfig:
         if self.kv_transport not in TRANSPORTS:
             raise ConfigError(f"kv_transport must be one of {', '.join(TRANSPORTS)}, "
                               f"got {self.kv_transport!r}")
-        for name in ("block_size", "prefill_replicas", "decode_replicas",
+        for name in ("block_size", "prefill_replicas", "decode_replicas", "gateway_replicas",
                      "max_num_batched_tokens", "max_num_seqs", "max_waiting",
                      "tensor_parallel_size", "max_connections", "max_grpc_streams"):
             _at_least(name, getattr(self, name), 1)
         _at_least("max_local_prefill_tokens", self.max_local_prefill_tokens, 0)
+        if self.gateway_replicas > 1:
+            self._check_gateways()
         for name in ("num_kv_blocks", "max_model_len", "threads_per_worker"):
             if getattr(self, name) is not None:
                 _at_least(name, getattr(self, name), 1)
@@ -394,9 +403,30 @@ class AppConfig:
             return None
         return InternalTLS.read(*files)
 
+    def _check_gateways(self) -> None:
+        """Several gateway replicas: each on a node of its own, sharing what one keeps."""
+        n = f"gateway_replicas {self.gateway_replicas}"
+        if self.colocated:
+            raise ConfigError(f"{n}: a colocated gateway is the engine; run one")
+        if self.gateway_resource is None:
+            raise ConfigError(f"{n} needs gateway_resource (one replica per node that declares "
+                              f"it: each listens on that node's port {self.port})")
+        if self.host not in WILDCARD_HOSTS:
+            raise ConfigError(f"{n} needs host 0.0.0.0 (each replica listens on its own "
+                              f"node's addresses), got {self.host!r}")
+        if self.redis_url is None:
+            raise ConfigError(f"{n} needs redis_url (the gateways share the router's prefix "
+                              f"index and stored responses there)")
+
+    def gateway_share(self, limit: int) -> int:
+        """One gateway replica's part of a cluster-wide bound (``max_in_flight`` and its
+        default): an equal share, rounded up."""
+        return -(-limit // self.gateway_replicas)
+
     def in_flight_limit(self) -> int:
-        """The gateway's admission bound (``max_in_flight`` or its default) at start-up; the
-        default then follows the healthy decode workers (max_num_seqs each)."""
+        """The cluster's admission bound (``max_in_flight`` or its default) at start-up, over
+        every gateway replica; the default then follows the healthy decode workers
+        (max_num_seqs each)."""
         if self.max_in_flight is not None:
             return self.max_in_flight
         return self.max_num_seqs * (1 if self.colocated else self.decode_replicas)

@@ -62,12 +62,14 @@ def registry_ttl_s(config: AppConfig) -> float:
 
 def tenants_of(config: AppConfig) -> Tenants:
     """The API keys, cache-salt secret and rate limits the config names (files read here, in
-    the gateway's process: on Kubernetes, Secrets mounted into its pod)."""
+    the gateway's process: on Kubernetes, Secrets mounted into its pod); each gateway replica
+    enforces its share of the limits."""
     keys = read_api_keys(config.api_keys_file) if config.api_keys_file else {}
     secret = read_secret(config.cluster_secret_file) if config.cluster_secret_file else b""
     weights = read_tenant_weights(config.api_keys_file) if config.api_keys_file else {}
-    tenants = Tenants(keys, secret, config.tenant_requests_per_minute,
-                      config.tenant_tokens_per_minute, weights=weights,
+    rates = [None if rate is None else config.gateway_share(rate) for rate in
+             (config.tenant_requests_per_minute, config.tenant_tokens_per_minute)]
+    tenants = Tenants(keys, secret, *rates, weights=weights,
                       keys_file=Path(config.api_keys_file) if config.api_keys_file else None)
     if keys:  # the tenants, never the keys
         log.info("API keys on: %d key(s) for tenants %s", len(keys),
@@ -99,8 +101,11 @@ class GatewayIngress:
                                        seed=config.seed,
                                        max_body_bytes=config.max_body_bytes,
                                        request_timeout_s=config.request_timeout_s,
-                                       max_in_flight=config.in_flight_limit(),
-                                       tenant_max_in_flight=config.tenant_max_in_flight,
+                                       max_in_flight=config.gateway_share(
+                                           config.in_flight_limit()),
+                                       tenant_max_in_flight=None if config.tenant_max_in_flight
+                                       is None else config.gateway_share(
+                                           config.tenant_max_in_flight),
                                        client_read_timeout_s=config.client_read_timeout_s,
                                        header_timeout_s=config.http_header_timeout_s,
                                        body_timeout_s=config.http_body_timeout_s,
@@ -143,7 +148,8 @@ class GatewayIngress:
             self.gateway.refresh_stats = lambda: view.refresh(config.poll_interval_s)
             view.busy = self.gateway.busy  # polls at the idle pace once no request is in flight
             if config.max_in_flight is None:  # one decode batch per healthy decode worker
-                view.follow_decode_capacity(self.gateway.set_admission_limit,
+                admit = self.gateway.set_admission_limit  # this replica's share of it
+                view.follow_decode_capacity(lambda total: admit(config.gateway_share(total)),
                                             config.max_num_seqs)
             source = backend.snapshots
             migrations = backend.migrations

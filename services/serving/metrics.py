@@ -214,9 +214,12 @@ CONFIG_INFO_FIELDS = ("colocated", "prefill_replicas", "decode_replicas", "routi
 
 class ConfigCollector(Collector):
     """``tandem_config_info``: 1, the serving settings in its labels (like vLLM's
-    ``cache_config_info``)."""
+    ``cache_config_info``); ``tandem_gateway_replicas``: the gateways configured (each
+    exports it: fewer series than its value are gateways Prometheus does not reach)."""
 
     def __init__(self, model_name: str, config: AppConfig) -> None:
+        self._model_name = model_name
+        self._gateways = config.gateway_replicas
         self._labels = {"model_name": model_name,
                         **{name: _label(getattr(config, name)) for name in CONFIG_INFO_FIELDS},
                         "internal_tls": _label(config.internal_tls_ca_file is not None)}
@@ -227,6 +230,11 @@ class ConfigCollector(Collector):
                                  labels=list(self._labels))
         info.add_metric(list(self._labels.values()), 1.0)
         yield info
+        gateways = GaugeMetricFamily("tandem_gateway_replicas",
+                                     "Gateway replicas configured (gateway_replicas); each "
+                                     "gateway exports it.", labels=["model_name"])
+        gateways.add_metric([self._model_name], float(self._gateways))
+        yield gateways
 
 
 def _label(value: object) -> str:

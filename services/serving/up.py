@@ -112,6 +112,8 @@ def ready_line(config: AppConfig, capacity: tuple[int, int] | None = None) -> st
     (``up_stats.kv_capacity``)."""
     shape = ("colocated" if config.colocated
              else f"{config.prefill_replicas} prefill, {config.decode_replicas} decode")
+    if config.gateway_replicas > 1:
+        shape += f", {config.gateway_replicas} gateways"
     tp = config.tensor_parallel_size
     if tp > 1:
         shape += f" ({tp} ranks{'' if config.colocated else ' each'})"
@@ -268,6 +270,11 @@ def _check_placement(config: AppConfig, resources: dict[str, float]) -> None:
                                f"declares it (custom resources: {', '.join(declared) or 'none'}"
                                f"); start the {role} nodes with ray start --resources="
                                f"'{{\"{resource}\": 1}}'")
+    have = resources.get(config.gateway_resource or "", 0)
+    if config.gateway_replicas > 1 and have < config.gateway_replicas:
+        raise StartupError(f"gateway_replicas {config.gateway_replicas}: the Ray cluster's nodes "
+                           f"declare {have:g} of gateway_resource {config.gateway_resource!r} "
+                           f"in all (one replica per node, one unit each)")
 
 
 # Ray's and Serve's clocks and extras that a private one-machine cluster does not need, set

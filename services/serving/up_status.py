@@ -56,7 +56,7 @@ class StatusMonitor:
         if self.config.colocated:
             return {"gateway": 1}
         return {"prefill": self.config.prefill_replicas,
-                "decode": self.config.decode_replicas, "gateway": 1}
+                "decode": self.config.decode_replicas, "gateway": self.config.gateway_replicas}
 
     def all_running(self) -> bool:
         return all(self.running.get(name, 0) >= n for name, n in self.targets().items())
@@ -64,8 +64,10 @@ class StatusMonitor:
     def shape(self) -> str:
         if self.config.colocated:
             return "the gateway with one engine (colocated)"
+        n = self.config.gateway_replicas
+        gateways = "the gateway" if n == 1 else f"{n} gateways"
         return (f"{self.config.prefill_replicas} prefill and {self.config.decode_replicas} "
-                "decode replica(s), then the gateway")
+                f"decode replica(s), then {gateways}")
 
     def check(self, starting: bool) -> None:
         from ray import serve

@@ -67,19 +67,17 @@ from tandem.services.protocol.handoff import ClusterKey, PrefillResult
 from tandem.services.protocol.kv_events import KVEvent
 from tandem.services.protocol.messages import ChannelClosedError, ReplicaGoneError, WorkerReport
 from tandem.services.protocol.request import GenerationRequest
-from tandem.services.serving.config import AppConfig
+from tandem.services.serving.config import WILDCARD_HOSTS, AppConfig
 from tandem.services.serving.decode_channel import ChannelItem, ChannelOutbox
 
 Worker = PrefillWorker | DecodeWorker
 log = logging.getLogger(__name__)
 
-_WILDCARDS = ("0.0.0.0", "::", "")
-
 
 def reachable_host(worker_host: str) -> str:
     """The address a replica listens on and gives its peers: a wildcard ``worker_host`` (the
     Helm chart's) becomes this Ray node's IP, a pod's own IP under KubeRay."""
-    return ray.util.get_node_ip_address() if worker_host in _WILDCARDS else worker_host
+    return ray.util.get_node_ip_address() if worker_host in WILDCARD_HOSTS else worker_host
 
 
 class _Replica:

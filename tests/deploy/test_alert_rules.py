@@ -80,6 +80,10 @@ def config_info(model: str, colocated: str = "false", prefill: str = "1") -> str
                    prefill_replicas=prefill)
 
 
+def gateways(model: str, pod: str) -> str:
+    return _series("tandem_gateway_replicas", model_name=model, pod=pod)
+
+
 def critical(**labels: str) -> dict[str, str]:
     return {**labels, "severity": "critical"}
 
@@ -112,6 +116,18 @@ CASES = [
         healthy("replaced", "d0", "decode"): "1x9 stale 1x29",
     }, (Firing(critical(model_name="no_decode", role="decode"), 12),
         Firing(critical(model_name="no_prefill", role="prefill"), 22))),
+    Case("TandemGatewayMissing", {
+        # "lost_one": the second of two gateways is not scraped from minute 10: fires at 15.
+        gateways("lost_one", "head"): "2x40",
+        gateways("lost_one", "gw-0"): "2x9 stale",
+        # Short of it: every gateway there; a single gateway; one back within four minutes.
+        gateways("all_there", "head"): "3x40",
+        gateways("all_there", "gw-0"): "3x40",
+        gateways("all_there", "gw-1"): "3x40",
+        gateways("single", "head"): "1x40",
+        gateways("back", "head"): "2x40",
+        gateways("back", "gw-0"): "2x9 stale stale stale stale 2x26",
+    }, (Firing(warning(model_name="lost_one"), 15),)),
     Case("TandemWorkerDown", {
         # "down": its only decode worker faults at minute 10 -> fires a minute later.
         healthy("down", "p0", "prefill"): "1x40",

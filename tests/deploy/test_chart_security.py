@@ -40,6 +40,7 @@ from tests.deploy.test_helm_chart import (
 
 DASHBOARD = 8265
 MOUNT = "/etc/tandem/secrets"
+GATEWAY_PODS = ("head", "gateway")  # the groups whose pods run a gateway replica
 NAME_LABEL = "kubernetes.io/metadata.name"
 MONITOR = ("--set", "monitoring.forcePrometheusOperator=true")
 # Made-up keys for the chart to put in a Secret: test data, not secrets.
@@ -284,7 +285,8 @@ def ray_env(rendered: Rendered, component: str) -> dict[str, dict[str, Any]]:
 SECRET_CASES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "existing keys": {"auth": {"apiKeys": {"existingSecret": "my-keys"}}},
-    "created keys": {"auth": {"apiKeys": {"create": {"tenants": TENANTS}}}},
+    "created keys": {"auth": {"apiKeys": {"create": {"tenants": TENANTS}}},
+                     "gateway": {"replicas": 1}},
     "existing cluster secret": {"auth": {"clusterSecret": {"existingSecret": "my-cluster"}}},
     "metrics behind keys": {
         "auth": {"apiKeys": {"existingSecret": "my-keys"}, "metricsRequireKey": True},
@@ -358,8 +360,9 @@ def test_secrets_are_wired_into_the_pods_and_the_serve_config(
         assert re.fullmatch(rb"[A-Za-z0-9]{48}", value)
 
     # Mounted read-only, readable by the pod's group only: every pod gets the cluster secret
-    # and Ray's token, the head (the gateway) the API keys and the TLS files as well.
-    for component in ("head", *ROLES):
+    # and Ray's token, the gateways' (the head, the gateway pods) the API keys and the TLS
+    # files as well.
+    for component in rendered.ray_groups():
         spec = rendered.group(component)["template"]["spec"]
         volume, files = secrets_volume(rendered, component)
         assert volume["projected"]["defaultMode"] == 0o440
@@ -367,9 +370,9 @@ def test_secrets_are_wired_into_the_pods_and_the_serve_config(
         expected = {"cluster-secret": (cluster_secret, "cluster-secret")}
         if ray_secret:
             expected["ray-auth-token"] = (ray_secret, "auth_token")
-        if component == "head" and keys_secret:
+        if component in GATEWAY_PODS and keys_secret:
             expected["api-keys"] = (keys_secret, "api-keys")
-        if component == "head" and tls_secret:
+        if component in GATEWAY_PODS and tls_secret:
             expected["tls.crt"] = (tls_secret, "tls.crt")
             expected["tls.key"] = (tls_secret, "tls.key")
         assert files == expected, component
@@ -382,13 +385,14 @@ def test_secrets_are_wired_into_the_pods_and_the_serve_config(
     # or without API keys), the rest on the head.
     args = rendered.application["args"]
     assert args["cluster_secret_file"] == f"{MOUNT}/cluster-secret"
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         assert mounted_file(rendered, component, args["cluster_secret_file"]) == (
             cluster_secret, "cluster-secret")
     assert args.get("api_keys_file") == (f"{MOUNT}/api-keys" if keys_secret else None)
     if keys_secret:
-        assert mounted_file(rendered, "head", args["api_keys_file"]) == (keys_secret,
-                                                                         "api-keys")
+        for component in set(GATEWAY_PODS) & set(rendered.ray_groups()):
+            assert mounted_file(rendered, component, args["api_keys_file"]) == (
+                keys_secret, "api-keys")
     assert args.get("metrics_require_key") == (True if auth["metricsRequireKey"] else None)
 
 
@@ -428,7 +432,7 @@ def check_ray_token_auth(rendered: Rendered) -> str:
     options = rendered.cluster["authOptions"]
     assert options["mode"] == "token"
     secret = options["secretName"]
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         env = ray_env(rendered, component)
         assert env["RAY_AUTH_MODE"] == {"name": "RAY_AUTH_MODE", "value": "token"}, component
         path = env["RAY_AUTH_TOKEN_PATH"]["value"]
@@ -468,7 +472,7 @@ def test_ray_token_is_nowhere_but_in_its_secret(helm: Helm) -> None:
         text = yaml.safe_dump(obj)
         assert token not in text and encoded not in text, obj["metadata"]["name"]
     # No Ray container takes the token from the environment, literally or by reference.
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         env = ray_env(rendered, component)
         assert all("valueFrom" not in e for n, e in env.items() if n in RAY_AUTH_ENV)
         assert token not in {e.get("value") for e in env.values()}
@@ -497,7 +501,7 @@ def test_ray_token_authentication_can_be_turned_off(helm: Helm,
                              "extraEnv": [{"name": "OTEL_SERVICE_NAME", "value": "tandem"}]})
     assert_valid(rendered, crd_schema)
     assert "authOptions" not in rendered.cluster
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         assert not RAY_AUTH_ENV & set(ray_env(rendered, component)), component
         assert "ray-auth-token" not in secrets_volume(rendered, component)[1]
         assert "OTEL_SERVICE_NAME" in ray_env(rendered, component)
@@ -559,7 +563,7 @@ def gateway_probes(rendered: Rendered) -> list[tuple[str, dict[str, Any]]]:
     ports = {rendered.values["ports"]["http"], rendered.values["ports"]["grpc"], "serve",
              "grpc"}
     found = []
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         (container,) = rendered.group(component)["template"]["spec"]["containers"]
         for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
             probe = container.get(kind)
@@ -582,19 +586,22 @@ def probe_uses_tls(probe: dict[str, Any]) -> bool:
 
 def test_tls_is_mounted_in_the_gateways_pod_and_named_in_the_config(
         helm: Helm, crd_schema: dict[str, Any]) -> None:
-    rendered = render(helm, TLS, "default")
+    rendered = render(helm, _deep_merge(TLS, {"gateway": {"replicas": 1}}), "default")
     assert_valid(rendered, crd_schema)
     args = rendered.application["args"]
     assert (args["tls_cert_file"], args["tls_key_file"]) == (f"{MOUNT}/tls.crt",
                                                              f"{MOUNT}/tls.key")
-    # The gateway runs on the head only (the resource only the head offers): the files are
-    # there, and nowhere else.
+    # The gateways run on the head and the gateway pods only (the resource only they offer):
+    # the files are there, and nowhere else.
     (gateway_resource,) = rendered.deployment_options("gateway")["ray_actor_options"][
         "resources"]
-    assert [c for c in ("head", *ROLES)
-            if gateway_resource in rendered.group(c).get("resources", {})] == ["head"]
-    assert mounted_file(rendered, "head", args["tls_cert_file"]) == ("tandem-tls", "tls.crt")
-    assert mounted_file(rendered, "head", args["tls_key_file"]) == ("tandem-tls", "tls.key")
+    assert [c for c in rendered.ray_groups()
+            if gateway_resource in rendered.group(c).get("resources", {})] == list(GATEWAY_PODS)
+    for component in GATEWAY_PODS:
+        assert mounted_file(rendered, component, args["tls_cert_file"]) == ("tandem-tls",
+                                                                            "tls.crt")
+        assert mounted_file(rendered, component, args["tls_key_file"]) == ("tandem-tls",
+                                                                           "tls.key")
     for role in ROLES:
         with pytest.raises(AssertionError, match="no mounted Secret"):
             mounted_file(rendered, role, args["tls_cert_file"])
@@ -607,6 +614,7 @@ def test_tls_is_mounted_in_the_gateways_pod_and_named_in_the_config(
     annotations = rendered.one("Ingress")["metadata"]["annotations"]
     assert annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "HTTPS"
     assert all(probe_uses_tls(probe) for _, probe in gateway_probes(rendered))
+    assert "gateway" in {component for component, _ in gateway_probes(rendered)}
     # The probe check would catch a plain-HTTP probe on the gateway's port.
     (head,) = rendered.group("head")["template"]["spec"]["containers"]
     head["readinessProbe"] = {"httpGet": {"path": "/health", "port": 8000}}
@@ -618,7 +626,7 @@ def test_without_tls_nothing_of_it(helm: Helm) -> None:
                              "auth": {"allowUnauthenticatedExposure": True}})
     args = rendered.application["args"]
     assert not {"tls_cert_file", "tls_key_file"} & set(args)
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         assert not {"tls.crt", "tls.key"} & set(secrets_volume(rendered, component)[1])
     http = rendered.one("Service", "-http")
     assert [p["appProtocol"] for p in http["spec"]["ports"]] == ["http"]

@@ -46,7 +46,8 @@ CRD_KINDS = {"RayService", "ServiceMonitor", "PrometheusRule"}
 ROLES = ("prefill", "decode")
 # AppConfig settings the chart sets itself, from its own keys (the rest come from `app:`).
 CHART_OWNED = {"model", "host", "port", "grpc_port", "worker_host", "redis_url",
-               "prefill_replicas", "decode_replicas", "colocated", "ray_address",
+               "prefill_replicas", "decode_replicas", "gateway_replicas", "colocated",
+               "ray_address",
                "gateway_resource", "prefill_resource", "decode_resource"}
 # Set by the chart from `auth:`, `tls:` and `internalTls:` (the Secrets it mounts), and only
 # when configured: the cluster secret always, the API keys, metrics_require_key and the TLS
@@ -134,9 +135,14 @@ class Rendered:
         (group,) = [g for g in self.cluster["workerGroupSpecs"] if g["groupName"] == component]
         return group
 
+    def ray_groups(self) -> list[str]:
+        """The RayService's pod groups: the head, the gateway pods beside it (when any), the
+        engines."""
+        return ["head", *(["gateway"] if self.values["gateway"]["replicas"] else []), *ROLES]
+
     def pod_templates(self) -> dict[str, dict[str, Any]]:
         """Every pod this release runs, by component."""
-        pods = {c: self.group(c)["template"] for c in ("head", *ROLES)}
+        pods = {c: self.group(c)["template"] for c in self.ray_groups()}
         for deployment in self.of_kind("Deployment"):
             component = deployment["metadata"]["labels"]["app.kubernetes.io/component"]
             pods[component] = deployment["spec"]["template"]
@@ -336,21 +342,32 @@ def test_default_kv_cache_is_sized_from_the_gpu(helm: Helm) -> None:
 
 
 def test_deployments_land_on_their_groups(rendered: Rendered) -> None:
-    """Each Serve deployment asks for a custom Ray resource that only its group provides, one
-    per pod, and for the GPUs its pod has."""
-    home = {"gateway": "head", "prefill": "prefill", "decode": "decode"}
-    provided = {c: rendered.group(c).get("resources", {}) for c in ("head", *ROLES)}
-    for deployment, component in home.items():
+    """Each Serve deployment asks for a custom Ray resource that only its groups provide, one
+    per pod, and for the GPUs its pod has: the gateway on the head and on each gateway pod (a
+    replica for each), the engines on their own groups."""
+    gateways = ["head", *(["gateway"] if rendered.values["gateway"]["replicas"] else [])]
+    home = {"gateway": gateways, "prefill": ["prefill"], "decode": ["decode"]}
+    provided = {c: rendered.group(c).get("resources", {}) for c in rendered.ray_groups()}
+    for deployment, components in home.items():
         actor = rendered.deployment_options(deployment)["ray_actor_options"]
         assert actor["num_cpus"] == 0
         for resource, amount in actor["resources"].items():
             providers = [c for c, res in provided.items() if resource in res]
-            assert providers == [component], (deployment, resource, providers)
-            assert float(provided[component][resource]) == amount == 1
-        container = rendered.group(component)["template"]["spec"]["containers"][0]
+            assert providers == components, (deployment, resource, providers)
+            for component in components:
+                assert float(provided[component][resource]) == amount == 1
+        container = rendered.group(components[0])["template"]["spec"]["containers"][0]
         gpus = int(container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         assert actor.get("num_gpus", 0) == gpus
-        if component != "head":
+        if deployment == "gateway":
+            # Serve runs one per gateway pod and one on the head: one per node providing it.
+            pods = 1 + rendered.values["gateway"]["replicas"]
+            assert rendered.application["args"]["gateway_replicas"] == pods
+            if len(gateways) > 1:
+                group = rendered.group("gateway")
+                assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] \
+                    == pods - 1
+        else:
             ranks = rendered.values["app"].get("tensor_parallel_size", 1)
             assert gpus == rendered.values[component]["gpusPerReplica"] * ranks
     assert rendered.group("head")["rayStartParams"]["num-cpus"] == "0"
@@ -372,27 +389,30 @@ def test_tensor_parallel_worker_pods_get_a_gpu_per_rank(helm: Helm) -> None:
 
 def test_each_group_takes_its_scheduling_settings_and_the_accelerator_resource(
         helm: Helm, tmp_path: Path) -> None:
-    """Per group (head, prefill, decode): topology spread, priority class, runtime class and
-    scheduler name reach its pod spec (none by default); GPUs are asked for under the
-    accelerator's resource name (here a MIG profile)."""
+    """Per group (head, gateway pods, prefill, decode): topology spread, priority class,
+    runtime class and scheduler name reach its pod spec (none by default); GPUs are asked for
+    under the accelerator's resource name (here a MIG profile)."""
     spread = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
                "whenUnsatisfiable": "ScheduleAnyway",
                "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "decode"}}}]
-    overrides = {"accelerator": {"resource": "nvidia.com/mig-3g.40gb"}}
-    for group in ("head", *ROLES):
-        overrides[group] = {"priorityClassName": f"{group}-priority",
-                            "runtimeClassName": "nvidia", "schedulerName": "volcano",
-                            "topologySpreadConstraints": spread}
+    overrides: dict[str, Any] = {"accelerator": {"resource": "nvidia.com/mig-3g.40gb"},
+                                 "gateway": {"replicas": 1}}
+    for group in ("head", "gateway", *ROLES):
+        overrides[group] = overrides.get(group, {}) | {
+            "priorityClassName": f"{group}-priority", "runtimeClassName": "nvidia",
+            "schedulerName": "volcano", "topologySpreadConstraints": spread}
     values = tmp_path / "scheduling.yaml"
     values.write_text(yaml.safe_dump(overrides))
     rendered = Rendered("scheduling", _deep_merge(values_for("small-1p1d-values"), overrides),
                         helm.template(*render_args("small-1p1d-values"), "-f", str(values)))
     default = Rendered("default", values_for("default"), helm.template(*render_args("default")))
-    for group in ("head", *ROLES):
+    for group in ("head", "gateway", *ROLES):
         spec = rendered.group(group)["template"]["spec"]
         assert (spec["priorityClassName"], spec["runtimeClassName"], spec["schedulerName"],
                 spec["topologySpreadConstraints"]) == (f"{group}-priority", "nvidia", "volcano",
                                                        spread), group
+        if group == "gateway":  # no gateway pods by default
+            continue
         plain = default.group(group)["template"]["spec"]
         assert not {"priorityClassName", "runtimeClassName", "schedulerName",
                     "topologySpreadConstraints"} & set(plain), group
@@ -453,7 +473,7 @@ def test_pods_run_non_root_on_a_read_only_root(rendered: Rendered) -> None:
             assert security["readOnlyRootFilesystem"] is True, component
             assert security["allowPrivilegeEscalation"] is False, component
             assert security["capabilities"]["drop"] == ["ALL"], component
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         spec = rendered.group(component)["template"]["spec"]
         empty_dirs = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
         mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
@@ -475,7 +495,7 @@ def test_resources_are_bounded_and_the_head_is_not_tiny(rendered: Rendered) -> N
 
 def test_model_volume_is_mounted_read_only_everywhere(rendered: Rendered) -> None:
     model = rendered.values["model"]
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         spec = rendered.group(component)["template"]["spec"]
         mounts = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "model"]
         if not model["path"]:
@@ -489,22 +509,31 @@ def test_model_volume_is_mounted_read_only_everywhere(rendered: Rendered) -> Non
 # ----------------------------------------------------------------- networking
 
 
-def test_services_reach_the_gateway_on_the_head(rendered: Rendered) -> None:
-    head = rendered.group("head")["template"]
-    head_ports = {p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+def test_services_reach_every_gateway(rendered: Rendered) -> None:
+    """The HTTP and gRPC Services select the pods running a gateway replica (the head and the
+    gateway pods), and no engine pod; a gateway pod is in them once its gateway answers."""
+    gateways = [g for g in rendered.ray_groups() if g in ("head", "gateway")]
     config = rendered.application["args"]
     for kind, app_port in (("http", config["port"]), ("grpc", config["grpc_port"])):
         service = rendered.one("Service", f"-{kind}")
         assert service["spec"]["selector"]
-        assert selects({"matchLabels": service["spec"]["selector"]},
-                       head["metadata"]["labels"])
+        for group in gateways:
+            pod = rendered.group(group)["template"]
+            assert selects({"matchLabels": service["spec"]["selector"]},
+                           pod["metadata"]["labels"]), group
+            assert app_port in {p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
         for role in ROLES:
             assert not selects({"matchLabels": service["spec"]["selector"]},
                                rendered.group(role)["template"]["metadata"]["labels"])
         (port,) = service["spec"]["ports"]
         assert port["name"] == kind
-        assert port["targetPort"] == app_port and app_port in head_ports
+        assert port["targetPort"] == app_port
         assert port["port"] == rendered.values["service"][kind]["port"]
+    if "gateway" in gateways:
+        (container,) = rendered.group("gateway")["template"]["spec"]["containers"]
+        probe = " ".join(container["readinessProbe"]["exec"]["command"])
+        scheme = "https" if rendered.values["tls"]["existingSecret"] else "http"
+        assert f"{scheme}://localhost:{config['port']}/-/healthz" in probe
     assert rendered.serve_config["proxy_location"] == "Disabled"  # the gateway owns the port
     # So no worker's readiness may wait for a Serve proxy (KubeRay's default probe would).
     for role in ROLES:
@@ -533,7 +562,7 @@ def test_network_policy_admits_cluster_traffic_only_from_the_release(rendered: R
         return
     pods = rendered.pod_templates()
     ray_policy = rendered.one("NetworkPolicy", "-ray")
-    for component in ("head", *ROLES):
+    for component in rendered.ray_groups():
         assert selects(ray_policy["spec"]["podSelector"], pods[component]["metadata"]["labels"])
     np = values["networkPolicy"]
     ingress = [{"namespaceSelector": {"matchLabels": {
@@ -558,7 +587,7 @@ def test_network_policy_admits_cluster_traffic_only_from_the_release(rendered: R
         # Every port (Ray, KV transfer, control): only this release's pods, same namespace.
         for peer in rule["from"]:
             assert set(peer) == {"podSelector"}, peer
-            for labels in (pods[c]["metadata"]["labels"] for c in ("head", *ROLES)):
+            for labels in (pods[c]["metadata"]["labels"] for c in rendered.ray_groups()):
                 assert selects(peer["podSelector"], labels)
                 assert not selects(peer["podSelector"], other_release(labels))
     # A port with no sources has no rule (a rule without `from` would admit any source).
@@ -633,7 +662,14 @@ def test_the_head_redis_follows_the_values(helm: Helm, settings: tuple[str, ...]
     assert (options and options["redisAddress"]) == address
 
 
-def test_disruption_budgets_keep_engines_up(rendered: Rendered) -> None:
+def _group_pods(rendered: Rendered, component: str) -> int:
+    if component == "head":
+        return 1
+    values = rendered.values[component]
+    return int(values["replicas"]) if component == "gateway" else initial_replicas(values)
+
+
+def test_disruption_budgets_keep_engines_and_gateways_up(rendered: Rendered) -> None:
     pods = rendered.pod_templates()
     budgets = rendered.of_kind("PodDisruptionBudget")
     for budget in budgets:
@@ -641,18 +677,16 @@ def test_disruption_budgets_keep_engines_up(rendered: Rendered) -> None:
                    if selects(budget["spec"]["selector"], t["metadata"]["labels"])]
         assert len(matched) == 1, (budget["metadata"]["name"], matched)
         (component,) = matched
-        pods_in_group = (1 if component == "head"
-                         else initial_replicas(rendered.values[component]))
+        pods_in_group = _group_pods(rendered, component)
         assert 0 < budget["spec"]["minAvailable"] <= pods_in_group
         if component != "head":
             assert pods_in_group - budget["spec"]["minAvailable"] == (
                 rendered.values[component]["podDisruptionBudget"]["maxUnavailable"])
     covered = {c for b in budgets for c, t in pods.items()
                if selects(b["spec"]["selector"], t["metadata"]["labels"])}
-    for role in ROLES:
-        role_values = rendered.values[role]
-        wanted = (role_values["podDisruptionBudget"]["enabled"] and initial_replicas(role_values)
-                  > role_values["podDisruptionBudget"]["maxUnavailable"])
+    for role in ("gateway", *ROLES):
+        budget = rendered.values[role]["podDisruptionBudget"]
+        wanted = budget["enabled"] and _group_pods(rendered, role) > budget["maxUnavailable"]
         assert (role in covered) is wanted, role
 
 
@@ -775,6 +809,9 @@ def test_broken_values_fail_with_the_schema_message(helm: Helm, command: str, se
      "rayService.gcsFaultTolerance: no Redis to keep the Ray head's state in; set "
      "redis.enabled=true, rayService.gcsFaultTolerance.redisAddress, or "
      "rayService.gcsFaultTolerance.enabled=false"),
+    (("gateway.replicas=1", "redis.enabled=false", "rayService.gcsFaultTolerance.enabled=false"),
+     "gateway.replicas: gateways beside the head need a Redis (redis.enabled or "
+     "redis.externalUrl)"),
     (("app.tensor_parallel_size=2",),
      "app.tensor_parallel_size 2: engines size the KV cache from gpu_memory_utilization with "
      "one rank only; set app.kv_cache_memory_gb (GiB per rank)"),

@@ -47,6 +47,7 @@ RAY_PORT = 6390
 PROMPT = "Describe a lighthouse at night."
 MAX_TOKENS = 16
 GATEWAY, PREFILL, DECODE = "tandem_test_gateway", "tandem_test_prefill", "tandem_test_decode"
+GATEWAYS = "tandem_test_gateways"  # every host of a two-host cluster: a gateway on each
 
 
 @contextlib.contextmanager
@@ -125,11 +126,12 @@ class Cluster:
 @contextlib.contextmanager
 def ray_cluster(n: int, root: Path) -> Iterator[Cluster]:
     """``n`` hosts with a Ray node each. Two: the head runs the gateway and prefill, the other
-    decode; three or more: the head the gateway, the second prefill, the rest decode."""
+    decode (and both a gateway with ``up_on(gateways=2)``); three or more: the head the
+    gateway, the second prefill, the rest decode."""
     with contextlib.ExitStack() as stack:
         made = stack.enter_context(hosts(n))
         gcs_redis = stack.enter_context(redis_on(made[0].bridge, root / "redis.log"))
-        roles = ([{GATEWAY: 1, PREFILL: 1}, {DECODE: 1}] if n == 2 else
+        roles = ([{GATEWAY: 1, PREFILL: 1, GATEWAYS: 1}, {DECODE: 1, GATEWAYS: 1}] if n == 2 else
                  [{GATEWAY: 1}, {PREFILL: 1}, *([{DECODE: 1}] * (n - 2))])
         stack.enter_context(ray_head(made[0], root / "head.log", gcs_redis, roles[0]))
         wait_for(lambda: nodes_alive(made[0]) == 1, 120, "the Ray head")
@@ -142,10 +144,11 @@ def ray_cluster(n: int, root: Path) -> Iterator[Cluster]:
 
 
 def up_on(cluster: Cluster, transport: str, decode_resource: str = DECODE,
-          tls: InternalTLS | None = None) -> UpProcess:
+          tls: InternalTLS | None = None, gateways: int = 1) -> UpProcess:
     """`tandem up --address` on the head host, each role on its resource's hosts (decode on
     the prefill host with ``decode_resource=PREFILL``); with ``tls``, KV between the workers
-    over mutual TLS (TCP)."""
+    over mutual TLS (TCP). ``gateways`` 2: a gateway on each host of two, listening on every
+    address, sharing the router's index in the cluster's Redis; ``http_url`` is the head's."""
     head = cluster.head
     settings = {"ray_address": f"{head.address}:{RAY_PORT}", "host": head.address,
                 "worker_host": "0.0.0.0", "prefill_replicas": 1, "decode_replicas": 1,
@@ -153,14 +156,24 @@ def up_on(cluster: Cluster, transport: str, decode_resource: str = DECODE,
                 "prefill_resource": PREFILL, "decode_resource": decode_resource,
                 "stream_idle_timeout_s": 10, "kv_transfer_timeout_s": 5.0,
                 "request_timeout_s": 60.0}
+    if gateways > 1:
+        settings |= {"gateway_replicas": gateways, "gateway_resource": GATEWAYS,
+                     "host": "0.0.0.0", "redis_url": f"redis://{cluster.gcs_redis}/1"}
     if tls is not None:
         settings |= {"internal_tls_cert_file": tls.cert_file,
                      "internal_tls_key_file": tls.key_file, "internal_tls_ca_file": tls.ca_file}
-    folder = cluster.root / f"{transport}{'-tls' if tls else ''}-{decode_resource}"
+    folder = cluster.root / f"{transport}{'-tls' if tls else ''}-{decode_resource}-{gateways}"
     folder.mkdir(exist_ok=True)
     up = UpProcess.from_settings(folder, settings)
     up.launcher = head.command()
-    return up.start()
+    up.start()
+    up.http_url = gateway_url(up, head)  # the ready line names the wildcard
+    return up
+
+
+def gateway_url(up: UpProcess, host: Host) -> str:
+    """The HTTP address of ``up``'s gateway on ``host``."""
+    return f"http://{host.address}:{httpx.URL(up.http_url).port}"
 
 
 def complete(url: str) -> httpx.Response:

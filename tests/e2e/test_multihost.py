@@ -14,8 +14,10 @@ The head keeps Ray's cluster state in a Redis outside both hosts (GCS fault tole
 chart sets it up): with every process on the head host killed mid-stream and the head started
 again, the open stream ends at the client, the decode host's engine lives on in the same
 process, Serve brings the gateway and the prefill worker back by itself, and the next request
-is served exactly with every block free. Needs root (the namespaces); everything made is
-removed at the end."""
+is served exactly with every block free. With a gateway on each host (sharing the router's
+index in Redis), either serves the engine's tokens; one killed, the other serves on while Serve
+starts it again; the decode host's gateway outlives the head and answers while it is gone.
+Needs root (the namespaces); everything made is removed at the end."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from tests.e2e.multihost import (
     Cluster,
     bytes_moved,
     complete,
+    gateway_url,
     live_pids,
     nodes_alive,
     ray_cluster,
@@ -126,11 +129,34 @@ def test_kv_moved_across_hosts_gives_the_engines_tokens(
     assert nodes_alive(head) == 2
 
 
-@pytest.fixture(scope="module")
-def tcp_up(two_hosts: Cluster) -> Iterator[UpProcess]:
-    """One `tandem up` moving KV over plain TCP for the last two tests (the last one kills it
-    with the head host)."""
+def test_a_cut_link_ends_the_request_clearly_and_the_next_one_is_served(
+        two_hosts: Cluster, expected: list[int]) -> None:
+    other = two_hosts.hosts[1]
     up = up_on(two_hosts, "tcp")
+    try:
+        assert complete(up.http_url).status_code == 200  # paired and warm
+        other.link_down()
+        try:
+            reply = complete(up.http_url)
+        finally:
+            other.link_up()
+        # The decode host is unreachable: the stream's idle deadline (10 s) fires; with no
+        # other decode worker there is nowhere to go.
+        assert reply.status_code in (503, 504), reply.text
+        assert reply.json()["error"]["code"] in ("unavailable", "timeout")
+        wait_for(lambda: complete(up.http_url).status_code == 200, 180,
+                 "a request served once the link is back")
+        assert complete(up.http_url).json()["choices"][0]["token_ids"] == expected
+        wait_for(lambda: all_blocks_free(up, 2), 120, "every KV block free")
+    finally:
+        assert up.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def gateways_up(two_hosts: Cluster) -> Iterator[UpProcess]:
+    """One `tandem up` moving KV over plain TCP, with a gateway on each host, for the last
+    two tests (the last one kills it with the head host)."""
+    up = up_on(two_hosts, "tcp", gateways=2)
     try:
         yield up
     finally:
@@ -138,23 +164,23 @@ def tcp_up(two_hosts: Cluster) -> Iterator[UpProcess]:
             assert up.stop() == 0
 
 
-def test_a_cut_link_ends_the_request_clearly_and_the_next_one_is_served(
-        two_hosts: Cluster, tcp_up: UpProcess, expected: list[int]) -> None:
-    other, up = two_hosts.hosts[1], tcp_up
-    assert complete(up.http_url).status_code == 200  # paired and warm
-    other.link_down()
-    try:
-        reply = complete(up.http_url)
-    finally:
-        other.link_up()
-    # The decode host is unreachable: the stream's idle deadline (10 s) fires; with no other
-    # decode worker there is nowhere to go.
-    assert reply.status_code in (503, 504), reply.text
-    assert reply.json()["error"]["code"] in ("unavailable", "timeout")
-    wait_for(lambda: complete(up.http_url).status_code == 200, 180,
-             "a request served once the link is back")
-    assert complete(up.http_url).json()["choices"][0]["token_ids"] == expected
-    wait_for(lambda: all_blocks_free(up, 2), 120, "every KV block free")
+def test_a_gateway_on_each_host_and_one_lost_leaves_the_other_serving(
+        two_hosts: Cluster, gateways_up: UpProcess, expected: list[int]) -> None:
+    """Either host's gateway serves the engines' tokens (one router index, in Redis); with one
+    gateway killed the other serves on, and Serve starts the lost one again."""
+    head, other = two_hosts.hosts
+    urls = [gateway_url(gateways_up, host) for host in (head, other)]
+    assert [_replicas(host, "gateway") for host in (head, other)] == [1, 1]
+    for url in urls:
+        reply = complete(url)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == expected
+    (lost,) = replica_pids(other, "gateway")
+    os.kill(lost, signal.SIGKILL)
+    assert complete(urls[0]).json()["choices"][0]["token_ids"] == expected
+    wait_for(lambda: _served(urls[1]), 180, "the lost gateway started again")
+    assert replica_pids(other, "gateway") - {lost}
+    assert complete(urls[1]).json()["choices"][0]["token_ids"] == expected
 
 
 def _stream(url: str, got: list[str], ended: list[BaseException | None]) -> None:
@@ -171,13 +197,15 @@ def _stream(url: str, got: list[str], ended: list[BaseException | None]) -> None
 
 
 def test_a_lost_head_comes_back_from_redis_and_the_engines_live_on(
-        two_hosts: Cluster, tcp_up: UpProcess, expected: list[int]) -> None:
+        two_hosts: Cluster, gateways_up: UpProcess, expected: list[int]) -> None:
     """Runs last: it replaces the module's head (and kills `tandem up` with it)."""
     head, other = two_hosts.hosts
-    up = tcp_up
+    up = gateways_up
     assert complete(up.http_url).json()["choices"][0]["token_ids"] == expected
     engines = replica_pids(other, "decode")
     assert len(engines) == 1
+    other_gateway = replica_pids(other, "gateway")
+    assert len(other_gateway) == 1
     got: list[str] = []
     ended: list[BaseException | None] = []
     streaming = threading.Thread(target=_stream, args=(up.http_url, got, ended), daemon=True)
@@ -192,6 +220,11 @@ def test_a_lost_head_comes_back_from_redis_and_the_engines_live_on(
     # The open stream ends at the client (its connection was to the lost gateway), not hangs.
     assert not streaming.is_alive() and isinstance(ended[0], httpx.TransportError), ended
     assert "data: [DONE]" not in got
+    # The decode host's gateway still answers, within its deadlines: with the prefill worker
+    # gone with the head, a clear error.
+    while_down = complete(gateway_url(up, other))
+    assert while_down.status_code in (503, 504), while_down.text
+    assert while_down.json()["error"]["code"] in ("unavailable", "timeout")
 
     with ray_head(head, two_hosts.root / "head-again.log", two_hosts.gcs_redis,
                   two_hosts.head_resources):
@@ -200,7 +233,9 @@ def test_a_lost_head_comes_back_from_redis_and_the_engines_live_on(
         # new head by themselves, and the decode host's engine is the same process.
         wait_for(lambda: _served(up.http_url), 240, "the gateway serving again")
         assert replica_pids(other, "decode") == engines
-        assert complete(up.http_url).json()["choices"][0]["token_ids"] == expected
+        assert replica_pids(other, "gateway") == other_gateway  # it lived on too
+        for url in (up.http_url, gateway_url(up, other)):
+            assert complete(url).json()["choices"][0]["token_ids"] == expected
         wait_for(lambda: all_blocks_free(up, 2), 120, "every KV block free")
 
 

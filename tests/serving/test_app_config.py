@@ -52,6 +52,46 @@ def test_the_in_flight_bound_defaults_to_one_decode_batch():
     assert AppConfig(max_in_flight=5).in_flight_limit() == 5
 
 
+GATEWAYS = {"gateway_replicas": 3, "gateway_resource": "tandem_gateway", "host": "0.0.0.0",
+            "redis_url": "redis://127.0.0.1:6379/0"}
+
+
+def test_several_gateways_share_the_bounds_and_what_one_keeps():
+    """Each gateway replica admits its share of the cluster's bound (rounded up) and of the
+    tenant limits; the flag reaches the setting."""
+    config = AppConfig.from_dict({**GATEWAYS, "max_num_seqs": 32, "decode_replicas": 2},
+                                 "test")
+    assert config.in_flight_limit() == 64
+    assert config.gateway_share(config.in_flight_limit()) == 22
+    assert AppConfig().gateway_share(64) == 64
+    settings = _up_settings("--gateways", "2", "--gateway-resource", "g", "--host", "0.0.0.0",
+                            "--redis-url", "redis://r:6379/0", "--prefill", "1")
+    assert AppConfig.from_dict(settings, "command line").gateway_replicas == 2
+
+
+def test_each_gateway_enforces_its_share_of_the_tenant_limits():
+    from tandem.services.serving.gateway import tenants_of
+
+    config = AppConfig.from_dict({**GATEWAYS, "tenant_requests_per_minute": 100,
+                                  "tenant_tokens_per_minute": 9000}, "test")
+    tenants = tenants_of(config)
+    assert (tenants.requests_per_minute, tenants.tokens_per_minute) == (34, 3000)
+    alone = tenants_of(AppConfig(tenant_requests_per_minute=100))
+    assert (alone.requests_per_minute, alone.tokens_per_minute) == (100, None)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"gateway_replicas": 0}, "gateway_replicas must be >= 1"),
+    ({"gateway_resource": None}, "gateway_replicas 3 needs gateway_resource"),
+    ({"host": "127.0.0.1"}, "gateway_replicas 3 needs host 0.0.0.0"),
+    ({"redis_url": None}, "gateway_replicas 3 needs redis_url"),
+    ({"colocated": True}, "gateway_replicas 3: a colocated gateway is the engine"),
+])
+def test_several_gateways_need_a_node_each_and_a_shared_redis(change, message):
+    with pytest.raises(ConfigError, match=message):
+        AppConfig.from_dict({**GATEWAYS, **change}, "test")
+
+
 def test_engine_threads_come_from_the_cpus_unless_set():
     cpus = len(os.sched_getaffinity(0))
     # One CPU left for the gateway and Ray; the rest shared by the engines on this machine.

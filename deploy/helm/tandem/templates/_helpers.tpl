@@ -30,6 +30,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: tandem
 {{- end }}
 
+{{/* The label of every pod running a gateway replica (the head, the gateway group): the
+HTTP and gRPC Services select it. */}}
+{{- define "tandem.gatewayLabel" -}}
+tandem.dev/gateway: "true"
+{{- end }}
+
 {{/* Selector of one component's pods: (dict "ctx" $ "component" "head") */}}
 {{- define "tandem.componentSelector" -}}
 {{ include "tandem.selectorLabels" .ctx }}
@@ -191,6 +197,11 @@ groups declare, which the deployments below also ask for). */}}
 {{- end }}
 {{- $_ = set $args "prefill_replicas" (include "tandem.initialReplicas" .Values.prefill | int) }}
 {{- $_ = set $args "decode_replicas" (include "tandem.initialReplicas" .Values.decode | int) }}
+{{- /* The head's gateway and one per gateway pod; they share the router's index in Redis. */}}
+{{- $_ = set $args "gateway_replicas" (add1 (int .Values.gateway.replicas)) }}
+{{- if and (gt (int .Values.gateway.replicas) 0) (not (include "tandem.redisUrl" .)) }}
+{{- fail "gateway.replicas: gateways beside the head need a Redis (redis.enabled or redis.externalUrl): they share the router's prefix index and stored responses there" }}
+{{- end }}
 {{- if include "tandem.apiKeysSecret" . }}
 {{- $_ = set $args "api_keys_file" (include "tandem.secretFile" (dict "ctx" . "key" "api-keys")) }}
 {{- end }}
