@@ -58,7 +58,8 @@ class UpProcess:
             [*self.launcher, str(TANDEM), "up", "--port", str(port), "--grpc-port",
              str(grpc_port),
              *([] if named else ["--dtype", "float32"]), *self.args],
-            stdout=subprocess.PIPE, stderr=self.log_path.open("w"), text=True, env=env)
+            stdout=subprocess.PIPE, stderr=self.log_path.open("w"), text=True, env=env,
+            start_new_session=True)  # a group of its own, as a shell's job or a container
         line = _read_line(self.process, self.ready_timeout_s)
         match = READY.match(line or "")
         if match is None:
@@ -74,12 +75,16 @@ class UpProcess:
         assert self.process is not None
         return psutil.Process(self.process.pid).children(recursive=True)
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """SIGTERM, wait for exit; returns the exit code."""
+    def stop(self, timeout_s: float = 60.0, group: bool = False) -> int:
+        """SIGTERM (to its whole process group with ``group``, as `docker stop` or systemd
+        send it: Ray's processes get it too), wait for exit; returns the exit code."""
         assert self.process is not None
         if self.process.poll() is None:
             self._descendants = self.descendants()
-            self.process.send_signal(signal.SIGTERM)
+            if group:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            else:
+                self.process.send_signal(signal.SIGTERM)
         try:
             return self.process.wait(timeout_s)
         finally:
