@@ -21,6 +21,7 @@ import errno
 import platform
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -156,7 +157,8 @@ def allocate_kv_cache(spec: KVCacheSpec, device: str = "cpu") -> KVCache:
 
 HUGE_PAGE = 1 << 21
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # MADV_COLLAPSE: Linux 6.1+
-COLLAPSE_CHUNK = 64 << 20  # bytes collapsed per call (the thread checks between calls)
+COLLAPSE_CHUNK = 4 << 20  # bytes collapsed per call (the thread checks between calls)
+COLLAPSE_REST = 3.0  # the thread rests this many times as long as each call took
 COLLAPSE_THREAD = "kv-huge-pages"
 SYS_MADVISE = {"x86_64": 28, "aarch64": 233}  # the raw system call's number
 
@@ -190,10 +192,13 @@ def collapse_to_huge_pages(t: torch.Tensor) -> bool:
     def collapse() -> None:
         for chunk in range(start, end, COLLAPSE_CHUNK):
             held = alive()  # held while Linux moves its pages (a freed range is left alone)
+            began = time.monotonic()
             if held is None or not _madvise(chunk, min(COLLAPSE_CHUNK, end - chunk),
                                             MADV_COLLAPSE) and ctypes.get_errno() == errno.EINVAL:
                 return  # freed, or a kernel without MADV_COLLAPSE
             del held
+            # a quarter of a CPU at most: the engine's first steps come first
+            time.sleep(COLLAPSE_REST * (time.monotonic() - began))
 
     if platform.machine() in SYS_MADVISE:
         threading.Thread(target=collapse, name=COLLAPSE_THREAD, daemon=True).start()
