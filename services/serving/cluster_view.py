@@ -89,7 +89,7 @@ class ClusterView:
         self._unreachable: set[str] = set()  # workers whose last status poll failed
         self._resync: asyncio.Task[None] | None = None
         self._after_poll: list[Callable[[], None]] = []
-        self._capacity: tuple[Callable[[int], None], int] | None = None
+        self._capacity: tuple[Callable[[int], None], int, int] | None = None
 
     def after_poll(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` after every poll (the workers' health and Serve's replica set
@@ -97,10 +97,11 @@ class ClusterView:
         self._after_poll.append(callback)
 
     def follow_decode_capacity(self, set_limit: Callable[[int], None],
-                               seqs_per_worker: int) -> None:
+                               seqs_per_worker: int, gateways: int = 1) -> None:
         """Tell ``set_limit`` after every poll how many sequences the healthy decode workers
-        batch in all, ``seqs_per_worker`` each (one worker's worth while none is healthy)."""
-        self._capacity = (set_limit, seqs_per_worker)
+        batch in all, ``seqs_per_worker`` each (one worker's worth while none is healthy),
+        shared by ``gateways`` gateway replicas (this one's share, rounded up)."""
+        self._capacity = (set_limit, seqs_per_worker, gateways)
 
     def ingest(self, report: WorkerReport) -> None:
         """A worker's load and KV events, from a response or a status poll."""
@@ -163,8 +164,8 @@ class ClusterView:
         for callback in self._after_poll:
             callback()
         if self._capacity is not None:
-            set_limit, seqs_per_worker = self._capacity
-            set_limit(seqs_per_worker * max(1, self.healthy_count("decode")))
+            set_limit, seqs_per_worker, gateways = self._capacity
+            set_limit(-(-seqs_per_worker * max(1, self.healthy_count("decode")) // gateways))
 
     def _live_ids(self) -> set[str]:
         live: set[str] = set()

@@ -148,9 +148,8 @@ class GatewayIngress:
             self.gateway.refresh_stats = lambda: view.refresh(config.poll_interval_s)
             view.busy = self.gateway.busy  # polls at the idle pace once no request is in flight
             if config.max_in_flight is None:  # one decode batch per healthy decode worker
-                admit = self.gateway.set_admission_limit  # this replica's share of it
-                view.follow_decode_capacity(lambda total: admit(config.gateway_share(total)),
-                                            config.max_num_seqs)
+                view.follow_decode_capacity(self.gateway.set_admission_limit,
+                                            config.max_num_seqs, config.gateway_replicas)
             source = backend.snapshots
             migrations = backend.migrations
         metrics.register(self.gateway.metrics.registry, self.gateway.model_name, source,
