@@ -140,7 +140,7 @@ def ran_in(slots: list[int], start: float, end: float) -> bool:
     return any(lo <= s <= hi for s in slots)
 
 
-def measure(shape: str, work: Path, max_tokens: int) -> PathReport:
+def measure(shape: str, work: Path, max_tokens: int, settle_s: float = 0.0) -> PathReport:
     roots = package_roots()
     trace_dir = work / f"trace-{shape}"
     trace_dir.mkdir()
@@ -165,6 +165,7 @@ def measure(shape: str, work: Path, max_tokens: int) -> PathReport:
             else:
                 os.environ[key] = value
     try:
+        time.sleep(settle_s)  # start-up's background work (the KV cache's huge pages) done
         stream_chat(up.http_url, "Warm up: say hello.", max_tokens)
         time.sleep(2.0)  # let the warm-up's tail (the last polls) pass
         start = time.monotonic()
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=("colocated", "disagg", "both"), default="both")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the reports here")
+    parser.add_argument("--settle", type=float, default=0.0, metavar="S",
+                        help="wait S seconds after the ready line first (an engine's KV cache "
+                             "moves into huge pages in its first ~50 s)")
     parser.add_argument("--functions", action="store_true",
                         help="also list each module's functions that ran")
     args = parser.parse_args(argv)
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     with tempfile.TemporaryDirectory(prefix="tandem-path-") as tmp:
         for shape in shapes:
-            report = measure(shape, Path(tmp), args.max_tokens)
+            report = measure(shape, Path(tmp), args.max_tokens, args.settle)
             reports.append(report)
             print(f"{shape}: {len(report.modules)} modules in {report.processes} processes "
                   f"(* ran idle too)")
